@@ -1,0 +1,239 @@
+"""Scalar float32 building blocks shared by the k-quant and IQ2 searches (tooling-spec §2.1, §2.3).
+
+Byte-identity with ggml depends on doing every operation in float32, in the same order as the C
+source evaluates it, with the same rounding. Numba promotes `float32 * int64` to float64, so every
+integer that meets a float here is converted with `F32(...)` first; literals are float32 constants.
+No fastmath anywhere: LLVM must neither reassociate sums nor fuse multiply-adds.
+
+The search routines take their output code arrays as arguments (no allocation in hot loops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+F32 = np.float32
+GROUP_MAX_EPS = F32(1e-15)
+QK_K = 256
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """Bit pattern of a float32 as int32 (C: memcpy float -> int)."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_f32(typingctx, x):
+    """float32 whose bit pattern is the given int32."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def nearest_int(v):
+    """ggml's magic-number rounding: add 1.5*2^23 in float32, read the low mantissa bits.
+
+    Round half to even for |v| <= 4194303; outside that range it reproduces ggml's garbage exactly.
+    """
+    val = F32(v + F32(12582912.0))
+    return np.int32((f32_bits(val) & 0x007FFFFF) - 0x00400000)
+
+
+@njit(inline="always")
+def roundf(v):
+    """C roundf on float32: round half away from zero."""
+    r = np.trunc(v)
+    if abs(v - r) >= F32(0.5):
+        r += F32(1.0) if v > 0 else F32(-1.0)
+    return r
+
+
+@njit(inline="always")
+def fp32_to_fp16_bits(x):
+    """IEEE f32 -> f16 bits, round to nearest even; overflow -> inf; NaN -> 0x7E00 | sign."""
+    bits = np.int64(f32_bits(x)) & 0xFFFFFFFF
+    sign = np.uint16((bits >> 16) & 0x8000)
+    mag = bits & 0x7FFFFFFF
+    if mag > 0x7F800000:
+        return np.uint16(sign | 0x7E00)
+    if mag >= 0x477FF000:  # >= 65520 rounds to infinity
+        return np.uint16(sign | 0x7C00)
+    if mag < 0x38800000:  # below the smallest normal half: subnormal (exact scaling by 2^24)
+        scaled = bits_f32(np.int32(mag)) * F32(16777216.0)
+        return np.uint16(sign | nearest_int(scaled))
+    h = (mag >> 13) - (112 << 10)
+    rest = mag & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and (h & 1)):
+        h += 1
+    return np.uint16(sign | h)
+
+
+@njit(inline="always")
+def fp16_bits_to_fp32(h):
+    h = np.int32(h) & 0xFFFF
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    if exp == 0:
+        v = F32(mant) * F32(5.960464477539063e-08)  # 2^-24
+        return -v if sign else v
+    if exp == 31:
+        return bits_f32(np.int32(sign | 0x7F800000 | (mant << 13)))
+    return bits_f32(np.int32(sign | ((exp + 112) << 23) | (mant << 13)))
+
+
+@njit(inline="always")
+def fp16_round(x):
+    """Value of x after a round trip through f16 (what a reader of the stored field sees)."""
+    return fp16_bits_to_fp32(fp32_to_fp16_bits(x))
+
+
+@njit
+def make_qkx(n, nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad, qkx3):
+    """make_qkx2_quants / make_qkx3_quants (tooling-spec §2.3): asymmetric (scale, min) search.
+
+    x, w: float32[n]; L, Laux: uint8[n] outputs/scratch. Returns (scale, the_min) with the_min >= 0.
+    `qkx3` only changes the degenerate test (max <= min instead of max == min).
+    """
+    fnmax = F32(nmax)
+    mn = x[0]
+    mx = x[0]
+    sum_w = w[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        wi = w[i]
+        sum_w += wi
+        sum_x += wi * x[i]
+    if mn > 0:
+        mn = F32(0.0)
+    if (mx <= mn) if qkx3 else (mx == mn):
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0), -mn
+    iscale = fnmax / (mx - mn)
+    scale = F32(1.0) / iscale
+    best_error = F32(0.0)
+    for i in range(n):
+        q = nearest_int(iscale * (x[i] - mn))
+        q = max(0, min(nmax, q))
+        L[i] = q
+        diff = scale * F32(q) + mn - x[i]
+        diff = abs(diff) if use_mad else diff * diff
+        best_error += w[i] * diff
+    if nstep < 1:
+        return scale, -mn
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * F32(step) + fnmax) / (mx - mn)
+        sum_l = F32(0.0)
+        sum_l2 = F32(0.0)
+        sum_xl = F32(0.0)
+        for i in range(n):
+            q = nearest_int(iscale * (x[i] - mn))
+            q = max(0, min(nmax, q))
+            Laux[i] = q
+            wl = w[i] * F32(q)
+            sum_l += wl
+            sum_l2 += wl * F32(q)
+            sum_xl += wl * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = F32(0.0)
+                this_scale = sum_xl / sum_l2
+            cur_error = F32(0.0)
+            for i in range(n):
+                diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                diff = abs(diff) if use_mad else diff * diff
+                cur_error += w[i] * diff
+            if cur_error < best_error:
+                for i in range(n):
+                    L[i] = Laux[i]
+                best_error = cur_error
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit
+def make_qp(n, nmax, x, L, qw):
+    """make_qp_quants (tooling-spec §2.3): symmetric scale for non-negative data, with 5 refit sweeps.
+
+    L is a uint8 array: ggml stores unclamped (possibly negative) codes into uint8, and the sweeps
+    read them back wrapped; numba's uint8 stores wrap the same way. Returns the scale.
+    """
+    fnmax = F32(nmax)
+    mx = F32(0.0)
+    for i in range(n):
+        mx = mx if mx > x[i] else x[i]
+    if mx < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    iscale = fnmax / mx
+    for i in range(n):
+        L[i] = np.uint8(nearest_int(iscale * x[i]) & 0xFF)
+    scale = F32(1.0) / iscale
+    best_mse = F32(0.0)
+    for i in range(n):
+        diff = x[i] - scale * F32(L[i])
+        best_mse += qw[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1.0) / iscale_is
+        mse = F32(0.0)
+        for i in range(n):
+            q = min(nmax, nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * F32(q)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        q = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = np.uint8(q & 0xFF)
+        wi = qw[i]
+        sumlx += wi * x[i] * F32(q)
+        suml2 += wi * F32(q) * F32(q)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            wi = qw[i]
+            li = np.int32(L[i])
+            slx = sumlx - wi * x[i] * F32(li)
+            sl2 = suml2 - wi * F32(li) * F32(li)
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(x[i] * sl2 / slx))
+                if new_l != li:
+                    slx += wi * x[i] * F32(new_l)
+                    sl2 += wi * F32(new_l) * F32(new_l)
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = np.uint8(new_l & 0xFF)
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > F32(0.0) else F32(0.0)
