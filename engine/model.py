@@ -1,0 +1,211 @@
+"""A loaded DeepSeek V4 model: config, the GGUF file, weights by GGUF tensor name, tokenizer.
+
+Weights stay in the file's mmap. `Model.w(name)` returns a float32 array: F32 tensors are zero-copy
+views; F16/BF16 and quantized tensors are converted once on first use and cached (the CPU engine
+multiplies in float32). `Model.matmul(name, x)` is the one place the forward pass multiplies by a
+weight, so fused quantized kernels can replace the dequantize-and-cache path tensor by tensor.
+
+`Model.from_tensors(config, tensors)` builds a model from an in-memory mapping of GGUF names to
+arrays (tests, oracle comparisons) without any file.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from ds4.engine.config import Config
+from ds4.gguf_tools import constants as C
+
+F32 = np.float32
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used (missing tensor, wrong shape, foreign file)."""
+
+
+class Model:
+    def __init__(self, config: Config, tensors: Mapping[str, Any], file: Any = None, path: str | None = None):
+        self.config = config
+        self.file = file
+        self.path = path
+        self._source = tensors  # name -> array (numpy) or a DS4File-backed loader
+        self._cache: dict[str, np.ndarray] = {}
+        self._tokenizer = None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, fp8_kv: bool = True, indexer_qat: bool = True) -> "Model":
+        """Open a DS4 GGUF. The file stays mapped; no weight is copied until first use."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ModelError(f"model file not found: {path}")
+        dsfile = _open_gguf(path)
+        cfg = dsfile.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat)
+        model = cls(cfg, _FileTensors(dsfile), file=dsfile, path=path)
+        model.check_tensors()
+        return model
+
+    @classmethod
+    def from_tensors(cls, config: Config, tensors: Mapping[str, np.ndarray]) -> "Model":
+        model = cls(config, dict(tensors))
+        model.check_tensors()
+        return model
+
+    def with_numerics(self, *, fp8_kv: bool | None = None, indexer_qat: bool | None = None) -> "Model":
+        """A model sharing the same weights (and cache) with the rounding simulations switched."""
+        other = Model(self.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat), self._source,
+                      file=self.file, path=self.path)
+        other._cache = self._cache
+        other._tokenizer = self._tokenizer
+        return other
+
+    # ---- weights ------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._source
+
+    def w(self, name: str) -> np.ndarray:
+        """The tensor as float32 (numpy shape = reversed GGUF ne), cached."""
+        arr = self._cache.get(name)
+        if arr is None:
+            if name not in self._source:
+                raise ModelError(f"tensor '{name}' is missing from the model")
+            src = self._source[name]
+            arr = np.ascontiguousarray(np.asarray(src), dtype=F32) if not isinstance(src, _Lazy) else src.load()
+            self._cache[name] = arr
+        return arr
+
+    def ids(self, name: str) -> np.ndarray:
+        """An integer tensor (tid2eid) as int64."""
+        src = self._source[name]
+        return np.asarray(src.load() if isinstance(src, _Lazy) else src).astype(np.int64)
+
+    def matmul(self, name: str, x: np.ndarray) -> np.ndarray:
+        """x[..., in] @ W.T → [..., out] for a 2-D weight W[out, in]."""
+        return np.matmul(x, self.w(name).T).astype(F32, copy=False)
+
+    def check_tensors(self) -> None:
+        """Every tensor the forward needs is present with the config's shape."""
+        for name, shape in expected_shapes(self.config).items():
+            if name not in self._source:
+                raise ModelError(f"tensor '{name}' is missing from the model")
+            got = tuple(self._source[name].shape)
+            if got != shape:
+                raise ModelError(f"tensor '{name}' has shape {got}, expected {shape}")
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from ds4.engine.tokenizer import Tokenizer  # written by the tokenizer helper
+
+            if self.file is None:
+                raise ModelError("this model has no GGUF file to read a tokenizer from")
+            self._tokenizer = Tokenizer.from_gguf(self.file)
+        return self._tokenizer
+
+    def warm(self) -> None:
+        """Convert every weight now (benchmarks: keep conversion out of timed decode)."""
+        for name in self._source:
+            if not name.endswith("tid2eid.weight"):
+                self.w(name)
+
+
+def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """numpy shapes (reversed GGUF ne) of every tensor the forward reads, by GGUF name."""
+    D, H, d, V = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.vocab_size
+    hc, mix = cfg.n_hc, cfg.hc_mix
+    Rq, G, Ro = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    E, F, k = cfg.n_expert, cfg.expert_ffn, cfg.n_expert_used
+    Hi, di = cfg.indexer_heads, cfg.indexer_dim
+    out = {C.TOKEN_EMBD: (V, D), C.OUTPUT: (V, D), C.OUTPUT_NORM: (D,), C.OUTPUT_HC_FN: (hc, hc * D),
+           C.OUTPUT_HC_BASE: (hc,), C.OUTPUT_HC_SCALE: (1,)}
+    L = C.LayerTensor
+    for i in range(cfg.n_layer):
+        def put(t: L, shape: tuple[int, ...]) -> None:
+            out[C.blk(i, t)] = shape
+        for fn, sc, base in ((L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE), (L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE)):
+            put(fn, (mix, hc * D)); put(sc, (3,)); put(base, (mix,))
+        put(L.ATTN_NORM, (D,)); put(L.FFN_NORM, (D,))
+        put(L.ATTN_Q_A, (Rq, D)); put(L.ATTN_Q_A_NORM, (Rq,)); put(L.ATTN_Q_B, (H * d, Rq))
+        put(L.ATTN_KV, (d, D)); put(L.ATTN_KV_A_NORM, (d,)); put(L.ATTN_SINKS, (H,))
+        put(L.ATTN_OUTPUT_A, (G * Ro, H * d // G)); put(L.ATTN_OUTPUT_B, (D, G * Ro))
+        r = cfg.ratio(i)
+        if r:
+            w = cfg.compressor_width(i)
+            put(L.COMP_KV, (w, D)); put(L.COMP_GATE, (w, D)); put(L.COMP_APE, (r, w)); put(L.COMP_NORM, (d,))
+        if r == 4:
+            put(L.IDX_Q_B, (Hi * di, Rq)); put(L.IDX_PROJ, (Hi, D))
+            put(L.IDX_COMP_KV, (2 * di, D)); put(L.IDX_COMP_GATE, (2 * di, D))
+            put(L.IDX_COMP_APE, (4, 2 * di)); put(L.IDX_COMP_NORM, (di,))
+        put(L.FFN_GATE_INP, (E, D))
+        if cfg.is_hash_layer(i):
+            put(L.FFN_GATE_TID2EID, (V, k))
+        put(L.FFN_GATE_EXPS, (E, F, D)); put(L.FFN_UP_EXPS, (E, F, D)); put(L.FFN_DOWN_EXPS, (E, D, F))
+        put(L.FFN_GATE_SHEXP, (F, D)); put(L.FFN_UP_SHEXP, (F, D)); put(L.FFN_DOWN_SHEXP, (D, F))
+    return out
+
+
+# ---- file access ------------------------------------------------------------------------------
+class _Lazy:
+    """A tensor in the file, converted to float32 on first use."""
+
+    def __init__(self, dsfile: Any, name: str, shape: tuple[int, ...]):
+        self.dsfile, self.name, self.shape = dsfile, name, shape
+
+    def load(self) -> np.ndarray:
+        arr = self.dsfile.array(self.name)
+        if arr.dtype.kind in "iu":
+            return arr
+        return np.ascontiguousarray(arr, dtype=F32)
+
+
+class _FileTensors(dict):
+    def __init__(self, dsfile: Any):
+        super().__init__()
+        for name, info in dsfile.tensors.items():
+            shape = tuple(int(x) for x in reversed(tuple(info.ne))) if hasattr(info, "ne") else tuple(info.shape)
+            self[name] = _Lazy(dsfile, name, shape)
+
+
+def _open_gguf(path: str) -> Any:
+    """The GGUF reader of gguf_tools when present; otherwise a minimal one over gguf-py."""
+    try:
+        from ds4.gguf_tools.reader import open_model
+    except ImportError:
+        return _GgufPyFile(path)
+    return open_model(path)
+
+
+class _GgufPyFile:
+    """Fallback DS4File: `.config`, `.tensors` (name → info with `.ne`), `.array(name)` as float32."""
+
+    class _Info:
+        def __init__(self, t: Any):
+            self.ne = tuple(int(x) for x in t.shape)
+            self.qtype = C.QuantType(int(t.tensor_type))
+            self.data = t.data
+
+    def __init__(self, path: str):
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on foreign files
+            raise ModelError(f"{path}: not a readable GGUF file ({e})") from None
+        meta = {}
+        for name, field in self.reader.fields.items():
+            meta[name] = field.contents() if hasattr(field, "contents") else None
+        self.metadata = meta
+        self.config = Config.from_metadata(meta)
+        self.tensors = {t.name: self._Info(t) for t in self.reader.tensors}
+
+    def array(self, name: str) -> np.ndarray:
+        info = self.tensors[name]
+        shape = tuple(reversed(info.ne))
+        if info.qtype in (C.QuantType.F32, C.QuantType.F16, C.QuantType.I32):
+            return np.asarray(info.data).reshape(shape)
+        from gguf.quants import dequantize
+
+        return dequantize(np.asarray(info.data), info.qtype.value).reshape(shape).astype(F32)
