@@ -124,3 +124,25 @@ def add_power_argument(parser: argparse.ArgumentParser) -> None:
         help="duty cycle in percent (1-100): sleep between layers/tokens so the CPU/GPU is busy "
              "about N%% of the time; output is unchanged (default 100 = no throttling)",
     )
+
+
+def layer_hooks():
+    """A `Hooks` that throttles after every layer (the prefill/decode unit of work inside the
+    forward pass). Attach it with `attach(session)`; it does nothing when no throttle is installed."""
+    from ds4.engine.hooks import Hooks
+
+    class _PowerHooks(Hooks):
+        def residual(self, layer, X):
+            step()
+
+    return _PowerHooks()
+
+
+def attach(session) -> None:
+    """Throttle `session` between layers when a throttle is installed, keeping its other hooks."""
+    if _CURRENT is None:
+        return
+    from ds4.engine.hooks import HookList
+
+    existing = getattr(session, "hooks", None)
+    session.hooks = HookList(existing, layer_hooks()) if existing is not None else layer_hooks()

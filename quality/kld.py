@@ -233,7 +233,7 @@ class LogitsWriter:
             raise ValueError("dtype must be f16 or f32")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.np_dtype = np.float16 if dtype == "f16" else np.float32
+        self.np_dtype = np.dtype("<f2") if dtype == "f16" else np.dtype("<f4")
         self.n_vocab, self.ctx, self.n_chunks, self.score_start = n_vocab, ctx, n_chunks, score_start
         fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self.f = os.fdopen(fd, "wb")
@@ -254,7 +254,7 @@ class LogitsWriter:
             raise ValueError(f"chunk shapes {tokens.shape}, {logprobs.shape}; expected ({self.ctx},), {want}")
         self.tokens.append(tokens)
         lp = np.maximum(np.asarray(logprobs, dtype=np.float64), -60000.0)  # -inf → finite f16
-        self.fb.write(lp.astype(self.np_dtype).astype(self.np_dtype.newbyteorder("<")).tobytes())
+        self.fb.write(lp.astype(self.np_dtype).tobytes())
         self.chunks_written += 1
 
     def close(self) -> None:

@@ -57,11 +57,11 @@ def plot_runs(runs: list[BenchRun], out: str | os.PathLike, title: str | None = 
         rows = sorted(run.rows, key=lambda r: r.ctx_tokens)
         ctx = [r.ctx_tokens for r in rows]
         fig, ax = plt.subplots(figsize=(width / dpi, height / dpi), dpi=dpi)
-        ax.plot(ctx, [r.prefill_tps for r in rows], color=PREFILL_COLOR, lw=3, label="prefill")
+        ax.plot(ctx, [r.prefill_tps for r in rows], color=PREFILL_COLOR, lw=3, marker="o", ms=4, label="prefill")
         ax.set_ylabel("prefill t/s", color=PREFILL_COLOR)
         ax.set_ylim(0, max(r.prefill_tps for r in rows) * 1.05 or 1)
         ax2 = ax.twinx()
-        ax2.plot(ctx, [r.gen_tps for r in rows], color=GEN_COLOR, lw=3, label="generation")
+        ax2.plot(ctx, [r.gen_tps for r in rows], color=GEN_COLOR, lw=3, marker="o", ms=4, label="generation")
         ax2.set_ylabel("generation t/s", color=GEN_COLOR)
         ax2.set_ylim(0, max(r.gen_tps for r in rows) * 1.05 or 1)
         ax.set_xlim(0, ctx[-1])

@@ -54,7 +54,10 @@ def open_session(model, ctx: int, backend: str = "cpu", prefill_chunk: int | Non
             raise ToolError(f"backend cuda is not available ({type(e).__name__}: {e})") from None
     else:
         raise ToolError(f"unknown backend {backend!r} (cpu or cuda)")
-    return Session(model, **kwargs)
+    session = Session(model, **kwargs)
+    from ds4.engine import power
+    power.attach(session)  # --power: throttle between layers
+    return session
 
 
 def default_backend() -> str:

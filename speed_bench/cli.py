@@ -1,0 +1,207 @@
+"""ds4-bench: frontier speed sweeps (tooling-spec §6), charts and comparisons.
+
+    ds4-bench -m MODEL --ctx-start 2048 --ctx-max 65536 --step-incr 2048 --gen-tokens 128 --csv run.csv
+    ds4-bench plot run.csv [other.csv ...] -o chart.svg|png
+    ds4-bench compare A.csv B.csv [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ds4 import paths
+from ds4.engine import power
+
+from .csvio import BenchCsvError, BenchRun, format_csv, git_revision, machine_description, read_csv, write_csv
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _step_mul(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"--step-mul must be >= 1, got {v}")
+    return v
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ds4-bench",
+        description="Measure prefill and generation speed at increasing context frontiers. Subcommands: "
+                    "'ds4-bench plot CSV... -o OUT' and 'ds4-bench compare A.csv B.csv'.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt-file", help="raw text, plain BPE (default: promessi_sposi.txt from the data dir)")
+    src.add_argument("--chat-prompt-file", help="text rendered as BOS + system + <｜User｜> text <｜Assistant｜></think>")
+    p.add_argument("-sys", "--system", default="You are a helpful assistant.", help="system prompt (chat mode)")
+    p.add_argument("-m", "--model", default=None, help="GGUF model (default: $DS4_MODEL or models/ds4-tiny.gguf)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=None, help="engine backend (default: cuda if built)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--ctx-start", type=_positive_int, default=2048)
+    p.add_argument("--ctx-max", type=_positive_int, default=32768)
+    p.add_argument("--ctx-alloc", type=_positive_int, default=None, help="session size (default ctx-max + gen + 1)")
+    p.add_argument("--step-incr", type=_positive_int, default=2048, help="linear step (when --step-mul is 1)")
+    p.add_argument("--step-mul", type=_step_mul, default=1.0, help="exponential step factor (> 1)")
+    p.add_argument("--gen-tokens", "--tokens", "-n", type=_positive_int, default=128)
+    p.add_argument("--prefill-chunk", type=_positive_int, default=None, help="engine prefill chunk (default: engine's)")
+    p.add_argument("--csv", default=None, help="output CSV (default: stdout)")
+    p.add_argument("--label", default=None, help="legend label stored in the CSV header")
+    power.add_power_argument(p)
+    return p
+
+
+def plot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds4-bench plot", description="Chart prefill and generation t/s against context.")
+    p.add_argument("csv", nargs="+", help="ds4-bench CSV files (several are overlaid)")
+    p.add_argument("-o", "--out", default=None, help="output .svg or .png (default: <first-csv-stem>_ts.svg)")
+    p.add_argument("--title", default=None)
+    p.add_argument("--width", type=_positive_int, default=960)
+    p.add_argument("--height", type=_positive_int, default=540)
+    return p
+
+
+def compare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds4-bench compare", description="Per-frontier t/s ratios of B over A.")
+    p.add_argument("a", help="baseline CSV")
+    p.add_argument("b", help="candidate CSV")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"ds4-bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_plot(argv: list[str]) -> int:
+    args = plot_parser().parse_args(argv)
+    from .plot import plot_runs
+    try:
+        runs = [read_csv(c) for c in args.csv]
+    except (OSError, BenchCsvError) as e:
+        return _fail(str(e) if isinstance(e, BenchCsvError) else f"{e.filename}: {e.strerror}")
+    out = Path(args.out) if args.out else Path(args.csv[0]).with_name(Path(args.csv[0]).stem + "_ts.svg")
+    if out.suffix.lower() not in (".svg", ".png"):
+        return _fail(f"{out}: output must end in .svg or .png")
+    try:
+        plot_runs(runs, out, title=args.title, width=args.width, height=args.height)
+    except ValueError as e:
+        return _fail(str(e))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_compare(argv: list[str]) -> int:
+    args = compare_parser().parse_args(argv)
+    from .plot import compare_runs, format_comparison
+    try:
+        a, b = read_csv(args.a), read_csv(args.b)
+        rows = compare_runs(a, b)
+    except OSError as e:
+        return _fail(f"{e.filename}: {e.strerror}")
+    except (BenchCsvError, ValueError) as e:
+        return _fail(str(e))
+    sys.stdout.write(format_comparison(a, b, rows, markdown=args.markdown))
+    return 0
+
+
+def load_prompt_tokens(args, model) -> list[int]:
+    from ds4.test_vectors.runtime import render_nothink
+    tok = model.tokenizer
+    path = args.chat_prompt_file or args.prompt_file or paths.data_dir(args.data_dir) / "speed-bench" / "promessi_sposi.txt"
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    # Tokenize only as much text as the sweep needs (BPE of 1.3 MB in Python takes a while):
+    # grow the slice until it yields ctx_max tokens.
+    need = args.ctx_max
+    n_chars = min(len(text), need * 6 + 1024)
+    while True:
+        piece = text[:n_chars]
+        if args.chat_prompt_file:
+            ids = render_nothink(tok, piece, args.system)
+        else:
+            ids = tok.encode(piece)
+        if len(ids) >= need or n_chars >= len(text):
+            break
+        n_chars = min(len(text), n_chars * 2)
+    if len(ids) < need:
+        raise ValueError(f"{path}: {len(ids)} tokens, fewer than --ctx-max {need}")
+    if not args.chat_prompt_file:
+        return ids[:need]
+    return ids
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    if args.ctx_start > args.ctx_max:
+        return _fail("--ctx-start must not exceed --ctx-max")
+    ctx_alloc = args.ctx_alloc or args.ctx_max + args.gen_tokens + 1
+    if ctx_alloc <= args.ctx_max + args.gen_tokens:
+        return _fail("--ctx-alloc must be > ctx-max + gen-tokens")
+    from ds4.test_vectors.runtime import ToolError, default_backend, eos_id, load_model, open_session
+
+    from .frontier import frontiers, sweep
+    model_path = Path(args.model) if args.model else paths.default_model()
+    backend = args.backend or default_backend()
+    try:
+        model = load_model(model_path)
+        tokens = load_prompt_tokens(args, model)
+        session = open_session(model, ctx_alloc, backend, args.prefill_chunk)
+    except (ToolError, ValueError) as e:
+        return _fail(str(e))
+    throttle = power.install(args.power)
+    if hasattr(model, "warm"):
+        model.warm()  # keep one-time weight conversion out of the first timed prefill
+    meta = {"model": str(model_path), "backend": backend, "machine": machine_description(), "git": git_revision(),
+            "gen_tokens": str(args.gen_tokens), "power": str(args.power)}
+    if args.label:
+        meta["label"] = args.label
+    fronts = list(frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul))
+    from tqdm import tqdm
+    bar = tqdm(total=len(fronts), desc="frontiers", unit="row", disable=not sys.stderr.isatty())
+
+    def on_row(row):
+        bar.update(1)
+        bar.set_postfix_str(f"ctx {row.ctx_tokens}: prefill {row.prefill_tps:.1f} t/s, gen {row.gen_tps:.1f} t/s")
+
+    rows = sweep(session, tokens, fronts, args.gen_tokens, eos_id(model), on_row=on_row,
+                 throttle_step=power.step if throttle else None)
+    bar.close()
+    run = BenchRun(meta=meta, rows=rows)
+    if args.csv:
+        write_csv(args.csv, run)
+        print(f"wrote {args.csv} ({len(rows)} rows)", file=sys.stderr)
+    else:
+        sys.stdout.write(format_csv(run))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plot":
+        return cmd_plot(argv[1:])
+    if argv and argv[0] == "compare":
+        return cmd_compare(argv[1:])
+    if argv and argv[0] == "run":
+        argv = argv[1:]
+    return cmd_run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
