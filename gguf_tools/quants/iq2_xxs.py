@@ -1,0 +1,379 @@
+"""IQ2_XXS: 256 weights per 66-byte block, 2.0625 bits per weight (tooling-spec §2.7).
+
+Layout: f16 d, then per group of 32 weights two little-endian u32 words: `a` holds four 8-bit
+indices into a 256-entry grid of 8-vectors with levels {1, 3, 5} (decoded as 0x08/0x19/0x2b),
+`b` holds four 7-bit sign fields (the 8th sign is the parity) and a 4-bit group scale in bits 28..31.
+
+The quantizer is always weighted. ds4 quantizes without an imatrix by passing the column energy
+of the weight matrix as importance (`synthetic_importance`); `quantize(x, None)` does that.
+
+Speed: the search is ggml's (13 trial scales x 4 sub-groups, snapping off-grid codes to the best
+of their precomputed neighbours), with the same float32 operations in the same order, so the bytes
+are identical. What is faster: rows run in parallel, and each neighbour list is stored transposed
+(dimension-major, float32), so the 8-term distance of all candidates is computed lane-parallel;
+every candidate still sums its own 8 terms in ggml's order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._numeric import F32, GROUP_MAX_EPS, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, nearest_int
+
+BLOCK_BYTES = 66
+BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
+assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
+
+MAP_SIZE = 43692  # codes u < 4**8 whose 2-bit fields can be 0..2 (max is 0b1010...10 = 43690)
+FLT_MAX = np.float32(3.4028234663852886e38)
+GRID_BYTES = np.array([0x08, 0x19, 0x2B], dtype=np.uint8)  # decoder magnitude of level 0/1/2
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _kgrid() -> np.ndarray:
+    """The 256 grid points as 16-bit codes (2 bits per dimension), taken from the gguf package."""
+    from gguf.quants import IQ2_XXS as _GG
+
+    return np.frombuffer(bytes.fromhex(_GG.grid_hex.decode()), dtype="<u2").astype(np.int32)
+
+
+def _levels(codes: np.ndarray) -> np.ndarray:
+    """[n] 16-bit codes -> [n, 8] levels 0..3."""
+    return (codes[:, None] >> (2 * np.arange(8))) & 3
+
+
+def _ksigns() -> np.ndarray:
+    """7-bit sign field -> 8 sign bits (bit 7 = parity of the 7)."""
+    v = np.arange(128, dtype=np.int32)
+    parity = np.array([bin(i).count("1") & 1 for i in range(128)], dtype=np.int32)
+    return (v | (parity << 7)).astype(np.uint8)
+
+
+def build_tables():
+    """Grid, code->grid map and neighbour lists (ggml's iq2xs_init_impl construction).
+
+    For an off-grid code u the neighbours are all grid points within the two smallest distinct
+    squared distances from u's level vector (2l+1 per dimension), ordered by (distance, index).
+    Only codes with levels 0..2 are ever looked up, so only those get lists.
+    Returns (grid_q int8 [256, 8] with values 1/3/5, map int32 [MAP_SIZE] (-1 off grid),
+    nb_start, nb_count int32 [MAP_SIZE], nb_index int32 [total], nb_vals float32 [total*8]).
+    nb_vals holds each list transposed: for code u, dimension i, candidate c at
+    nb_vals[8*nb_start[u] + i*nb_count[u] + c].
+    """
+    kgrid = _kgrid()
+    grid_q = (2 * _levels(kgrid) + 1).astype(np.int8)
+    gmap = np.full(MAP_SIZE, -1, dtype=np.int32)
+    gmap[kgrid] = np.arange(256, dtype=np.int32)
+
+    all_codes = np.arange(MAP_SIZE, dtype=np.int32)
+    lv = _levels(all_codes)
+    usable = (lv <= 2).all(axis=1) & (gmap < 0)
+    codes = all_codes[usable]
+    pos = 2 * lv[usable] + 1  # [m, 8]
+    d2 = ((pos[:, None, :] - grid_q[None, :, :].astype(np.int32)) ** 2).sum(-1)  # [m, 256]
+    nb_start = np.zeros(MAP_SIZE, dtype=np.int32)
+    nb_count = np.zeros(MAP_SIZE, dtype=np.int32)
+    idx_parts, val_parts = [], []
+    total = 0
+    for row, u in enumerate(codes):
+        order = np.lexsort((np.arange(256), d2[row]))  # by distance, then index
+        dist_sorted = d2[row][order]
+        shells = np.unique(dist_sorted)[:2]
+        chosen = order[dist_sorted <= shells[-1]]
+        nb_start[u] = total
+        nb_count[u] = len(chosen)
+        total += len(chosen)
+        idx_parts.append(chosen.astype(np.int32))
+        val_parts.append(grid_q[chosen].T.astype(np.float32).reshape(-1))
+    return grid_q, gmap, nb_start, nb_count, np.concatenate(idx_parts), np.concatenate(val_parts)
+
+
+GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VALS = build_tables()
+GRID_F = GRID_Q.astype(np.float32)
+KSIGNS = _ksigns()
+
+
+def synthetic_importance(w: np.ndarray) -> np.ndarray:
+    """ds4's stand-in for a missing imatrix: imp[c] = sum over rows of W[r, c]^2, float32, row order."""
+    w = np.asarray(w, dtype=np.float32)
+    imp = np.zeros(w.shape[-1], dtype=np.float32)
+    for r in range(w.shape[0]):
+        imp += w[r] * w[r]
+    return imp
+
+
+# ---------------------------------------------------------------- numpy reference (decoding)
+
+
+def dequantize_reference(raw: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    b = raw.reshape(-1, BLOCK_BYTES).view(BLOCK_DTYPE).reshape(-1)
+    words = b["qs"].copy().view("<u4").reshape(-1, 8, 2)  # [nb, group, (a, b)]
+    a, s = words[..., 0], words[..., 1]
+    db = b["d"].astype(np.float32)[:, None] * (np.float32(0.5) + (s >> 28).astype(np.float32)) * np.float32(0.25)
+    k = np.arange(4, dtype=np.uint32)
+    gidx = (a[..., None] >> (8 * k)) & 0xFF  # [nb, 8, 4]
+    signs = KSIGNS[(s[..., None] >> (7 * k)) & 127]  # [nb, 8, 4]
+    mags = GRID_BYTES[(GRID_Q[gidx] - 1) // 2].astype(np.float32)  # [nb, 8, 4, 8]
+    neg = (signs[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+    y = db[..., None, None] * mags * np.where(neg == 1, np.float32(-1), np.float32(1))
+    return y.reshape(*raw.shape[:-1], raw.shape[-1] // BLOCK_BYTES * QK_K)
+
+
+# ---------------------------------------------------------------- numba kernels
+
+
+@njit(inline="always")
+def _best_neighbour(u, xval, waux, g0, scale, nb_start, nb_count, nb_index, nb_vals, d2):
+    """Index of the neighbour of off-grid code u closest to xval[g0:g0+8] (first minimum wins)."""
+    n = nb_count[u]
+    base = 8 * nb_start[u]
+    for c in range(n):
+        d2[c] = F32(0.0)
+    for i in range(8):
+        xi = xval[g0 + i]
+        wi = waux[g0 + i]
+        off = base + i * n
+        for c in range(n):
+            diff = scale * nb_vals[off + c] - xi
+            d2[c] += wi * diff * diff
+    best = FLT_MAX  # ggml starts from FLT_MAX: an all-inf/NaN candidate set keeps index 0 here
+    best_c = 0
+    for c in range(n):
+        if d2[c] < best:
+            best = d2[c]
+            best_c = c
+    return nb_index[nb_start[u] + best_c]
+
+
+@njit
+def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals, weight, waux, xval, L, Laux, Lqp, d2):
+    """One 256-block: ggml's quantize_row_iq2_xxs_impl, operation for operation."""
+    scales = np.zeros(8, dtype=np.float32)
+    words = np.zeros(16, dtype=np.uint32)
+    signs = np.zeros(4, dtype=np.int32)
+    max_scale = F32(0.0)
+    sumx2 = F32(0.0)
+    for i in range(QK_K):
+        sumx2 += x[i] * x[i]
+    sigma2 = sumx2 / F32(256.0)
+
+    for ib in range(8):
+        xb = x[32 * ib : 32 * ib + 32]
+        for i in range(32):
+            weight[i] = qw[32 * ib + i] * np.sqrt(sigma2 + xb[i] * xb[i])
+        for i in range(32):
+            waux[i] = np.sqrt(weight[i])
+        for k in range(4):
+            nflip = 0
+            s = 0
+            for i in range(8):
+                v = xb[8 * k + i]
+                if v >= 0:
+                    xval[8 * k + i] = v
+                else:
+                    xval[8 * k + i] = -v
+                    nflip += 1
+                    s |= 1 << i
+            if nflip % 2:
+                imin = 0
+                vmin = weight[8 * k] * xb[8 * k] * xb[8 * k]
+                for i in range(1, 8):
+                    ax = weight[8 * k + i] * xb[8 * k + i] * xb[8 * k + i]
+                    if ax < vmin:
+                        vmin = ax
+                        imin = i
+                xval[8 * k + imin] = -xval[8 * k + imin]
+                s ^= 1 << imin
+            signs[k] = s & 127
+        mx = xval[0]
+        for i in range(1, 32):
+            mx = mx if mx > xval[i] else xval[i]
+        if mx < GROUP_MAX_EPS:
+            scales[ib] = F32(0.0)
+            continue
+        scale = make_qp(32, 4, xval, Lqp, weight)
+        eff_max = scale * F32(3.0)
+        if eff_max <= 0:
+            scales[ib] = F32(0.0)
+            continue
+        best = F32(0.0)
+        for step in range(-6, 7):
+            inv = (F32(5.0) + F32(step) * F32(0.1)) / eff_max
+            this_scale = F32(1.0) / inv
+            for k in range(4):
+                u = 0
+                for i in range(8):
+                    q = nearest_int(F32(0.5) * (inv * xval[8 * k + i] - F32(1.0)))
+                    q = max(0, min(2, q))
+                    Laux[8 * k + i] = q
+                    u |= q << (2 * i)
+                if gmap[u] < 0:
+                    gi = _best_neighbour(u, xval, waux, 8 * k, this_scale, nb_start, nb_count, nb_index, nb_vals, d2)
+                    for i in range(8):
+                        Laux[8 * k + i] = (grid_q[gi, i] - 1) // 2
+            sumqx = F32(0.0)
+            sumq2 = F32(0.0)
+            for i in range(32):
+                w = weight[i]
+                q = F32(2 * Laux[i] + 1)
+                sumqx += w * xval[i] * q
+                sumq2 += w * q * q
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                for i in range(32):
+                    L[i] = Laux[i]
+        if scale > 0:
+            inv = F32(1.0) / scale
+            for k in range(4):
+                u = 0
+                for i in range(8):
+                    q = nearest_int(F32(0.5) * (inv * xval[8 * k + i] - F32(1.0)))
+                    q = max(0, min(2, q))
+                    u |= q << (2 * i)
+                gi = gmap[u]
+                if gi < 0:
+                    gi = _best_neighbour(u, xval, waux, 8 * k, scale, nb_start, nb_count, nb_index, nb_vals, d2)
+                for i in range(8):
+                    L[8 * k + i] = (grid_q[gi, i] - 1) // 2
+            sumqx = F32(0.0)
+            sumq2 = F32(0.0)
+            for i in range(32):
+                w = weight[i]
+                q = F32(2 * L[i] + 1)
+                sumqx += w * xval[i] * q
+                sumq2 += w * q * q
+            if sumq2 > 0:
+                scale = sumqx / sumq2
+        if scale < 0:
+            scale = -scale
+            for k in range(4):
+                signs[k] = (~signs[k]) & 127
+        a = np.uint32(0)
+        b = np.uint32(0)
+        for k in range(4):
+            u = 0
+            for i in range(8):
+                u |= L[8 * k + i] << (2 * i)
+            a |= np.uint32(gmap[u]) << np.uint32(8 * k)
+            b |= np.uint32(signs[k]) << np.uint32(7 * k)
+        words[2 * ib] = a
+        words[2 * ib + 1] = b
+        scales[ib] = scale
+        max_scale = max_scale if max_scale > scale else scale
+
+    if max_scale == 0:
+        for j in range(BLOCK_BYTES):
+            out[o + j] = 0
+        return
+    d = max_scale / F32(31.0)
+    dh = fp32_to_fp16_bits(d)
+    out[o] = dh & 0xFF
+    out[o + 1] = dh >> 8
+    inv_d = F32(1.0) / d
+    for ib in range(8):
+        q = nearest_int(F32(0.5) * (inv_d * scales[ib] - F32(1.0)))
+        q = max(0, min(15, q))
+        words[2 * ib + 1] |= np.uint32(q) << np.uint32(28)
+    for j in range(16):
+        wv = words[j]
+        for t in range(4):
+            out[o + 2 + 4 * j + t] = (wv >> np.uint32(8 * t)) & np.uint32(0xFF)
+
+
+@njit(parallel=True, cache=True)
+def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals):
+    rows, cols = x.shape
+    nb = cols // QK_K
+    max_nb = 0
+    for u in range(nb_count.shape[0]):
+        max_nb = max(max_nb, nb_count[u])
+    for r in prange(rows):
+        weight = np.zeros(32, dtype=np.float32)
+        waux = np.zeros(32, dtype=np.float32)
+        xval = np.zeros(32, dtype=np.float32)
+        L = np.zeros(32, dtype=np.int32)
+        Laux = np.zeros(32, dtype=np.int32)
+        Lqp = np.zeros(32, dtype=np.uint8)
+        d2 = np.zeros(max_nb, dtype=np.float32)
+        for b in range(nb):
+            _quantize_block(
+                x[r, b * QK_K : (b + 1) * QK_K], qw[b * QK_K : (b + 1) * QK_K], out[r], b * BLOCK_BYTES,
+                grid_q, gmap, nb_start, nb_count, nb_index, nb_vals, weight, waux, xval, L, Laux, Lqp, d2,
+            )
+
+
+@njit(inline="always")
+def _decode_block(raw_row, o, buf, grid_bytes, ksigns):
+    d = fp16_bits_to_fp32(np.int32(raw_row[o]) | (np.int32(raw_row[o + 1]) << 8))
+    for g in range(8):
+        p = o + 2 + 8 * g
+        sw = np.uint32(raw_row[p + 4]) | (np.uint32(raw_row[p + 5]) << 8) | (np.uint32(raw_row[p + 6]) << 16) | (np.uint32(raw_row[p + 7]) << 24)
+        db = d * (F32(0.5) + F32(sw >> np.uint32(28))) * F32(0.25)
+        for k in range(4):
+            gi = raw_row[p + k]
+            sg = ksigns[(sw >> np.uint32(7 * k)) & np.uint32(127)]
+            for i in range(8):
+                v = db * F32(grid_bytes[gi, i])
+                buf[32 * g + 8 * k + i] = -v if (sg >> i) & 1 else v
+
+
+@njit(parallel=True, cache=True)
+def _dequantize_rows(raw, out, grid_bytes, ksigns):
+    nb = raw.shape[1] // BLOCK_BYTES
+    for r in prange(raw.shape[0]):
+        for b in range(nb):
+            _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K], grid_bytes, ksigns)
+
+
+@njit(parallel=True, cache=True)
+def _matmul_rows(raw, X, out, grid_bytes, ksigns):
+    nb = raw.shape[1] // BLOCK_BYTES
+    n = X.shape[0]
+    for r in prange(raw.shape[0]):
+        buf = np.empty(QK_K, dtype=np.float32)
+        acc = np.zeros(n, dtype=np.float64)
+        for b in range(nb):
+            _decode_block(raw[r], b * BLOCK_BYTES, buf, grid_bytes, ksigns)
+            for t in range(n):
+                sacc = F32(0.0)
+                for i in range(QK_K):
+                    sacc += buf[i] * X[t, b * QK_K + i]
+                acc[t] += sacc
+        for t in range(n):
+            out[t, r] = acc[t]
+
+
+GRID_DECODE = GRID_BYTES[(GRID_Q.astype(np.int32) - 1) // 2]  # [256, 8] decoder magnitudes
+
+
+# ---------------------------------------------------------------- public
+
+
+def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """Rows [rows, cols] -> raw blocks. Without `importance`, uses `synthetic_importance(x)`."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % QK_K:
+        raise ValueError(f"IQ2_XXS needs a [rows, cols] array with cols % {QK_K} == 0, got {x.shape}")
+    qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    out = np.empty((x.shape[0], x.shape[1] // QK_K * BLOCK_BYTES), dtype=np.uint8)
+    _quantize_rows(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VALS)
+    return out
+
+
+def dequantize(raw: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    flat = raw.reshape(-1, raw.shape[-1])
+    out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK_K), dtype=np.float32)
+    _dequantize_rows(flat, out, GRID_DECODE, KSIGNS)
+    return out.reshape(*raw.shape[:-1], out.shape[-1])
+
+
+def matmul(raw: np.ndarray, X: np.ndarray) -> np.ndarray:
+    out = np.empty((X.shape[0], raw.shape[0]), dtype=np.float32)
+    _matmul_rows(raw, X, out, GRID_DECODE, KSIGNS)
+    return out
