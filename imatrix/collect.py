@@ -239,3 +239,73 @@ def load_prompts(path: str | os.PathLike, modes: tuple[str, ...] = ("think", "no
         return out
     with _open_text(path) as f:
         return split_rendered(f.read())
+
+
+# ---- the collection loop -------------------------------------------------------------------------
+
+@dataclass
+class CollectResult:
+    accumulator: RoutedAccumulator
+    prompts: int
+    tokens: int
+    interrupted: bool
+
+
+def prefill_fresh(model, ids: list[int], hooks: Hooks, chunk: int = 2048) -> None:
+    """Prefill `ids` from an empty state with `hooks` attached (each prompt is independent)."""
+    try:
+        from ds4.engine.session import Session
+    except ImportError:  # engine without sessions yet: drive the forward directly
+        from ds4.engine.forward import KVState, forward_chunk
+
+        state = KVState(model.config, len(ids))
+        for i in range(0, len(ids), chunk):
+            forward_chunk(model, state, ids[i:i + chunk], hooks)
+        return
+    session = Session(model, ctx=len(ids), hooks=hooks)
+    session.prefill(ids, chunk=chunk) if _accepts_chunk(session.prefill) else session.prefill(ids)
+
+
+def _accepts_chunk(fn) -> bool:
+    import inspect
+
+    try:
+        return "chunk" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int = 0, chunk: int = 2048,
+            all_tensors: bool = False, progress: bool = True) -> CollectResult:
+    """Prefill each prompt (truncated to ctx and to the remaining token budget) and accumulate.
+
+    Ctrl+C stops between or inside prompts; what was accumulated so far is returned, marked interrupted.
+    """
+    from tqdm import tqdm
+
+    acc = RoutedAccumulator(model.config, all_tensors)
+    hooks = ImatrixHooks(acc)
+    tokenizer = model.tokenizer
+    done = 0
+    interrupted = False
+    bar = tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=not progress,
+               desc="imatrix", dynamic_ncols=True)
+    try:
+        for p in prompts:
+            ids = tokenizer.encode_chat(p.text)[:ctx]
+            if max_tokens:
+                ids = ids[: max_tokens - acc.tokens]
+            if not ids:
+                break
+            prefill_fresh(model, ids, hooks, chunk)
+            acc.tokens += len(ids)
+            done += 1
+            bar.update(len(ids))
+            bar.set_postfix(prompts=done, refresh=False)
+            if max_tokens and acc.tokens >= max_tokens:
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        bar.close()
+    return CollectResult(acc, done, acc.tokens, interrupted)
