@@ -184,7 +184,7 @@ def encode(qtype: QuantType, x: np.ndarray, importance: np.ndarray | None = None
             return np.ascontiguousarray(xi, dtype="<i4")
         return np.ascontiguousarray(x, dtype=np.dtype(_NUMPY_FOR[qtype]).newbyteorder("<"))
     if qtype == QuantType.BF16:
-        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         nan = np.isnan(np.asarray(x, dtype=np.float32))
         rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
@@ -219,8 +219,9 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequ
                alignment: int = DEFAULT_ALIGNMENT, progress: bool = False) -> Path:
     """Write a GGUF v3 file: header and metadata, tensor directory, then `produce(plan)` per tensor.
 
-    `produce` returns the stored bytes of one tensor (a contiguous array of exactly `plan.nbytes`
-    bytes: float32/float16/int32 values, or uint8 blocks for quant types).
+    `produce` returns the stored bytes of one tensor: an array of exactly `plan.nbytes` bytes
+    (float32/float16/int32 values, or uint8 blocks for quant types), or an iterable of such arrays
+    written back to back (whole rows each), so a converter can stream a tensor expert by expert.
     """
     path = Path(path)
     names = [p.name for p in plans]
@@ -244,6 +245,8 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequ
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
+            fout = w.fout[0]
+            w.write_padding(fout, fout.tell())  # data region starts aligned
             bar = None
             if progress:
                 from tqdm import tqdm
@@ -251,17 +254,26 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequ
                 bar = tqdm(total=sum(p.nbytes for p in plans), unit="B", unit_scale=True,
                            desc=f"writing {path.name}", leave=False)
             for p in plans:
-                data = produce(p)
-                data = np.ascontiguousarray(data)
-                if data.nbytes != p.nbytes:
-                    raise ValueError(f"tensor '{p.name}': produced {data.nbytes} bytes, "
+                produced = produce(p)
+                chunks = [produced] if isinstance(produced, np.ndarray) else produced
+                written = 0
+                for chunk in chunks:
+                    chunk = np.ascontiguousarray(chunk)
+                    if written + chunk.nbytes > p.nbytes:
+                        raise ValueError(f"tensor '{p.name}': produced more than the {p.nbytes} bytes "
+                                         f"{p.qtype.name} {list(p.ne)} needs")
+                    chunk.tofile(fout)
+                    written += chunk.nbytes
+                    if bar is not None:
+                        bar.update(chunk.nbytes)
+                    del chunk
+                if written != p.nbytes:
+                    raise ValueError(f"tensor '{p.name}': produced {written} bytes, "
                                      f"{p.qtype.name} {list(p.ne)} needs {p.nbytes}")
-                w.write_tensor_data(data)
-                if bar is not None:
-                    bar.update(p.nbytes)
-                del data
+                w.write_padding(fout, written)
             if bar is not None:
                 bar.close()
+            fout.flush()
         finally:
             w.close()
     return path

