@@ -66,7 +66,11 @@ class EngineTimeline:
         self.session = Session(model, ctx=ctx)
 
     def prefill(self, tokens: list[int], progress_cb) -> np.ndarray:
-        return np.asarray(self.session.sync(tokens, progress=progress_cb))
+        self.session.progress = progress_cb
+        try:
+            return np.asarray(self.session.sync(tokens))
+        finally:
+            self.session.progress = None
 
     def step(self, token: int) -> np.ndarray:
         return np.asarray(self.session.decode(token))
