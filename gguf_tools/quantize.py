@@ -233,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ds4-quantize: interrupted (no output written)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `ds4-quantize info --tensors F | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":

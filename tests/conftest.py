@@ -1,0 +1,62 @@
+"""Shared fixtures: the data directory and the random-weight DS4 models built by our own tools.
+
+`tiny_gguf` is models/ds4-tiny.gguf (what `make setup` builds) when it exists and validates;
+otherwise it is built once per session in a temp directory with the real CLI:
+`ds4-quantize synth --preset tiny --seed 0` then `ds4-quantize convert --type f16`.
+`small_gguf` does the same for the `small` preset (about 500 MB); only tests marked
+`@pytest.mark.slow` should request it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds4 import paths
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def quantize_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `ds4-quantize` in a subprocess (the installed entry point's module)."""
+    cmd = [sys.executable, "-m", "ds4.gguf_tools.quantize", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+def build_model(preset: str, out_dir: Path, seed: int = 0, gguf_type: str = "f16") -> Path:
+    hf_dir = out_dir / f"{preset}-hf"
+    gguf = out_dir / f"ds4-{preset}.gguf"
+    quantize_cli("synth", "--preset", preset, "--seed", str(seed), "--quiet", str(hf_dir))
+    quantize_cli("convert", str(hf_dir), str(gguf), "--type", gguf_type, "--quiet")
+    return gguf
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    return paths.data_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from ds4.gguf_tools.reader import GGUFError, open_model
+
+    built = REPO / "models" / "ds4-tiny.gguf"
+    if built.exists():
+        try:
+            open_model(built).close()
+            return built
+        except GGUFError:
+            pass  # stale or broken: build a fresh one below
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def small_gguf(tmp_path_factory) -> Path:
+    """The `small` preset (slow to build): request it only from `@pytest.mark.slow` tests."""
+    built = REPO / "models" / "ds4-small.gguf"
+    if built.exists():
+        return built
+    return build_model("small", tmp_path_factory.mktemp("small"))
