@@ -251,28 +251,18 @@ class CollectResult:
     interrupted: bool
 
 
-def prefill_fresh(model, ids: list[int], hooks: Hooks, chunk: int = 2048) -> None:
-    """Prefill `ids` from an empty state with `hooks` attached (each prompt is independent)."""
-    try:
-        from ds4.engine.session import Session
-    except ImportError:  # engine without sessions yet: drive the forward directly
-        from ds4.engine.forward import KVState, forward_chunk
+def prefill_fresh(model, ids: list[int], hooks: Hooks, chunk: int = 2048, session=None) -> None:
+    """Prefill `ids` from an empty state with `hooks` attached (each prompt is independent).
 
-        state = KVState(model.config, len(ids))
-        for i in range(0, len(ids), chunk):
-            forward_chunk(model, state, ids[i:i + chunk], hooks)
-        return
-    session = Session(model, ctx=len(ids), hooks=hooks)
-    session.prefill(ids, chunk=chunk) if _accepts_chunk(session.prefill) else session.prefill(ids)
+    Pass a `Session` to reuse its buffers; it is reset first."""
+    from ds4.engine.session import Session
 
-
-def _accepts_chunk(fn) -> bool:
-    import inspect
-
-    try:
-        return "chunk" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+    if session is None or session.ctx < len(ids):
+        session = Session(model, ctx=max(len(ids), 2), prefill_chunk=chunk, hooks=hooks)
+    else:
+        session.invalidate()
+        session.hooks = hooks
+    session.prefill(ids)
 
 
 def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int = 0, chunk: int = 2048,
@@ -286,6 +276,9 @@ def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int =
     acc = RoutedAccumulator(model.config, all_tensors)
     hooks = ImatrixHooks(acc)
     tokenizer = model.tokenizer
+    from ds4.engine.session import Session
+
+    session = Session(model, ctx=max(ctx, 2), prefill_chunk=min(chunk, max(ctx, 2)), hooks=hooks)
     done = 0
     interrupted = False
     bar = tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=not progress,
@@ -297,7 +290,7 @@ def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int =
                 ids = ids[: max_tokens - acc.tokens]
             if not ids:
                 break
-            prefill_fresh(model, ids, hooks, chunk)
+            prefill_fresh(model, ids, hooks, chunk, session)
             acc.tokens += len(ids)
             done += 1
             bar.update(len(ids))

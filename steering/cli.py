@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(s)
     s.add_argument("--direction", required=True, help="direction file (.f32 or control-vector GGUF)")
     s.add_argument("--prompts", default=_data("eval_prompts.txt"), help="default: shared eval_prompts.txt")
-    s.add_argument("--scales", default="-2,-1,-0.5,0,0.5,1,2", help="comma list of FFN scales")
+    s.add_argument("--scales", default="-2,-1,-0.5,0,0.5,1,2", help="comma list of FFN scales; write --scales=-1,0,1 when the list starts with a minus")
     s.add_argument("--tokens", type=_count, default=160, help="tokens to generate per run (default 160)")
     s.add_argument("--ctx", type=_count, default=4096)
     s.add_argument("--attn-scale", type=steer_apply._scale, default=0.0)

@@ -19,29 +19,16 @@ class Runner:
     the logits of the last position."""
 
     def __init__(self, model, hooks: Hooks | None, ctx: int):
-        self.model, self.hooks, self.ctx = model, hooks, ctx
-        self._session = None
-        self._state = None
+        from ds4.engine.session import Session
+
+        self.session = Session(model, ctx=max(ctx, 2), hooks=hooks)
 
     def prefill(self, ids: list[int]) -> np.ndarray:
-        try:
-            from ds4.engine.session import Session
-        except ImportError:  # engine without sessions: drive the forward directly
-            from ds4.engine.forward import KVState, forward_chunk
-
-            self._state = KVState(self.model.config, self.ctx)
-            return forward_chunk(self.model, self._state, ids, self.hooks)
-        self._session = Session(self.model, ctx=self.ctx, hooks=self.hooks)
-        out = self._session.prefill(ids)
-        return np.asarray(out if out is not None else self._session.logits)
+        self.session.invalidate()
+        return self.session.prefill(ids)
 
     def decode(self, token: int) -> np.ndarray:
-        if self._session is None:
-            from ds4.engine.forward import forward_chunk
-
-            return forward_chunk(self.model, self._state, [token], self.hooks)
-        out = self._session.decode(token)
-        return np.asarray(out if out is not None else self._session.logits)
+        return self.session.decode(token)
 
 
 @dataclass
