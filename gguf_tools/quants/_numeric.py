@@ -101,79 +101,94 @@ def fp16_round(x):
     return fp16_bits_to_fp32(fp32_to_fp16_bits(x))
 
 
-@njit
-def make_qkx(n, nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad, qkx3):
+def _make_qkx_variant(use_mad: bool, qkx3: bool):
     """make_qkx2_quants / make_qkx3_quants (tooling-spec §2.3): asymmetric (scale, min) search.
 
-    x, w: float32[n]; L, Laux: uint8[n] outputs/scratch. Returns (scale, the_min) with the_min >= 0.
-    `qkx3` only changes the degenerate test (max <= min instead of max == min).
+    Compiled once per (use_mad, qkx3) so the per-element branches fold away. `qkx3` only changes
+    the degenerate test (max <= min instead of max == min).
+    Arguments: x, w float32[n]; L (result) and Laux (scratch) uint8[n]; rmin, rdelta float32.
+    Returns (scale, the_min) with the_min >= 0.
     """
-    fnmax = F32(nmax)
-    mn = x[0]
-    mx = x[0]
-    sum_w = w[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, n):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        wi = w[i]
-        sum_w += wi
-        sum_x += wi * x[i]
-    if mn > 0:
-        mn = F32(0.0)
-    if (mx <= mn) if qkx3 else (mx == mn):
-        for i in range(n):
-            L[i] = 0
-        return F32(0.0), -mn
-    iscale = fnmax / (mx - mn)
-    scale = F32(1.0) / iscale
-    best_error = F32(0.0)
-    for i in range(n):
-        q = nearest_int(iscale * (x[i] - mn))
-        q = max(0, min(nmax, q))
-        L[i] = q
-        diff = scale * F32(q) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_error += w[i] * diff
-    if nstep < 1:
-        return scale, -mn
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * F32(step) + fnmax) / (mx - mn)
-        sum_l = F32(0.0)
-        sum_l2 = F32(0.0)
-        sum_xl = F32(0.0)
-        for i in range(n):
-            q = nearest_int(iscale * (x[i] - mn))
-            q = max(0, min(nmax, q))
-            Laux[i] = q
-            wl = w[i] * F32(q)
-            sum_l += wl
-            sum_l2 += wl * F32(q)
-            sum_xl += wl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = F32(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = F32(0.0)
+
+    @njit(error_model="numpy")
+    def make_qkx(n, nmax, x, w, L, Laux, rmin, rdelta, nstep):
+        fnmax = F32(nmax)
+        mn = x[0]
+        mx = x[0]
+        sum_w = w[0]
+        sum_x = sum_w * x[0]
+        for i in range(1, n):
+            if x[i] < mn:
+                mn = x[i]
+            if x[i] > mx:
+                mx = x[i]
+            wi = w[i]
+            sum_w += wi
+            sum_x += wi * x[i]
+        if mn > 0:
+            mn = F32(0.0)
+        if (mx <= mn) if qkx3 else (mx == mn):
             for i in range(n):
-                diff = this_scale * F32(Laux[i]) + this_min - x[i]
-                diff = abs(diff) if use_mad else diff * diff
-                cur_error += w[i] * diff
-            if cur_error < best_error:
+                L[i] = 0
+            return F32(0.0), -mn
+        iscale = fnmax / (mx - mn)
+        scale = F32(1.0) / iscale
+        for i in range(n):
+            L[i] = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+        best_error = F32(0.0)
+        for i in range(n):
+            diff = scale * F32(L[i]) + mn - x[i]
+            best_error += w[i] * (abs(diff) if use_mad else diff * diff)
+        if nstep < 1:
+            return scale, -mn
+        for step in range(nstep + 1):
+            iscale = (rmin + rdelta * F32(step) + fnmax) / (mx - mn)
+            changed = step == 0
+            for i in range(n):
+                q = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
+                changed |= q != Laux[i]
+                Laux[i] = q
+            if not changed:
+                # Same codes as the previous step give the same error, which was already compared
+                # against a best_error that can only have decreased since: ggml's outcome is a no-op.
+                continue
+            sum_l = F32(0.0)
+            sum_l2 = F32(0.0)
+            sum_xl = F32(0.0)
+            for i in range(n):
+                q = F32(Laux[i])
+                wl = w[i] * q
+                sum_l += wl
+                sum_l2 += wl * q
+                sum_xl += wl * x[i]
+            D = sum_w * sum_l2 - sum_l * sum_l
+            if D > 0:
+                this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+                this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+                if this_min > 0:
+                    this_min = F32(0.0)
+                    this_scale = sum_xl / sum_l2
+                cur_error = F32(0.0)
                 for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
+                    diff = this_scale * F32(Laux[i]) + this_min - x[i]
+                    cur_error += w[i] * (abs(diff) if use_mad else diff * diff)
+                if cur_error < best_error:
+                    for i in range(n):
+                        L[i] = Laux[i]
+                    best_error = cur_error
+                    scale = this_scale
+                    mn = this_min
+        return scale, -mn
+
+    return make_qkx
 
 
-@njit
+make_qkx2 = _make_qkx_variant(use_mad=False, qkx3=False)
+make_qkx2_mad = _make_qkx_variant(use_mad=True, qkx3=False)
+make_qkx3 = _make_qkx_variant(use_mad=False, qkx3=True)
+
+
+@njit(error_model="numpy")
 def make_qp(n, nmax, x, L, qw):
     """make_qp_quants (tooling-spec §2.3): symmetric scale for non-negative data, with 5 refit sweeps.
 

@@ -8,8 +8,8 @@ ggml aborts the whole process on some inputs (IQ2_XXS without importance), so `q
 call in a child process; `quantize_in_process` is for callers that know their inputs are valid
 (the benchmark, which must time ggml in its own process).
 
-Child protocol: `python -m ds4.gguf_tools.quants.ggml_oracle IN.npz OUT.npy`, where IN holds `x`,
-`qtype` and optionally `importance`.
+Child protocol: `python -m ds4.gguf_tools.quants.ggml_oracle IN.npz OUT.npz`; IN holds `n` and per
+request i `x{i}`, `qtype{i}`, optionally `importance{i}`; OUT holds `out{i}`.
 """
 
 from __future__ import annotations
@@ -105,28 +105,40 @@ def quantize_in_process(qtype: QuantType, x: np.ndarray, importance: np.ndarray 
 
 def quantize(qtype: QuantType, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """ggml's bytes for `x`, computed in a child process. Raises OracleError if ggml aborts."""
+    return quantize_many([(qtype, x, importance)])[0]
+
+
+def quantize_many(requests: list[tuple[QuantType, np.ndarray, np.ndarray | None]]) -> list[np.ndarray]:
+    """Several (qtype, x, importance) requests in one child process (one interpreter start)."""
     if not available():
         raise OracleError("llama-cpp-python (libggml-base) is not installed")
     with tempfile.TemporaryDirectory(prefix="ds4-ggml-") as tmp:
-        src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npy"
-        arrays = {"x": np.asarray(x, dtype=np.float32), "qtype": np.int32(int(qtype))}
-        if importance is not None:
-            arrays["importance"] = np.asarray(importance, dtype=np.float32)
+        src, dst = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        arrays = {"n": np.int32(len(requests))}
+        for i, (qtype, x, importance) in enumerate(requests):
+            arrays[f"x{i}"] = np.asarray(x, dtype=np.float32)
+            arrays[f"qtype{i}"] = np.int32(int(qtype))
+            if importance is not None:
+                arrays[f"importance{i}"] = np.asarray(importance, dtype=np.float32)
         np.savez(src, **arrays)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, "-m", __name__, str(src), str(dst)],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not dst.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise OracleError(f"ggml quantize of {QuantType(qtype).name} failed (exit {proc.returncode}): {tail[0]}")
-        return np.load(dst)
+            names = ", ".join(QuantType(int(q)).name for q, _, _ in requests)
+            raise OracleError(f"ggml quantize of {names} failed (exit {proc.returncode}): {tail[0]}")
+        with np.load(dst) as out:
+            return [out[f"out{i}"] for i in range(len(requests))]
 
 
 def _child(src: str, dst: str) -> None:
     data = np.load(src)
-    imp = data["importance"] if "importance" in data.files else None
-    out = quantize_in_process(QuantType(int(data["qtype"])), data["x"], imp)
-    np.save(dst, out)
+    results = {}
+    for i in range(int(data["n"])):
+        imp = data[f"importance{i}"] if f"importance{i}" in data.files else None
+        results[f"out{i}"] = quantize_in_process(QuantType(int(data[f"qtype{i}"])), data[f"x{i}"], imp)
+    np.savez(dst, **results)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def _best_neighbour(u, xval, waux, g0, scale, nb_start, nb_count, nb_index, nb_v
     return nb_index[nb_start[u] + best_c]
 
 
-@njit
+@njit(error_model="numpy")
 def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals, weight, waux, xval, L, Laux, Lqp, d2):
     """One 256-block: ggml's quantize_row_iq2_xxs_impl, operation for operation."""
     scales = np.zeros(8, dtype=np.float32)
@@ -285,7 +285,7 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
             out[o + 2 + 4 * j + t] = (wv >> np.uint32(8 * t)) & np.uint32(0xFF)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals):
     rows, cols = x.shape
     nb = cols // QK_K
@@ -322,7 +322,7 @@ def _decode_block(raw_row, o, buf, grid_bytes, ksigns):
                 buf[32 * g + 8 * k + i] = -v if (sg >> i) & 1 else v
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _dequantize_rows(raw, out, grid_bytes, ksigns):
     nb = raw.shape[1] // BLOCK_BYTES
     for r in prange(raw.shape[0]):
@@ -330,7 +330,7 @@ def _dequantize_rows(raw, out, grid_bytes, ksigns):
             _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K], grid_bytes, ksigns)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_rows(raw, X, out, grid_bytes, ksigns):
     nb = raw.shape[1] // BLOCK_BYTES
     n = X.shape[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx, make_qp, nearest_int
+from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2, make_qkx2_mad, make_qkx3, make_qp, nearest_int
 
 BLOCK_BYTES = 84
 BLOCK_DTYPE = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
@@ -62,7 +62,7 @@ def _finish_block(x, out, o, L, s, dh, mh):
             out[o + 16 + 32 * h + i] = L[base] | (L[base + 32] << 2) | (L[base + 64] << 4) | (L[base + 96] << 6)
 
 
-@njit
+@njit(error_model="numpy")
 def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
     max_scale = F32(0.0)
     max_min = F32(0.0)
@@ -70,7 +70,7 @@ def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
         xs = x[16 * j : 16 * j + 16]
         for i in range(16):
             w[i] = abs(xs[i])
-        sc, mn = make_qkx(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.5), F32(0.1), 15, True, False)
+        sc, mn = make_qkx2_mad(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.5), F32(0.1), 15)
         scales[j] = sc
         mins[j] = mn
         if sc > max_scale:
@@ -95,7 +95,7 @@ def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
     _finish_block(x, out, o, L, s, dh, mh)
 
 
-@njit
+@njit(error_model="numpy")
 def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
     sum_x2 = F32(0.0)
     for i in range(QK_K):
@@ -109,7 +109,7 @@ def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
         for i in range(16):
             acc += w[i]
         sw[j] = acc
-        sc, mn = make_qkx(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.9), F32(0.05), 36, False, True)
+        sc, mn = make_qkx3(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.9), F32(0.05), 36)
         scales[j] = sc
         mins[j] = mn
     dm = make_qp(16, 15, scales, Ls, sw)
@@ -119,7 +119,7 @@ def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
     _finish_block(x, out, o, L, s, fp32_to_fp16_bits(dm), fp32_to_fp16_bits(mm))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows(x, qw, weighted, out):
     rows, cols = x.shape
     nb = cols // QK_K
@@ -158,7 +158,7 @@ def _decode_block(raw_row, o, buf):
                     buf[16 * j + i] = dl * F32(q) - ml
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _dequantize_rows(raw, out):
     nb = raw.shape[1] // BLOCK_BYTES
     for r in prange(raw.shape[0]):
@@ -166,7 +166,7 @@ def _dequantize_rows(raw, out):
             _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_rows(raw, X, out):
     nb = raw.shape[1] // BLOCK_BYTES
     n = X.shape[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx, make_qp, nearest_int
+from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2, make_qkx2_mad, make_qkx3, make_qp, nearest_int
 
 BLOCK_BYTES = 144
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
@@ -95,7 +95,7 @@ def _finish_block(x, out, o, L, s, dh, mh):
             out[o + 16 + 32 * p + i] = L[64 * p + i] | (L[64 * p + 32 + i] << 4)
 
 
-@njit
+@njit(error_model="numpy")
 def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
     max_scale = F32(0.0)
     max_min = F32(0.0)
@@ -107,7 +107,7 @@ def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
         av_x = np.sqrt(sum_x2 / F32(32.0))
         for i in range(32):
             w[i] = av_x + abs(xs[i])
-        sc, mn = make_qkx(32, 15, xs, w, L[32 * j : 32 * j + 32], Laux, F32(-1.0), F32(0.1), 20, False, False)
+        sc, mn = make_qkx2(32, 15, xs, w, L[32 * j : 32 * j + 32], Laux, F32(-1.0), F32(0.1), 20)
         scales[j] = sc
         mins[j] = mn
         if sc > max_scale:
@@ -126,7 +126,7 @@ def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
     _finish_block(x, out, o, L, s, dh, mh)
 
 
-@njit
+@njit(error_model="numpy")
 def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
     sum_x2 = F32(0.0)
     for i in range(QK_K):
@@ -140,7 +140,7 @@ def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
         for i in range(32):
             sumw += w[i]
         sw[j] = sumw
-        sc, mn = make_qkx(32, 15, xs, w, L[32 * j : 32 * j + 32], Laux, F32(-0.9), F32(0.05), 36, False, True)
+        sc, mn = make_qkx3(32, 15, xs, w, L[32 * j : 32 * j + 32], Laux, F32(-0.9), F32(0.05), 36)
         scales[j] = sc
         mins[j] = mn
     d_block = make_qp(8, 63, scales, Ls, sw)
@@ -151,7 +151,7 @@ def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
     _finish_block(x, out, o, L, s, fp32_to_fp16_bits(d_block), fp32_to_fp16_bits(m_block))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows(x, qw, weighted, out):
     rows, cols = x.shape
     nb = cols // QK_K
@@ -192,7 +192,7 @@ def _decode_block(raw_row, o, buf):
             buf[64 * p + 32 + i] = d1 * F32(q >> 4) - dm1
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _dequantize_rows(raw, out):
     nb = raw.shape[1] // BLOCK_BYTES
     for r in prange(raw.shape[0]):
@@ -200,7 +200,7 @@ def _dequantize_rows(raw, out):
             _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_rows(raw, X, out):
     nb = raw.shape[1] // BLOCK_BYTES
     n = X.shape[0]

@@ -51,7 +51,7 @@ def dequantize_reference(raw: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- numba kernels
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows(x, out):
     rows, cols = x.shape
     nb = cols // QK
@@ -83,7 +83,7 @@ def _code(raw, r, o, j):
     return F32(q - 256 if q > 127 else q)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _dequantize_rows(raw, out):
     rows = raw.shape[0]
     nb = raw.shape[1] // BLOCK_BYTES
@@ -95,7 +95,7 @@ def _dequantize_rows(raw, out):
                 out[r, b * QK + j] = d * _code(raw, r, o, j)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _matmul_rows(raw, X, out):
     """out[n, r] = sum_c dequant(raw[r])[c] * X[n, c], straight from the blocks."""
     rows = raw.shape[0]
