@@ -237,6 +237,8 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequ
                 if key == Key.ARCHITECTURE.value:
                     continue  # GGUFWriter writes general.architecture from `arch`
                 t = _infer_type(key, value)
+                if t.vtype == V.ARRAY and len(t.value) == 0:
+                    continue  # gguf-py cannot write an empty array; an absent key reads the same
                 w.add_key_value(key, _coerce(t), t.vtype, sub_type=t.sub_type)
             for p in plans:
                 # numpy-order shape; a non-uint8 dtype keeps GGUFWriter from reinterpreting it as bytes
