@@ -17,6 +17,7 @@ class ToolError(Exception):
 
 def load_model(path: str | os.PathLike):
     from ds4.engine.model import Model
+    from ds4.gguf_tools.reader import GGUFError
 
     path = Path(path)
     if not path.exists():
@@ -25,7 +26,7 @@ def load_model(path: str | os.PathLike):
         raise ToolError(f"{path}: is a directory, expected a .gguf file")
     try:
         return Model.load(path)
-    except (ValueError, OSError, KeyError) as e:  # ModelError / GGUF reader errors are ValueErrors
+    except (GGUFError, ValueError, OSError, KeyError) as e:  # ModelError is a ValueError
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ToolError(f"{path}: cannot load model: {msg}") from None
 
