@@ -121,7 +121,7 @@ def quantize_many(requests: list[tuple[QuantType, np.ndarray, np.ndarray | None]
             if importance is not None:
                 arrays[f"importance{i}"] = np.asarray(importance, dtype=np.float32)
         np.savez(src, **arrays)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", GGML_NO_BACKTRACE="1")
         proc = subprocess.run([sys.executable, "-m", __name__, str(src), str(dst)],
                               capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not dst.exists():
