@@ -150,8 +150,16 @@ class RoutedAccumulator:
 class ImatrixHooks(Hooks):
     """Feeds a RoutedAccumulator (observation only: the forward pass is never changed)."""
 
-    def __init__(self, acc: RoutedAccumulator):
+    def __init__(self, acc: RoutedAccumulator, should_stop=None):
         self.acc = acc
+        self.should_stop = should_stop
+
+    def begin(self, pos0, tokens):
+        # A pending Ctrl+C stops here, at a chunk boundary, so the sums, the counts and the token
+        # total always describe the same tokens.
+        if self.should_stop is not None and self.should_stop():
+            raise KeyboardInterrupt
+        self.acc.tokens += len(tokens)
 
     def routed_inputs(self, layer, x, expert_ids, weights, down_inputs):
         self.acc.add_routed(layer, x, expert_ids, down_inputs)
@@ -269,36 +277,59 @@ def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int =
             all_tensors: bool = False, progress: bool = True) -> CollectResult:
     """Prefill each prompt (truncated to ctx and to the remaining token budget) and accumulate.
 
-    Ctrl+C stops between or inside prompts; what was accumulated so far is returned, marked interrupted.
+    The first Ctrl+C stops at the next prefill chunk boundary (a second one stops at once); what was
+    accumulated so far is returned, marked interrupted.
     """
+    import signal
+    import threading
+
     from tqdm import tqdm
 
-    acc = RoutedAccumulator(model.config, all_tensors)
-    hooks = ImatrixHooks(acc)
-    tokenizer = model.tokenizer
     from ds4.engine.session import Session
 
-    session = Session(model, ctx=max(ctx, 2), prefill_chunk=min(chunk, max(ctx, 2)), hooks=hooks)
-    done = 0
-    interrupted = False
+    stop = threading.Event()
+    acc = RoutedAccumulator(model.config, all_tensors)
+    hooks = ImatrixHooks(acc, stop.is_set)
+    tokenizer = model.tokenizer
     bar = tqdm(total=max_tokens or None, unit="tok", unit_scale=True, disable=not progress,
                desc="imatrix", dynamic_ncols=True)
+    shown = [0]
+
+    def on_chunk(done_in_prompt: int, total_in_prompt: int) -> None:
+        bar.update(acc.tokens - shown[0])
+        shown[0] = acc.tokens
+
+    session = Session(model, ctx=max(ctx, 2), prefill_chunk=min(chunk, max(ctx, 2)), hooks=hooks,
+                      progress=on_chunk)
+
+    def on_sigint(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+        old_handler = signal.signal(signal.SIGINT, on_sigint)
+    done = 0
+    interrupted = False
     try:
         for p in prompts:
+            if stop.is_set():
+                raise KeyboardInterrupt
             ids = tokenizer.encode_chat(p.text)[:ctx]
             if max_tokens:
                 ids = ids[: max_tokens - acc.tokens]
             if not ids:
                 break
             prefill_fresh(model, ids, hooks, chunk, session)
-            acc.tokens += len(ids)
             done += 1
-            bar.update(len(ids))
             bar.set_postfix(prompts=done, refresh=False)
             if max_tokens and acc.tokens >= max_tokens:
                 break
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
         bar.close()
     return CollectResult(acc, done, acc.tokens, interrupted)

@@ -121,7 +121,6 @@ def test_never_routed_experts_are_one_in_dat(tiny_model, tiny_tokens, tmp_path):
     cfg = tiny_model.config
     acc = C.RoutedAccumulator(cfg)
     C.prefill_fresh(tiny_model, tiny_tokens[:1], C.ImatrixHooks(acc))  # one token: k experts per layer
-    acc.tokens = 1
     assert np.all((acc.counts > 0).sum(axis=1) <= cfg.n_expert_used)
     F.save(tmp_path / "one.dat", acc.to_imatrix("text"))
     back = F.load(tmp_path / "one.dat")

@@ -119,7 +119,9 @@ def _steer_cli(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-def test_build_sweep_generate_commands(tiny_path, tmp_path):
+def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
+    from ds4.steering.cli import main
+
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
     good.write_text("\n".join(PROMPTS_A[:3]) + "\n")
     bad.write_text("# contrast\n" + "\n".join(PROMPTS_B[:3]) + "\n")
@@ -142,11 +144,13 @@ def test_build_sweep_generate_commands(tiny_path, tmp_path):
     assert all(0 <= int(row["tokens"]) <= 6 for row in rows)
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
-    r = _steer_cli("generate", "-m", tiny_path, "-p", "Hi", "-n", "4", "--dir-steering-file", out,
-                   "--dir-steering-ffn", "-2")
-    assert r.returncode == 0, r.stderr
-    r = _steer_cli("sweep", "-m", tiny_path, "--direction", out, "--scales", "1,500")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    # in-process from here on (the subprocess paths are covered above)
+    capsys.readouterr()
+    assert main(["generate", "-m", str(tiny_path), "-p", "Hi", "-n", "4", "--dir-steering-file", str(out),
+                 "--dir-steering-ffn=-2"]) == 0
+    assert "tokens" in capsys.readouterr().err
+    assert main(["sweep", "-m", str(tiny_path), "--direction", str(out), "--scales", "1,500"]) == 2
+    assert "[-100, 100]" in capsys.readouterr().err
     write_f32(tmp_path / "wrong.f32", DirectionSet(np.ones((3, 64), np.float32)), sidecar=False)
-    r = _steer_cli("generate", "-m", tiny_path, "-p", "Hi", "--dir-steering-file", tmp_path / "wrong.f32")
-    assert r.returncode == 2 and "bytes" in r.stderr and "Traceback" not in r.stderr
+    assert main(["generate", "-m", str(tiny_path), "-p", "Hi", "--dir-steering-file", str(tmp_path / "wrong.f32")]) == 2
+    assert "bytes" in capsys.readouterr().err
