@@ -126,10 +126,12 @@ def choose_type(slot: TensorSlot, p: Policy) -> QuantType:
     tmpl = template_type(slot, p.base, p.mix)
     if slot.kind == Kind.EXPERTS:
         part = {T.FFN_GATE_EXPS: p.routed_gate, T.FFN_UP_EXPS: p.routed_up, T.FFN_DOWN_EXPS: p.routed_down}[_suffix(slot)]
-        return part or p.experts or tmpl
+        # QuantType.F32 is 0, so test for None rather than truth
+        return next(t for t in (part, p.experts, tmpl) if t is not None)
     if slot.kind in (Kind.VECTOR, Kind.INDEX):
         return tmpl
-    return _family(slot, p) or tmpl
+    fam = _family(slot, p)
+    return tmpl if fam is None else fam
 
 
 def plan(cfg: Config, p: Policy, present: set[str] | None = None) -> list[TensorPlan]:
