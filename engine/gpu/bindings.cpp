@@ -1,0 +1,447 @@
+// Python bindings of the ds4 CUDA kernels (module ds4.engine.gpu._ext).
+//
+// Objects: Tensor (a weight uploaded once and kept resident in the device layout of common.cuh),
+// Array (a float32/int32 device array for activations), Graph (a captured CUDA graph of ops).
+// Every op runs asynchronously on one module-wide stream; Array.numpy() synchronizes.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <sstream>
+#include <vector>
+
+#include "common.cuh"
+
+namespace py = pybind11;
+using namespace ds4gpu;
+
+namespace {
+
+cudaStream_t g_stream = nullptr;
+bool g_capturing = false;
+
+cudaStream_t stream() {
+  if (!g_stream) DS4_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  return g_stream;
+}
+
+std::string mib(size_t n) {
+  std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(1);
+  s << n / 1048576.0 << " MiB";
+  return s.str();
+}
+
+[[noreturn]] void raise_oom(const std::string& what, size_t need) {
+  size_t free_b = 0, total_b = 0;
+  cudaGetLastError();
+  cudaMemGetInfo(&free_b, &total_b);
+  std::string msg = "GPU out of memory " + what + ": needs " + mib(need) + ", " + mib(free_b) + " free of " +
+                    mib(total_b);
+  PyErr_SetString(PyExc_MemoryError, msg.c_str());
+  throw py::error_already_set();
+}
+
+void* device_alloc(size_t n, const std::string& what) {
+  if (g_capturing) throw std::runtime_error("cannot allocate device memory (" + what + ") during graph capture");
+  void* p = nullptr;
+  if (cudaMalloc(&p, n ? n : 1) != cudaSuccess) raise_oom(what, n);
+  return p;
+}
+
+size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
+
+// A grow-only scratch area for quantized activations and MoE intermediates. Ops run in stream
+// order, so consecutive ops can reuse the same bytes.
+struct Scratch {
+  uint8_t* base = nullptr;
+  size_t cap = 0;
+  size_t used = 0;
+  void reserve(size_t n) {
+    if (n <= cap) return;
+    if (g_capturing)
+      throw std::runtime_error("scratch too small during graph capture: call reserve_scratch(" + std::to_string(n) +
+                               ") or run the op once before capturing");
+    if (base) {
+      DS4_CHECK(cudaStreamSynchronize(stream()));
+      DS4_CHECK(cudaFree(base));
+      base = nullptr;
+    }
+    cap = 0;
+    base = (uint8_t*)device_alloc(n, "for scratch");
+    cap = n;
+  }
+  // Sub-allocations of one op; call begin() first.
+  void begin() { used = 0; }
+  uint8_t* take(size_t n) {
+    uint8_t* p = base + used;
+    used += align256(n);
+    return p;
+  }
+};
+Scratch g_scratch;
+
+size_t xq_bytes(int64_t nvec, int64_t n) {
+  return 2 * align256(nvec * n) + align256(nvec * n / 32 * 4) + align256(nvec * n / 16 * 4);
+}
+
+XQ take_xq(int64_t nvec, int64_t n) {
+  XQ q;
+  q.hi = (int8_t*)g_scratch.take(nvec * n);
+  q.lo = (int8_t*)g_scratch.take(nvec * n);
+  q.scale = (float*)g_scratch.take(nvec * n / 32 * 4);
+  q.sum16 = (float*)g_scratch.take(nvec * n / 16 * 4);
+  q.n = (int)n;
+  return q;
+}
+
+const char* qtype_name(int qt) {
+  switch (qt) {
+    case QT_F16: return "F16";
+    case QT_Q8_0: return "Q8_0";
+    case QT_Q2_K: return "Q2_K";
+    case QT_Q4_K: return "Q4_K";
+    case QT_IQ2_XXS: return "IQ2_XXS";
+    default: return "?";
+  }
+}
+
+int64_t gguf_row_bytes(int qt, int64_t ncols) {
+  switch (qt) {
+    case QT_F16: return ncols * 2;
+    case QT_Q8_0: return ncols / 32 * 34;
+    case QT_Q2_K: return ncols / 256 * 84;
+    case QT_Q4_K: return ncols / 256 * 144;
+    case QT_IQ2_XXS: return ncols / 256 * 66;
+    default: throw std::invalid_argument("quant type " + std::to_string(qt) + " has no GPU kernel");
+  }
+}
+
+struct Tensor {
+  std::string name;
+  int qtype = 0;
+  std::vector<int64_t> ne;
+  Packed p;
+  void* mem = nullptr;
+  size_t nbytes = 0;
+  ~Tensor() {
+    if (mem) cudaFree(mem);
+  }
+  int64_t gguf_nbytes() const { return gguf_row_bytes(qtype, p.ncols) * p.nrows; }
+};
+
+std::shared_ptr<Tensor> upload(const std::string& name, int qtype, std::vector<int64_t> ne, py::buffer raw) {
+  if (ne.empty()) throw std::invalid_argument(name + ": empty shape");
+  py::buffer_info info = raw.request();
+  auto t = std::make_shared<Tensor>();
+  t->name = name;
+  t->qtype = qtype;
+  t->ne = ne;
+  int64_t ncols = ne[0], nrows = 1;
+  for (size_t i = 1; i < ne.size(); ++i) nrows *= ne[i];
+  int64_t qs_row, sc_row;
+  try {
+    packed_row_bytes(qtype, ncols, &qs_row, &sc_row);
+  } catch (const std::exception& e) {
+    throw std::invalid_argument(name + ": " + e.what());
+  }
+  const int64_t rb = gguf_row_bytes(qtype, ncols);
+  const size_t nraw = (size_t)(rb * nrows);
+  if ((size_t)(info.size * info.itemsize) != nraw)
+    throw std::invalid_argument(name + ": " + qtype_name(qtype) + " data has " +
+                                std::to_string(info.size * info.itemsize) + " bytes, the shape needs " +
+                                std::to_string(nraw));
+  if (info.ndim > 0 && info.strides.back() != info.itemsize)
+    throw std::invalid_argument(name + ": tensor data must be C-contiguous");
+  size_t qs_bytes = align256(qs_row * nrows), total = qs_bytes + align256(sc_row * nrows);
+  std::ostringstream what;
+  what << "uploading tensor '" << name << "' (" << qtype_name(qtype) << ", ne=[";
+  for (size_t i = 0; i < ne.size(); ++i) what << (i ? ", " : "") << ne[i];
+  what << "])";
+  t->mem = device_alloc(total, what.str());
+  t->nbytes = total;
+  t->p.qtype = qtype;
+  t->p.ncols = ncols;
+  t->p.nrows = nrows;
+  t->p.qs = (const uint8_t*)t->mem;
+  t->p.qs_row = qs_row;
+  t->p.sc = (const uint8_t*)t->mem + qs_bytes;
+  t->p.sc_row = sc_row;
+  // Stage the GGUF bytes through a bounded buffer, repacking chunk by chunk.
+  const int64_t chunk_rows = std::max<int64_t>(1, std::min<int64_t>(nrows, (256ll << 20) / rb));
+  void* staging = device_alloc((size_t)(chunk_rows * rb), "staging " + what.str());
+  const uint8_t* host = (const uint8_t*)info.ptr;
+  try {
+    for (int64_t r = 0; r < nrows; r += chunk_rows) {
+      int64_t n = std::min(chunk_rows, nrows - r);
+      DS4_CHECK(cudaMemcpyAsync(staging, host + r * rb, (size_t)(n * rb), cudaMemcpyHostToDevice, stream()));
+      launch_repack(qtype, (const uint8_t*)staging, n, ncols, (uint8_t*)t->mem + r * qs_row, qs_row,
+                    (uint8_t*)t->p.sc + r * sc_row, sc_row, stream());
+    }
+    DS4_CHECK(cudaStreamSynchronize(stream()));
+  } catch (...) {
+    cudaFree(staging);
+    throw;
+  }
+  DS4_CHECK(cudaFree(staging));
+  return t;
+}
+
+struct Array {
+  std::vector<int64_t> shape;
+  bool is_int = false;
+  void* ptr = nullptr;
+  size_t nbytes = 0;
+  ~Array() {
+    if (ptr) cudaFree(ptr);
+  }
+  int64_t size() const {
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+  float* f() const {
+    if (is_int) throw std::invalid_argument("expected a float32 array, got int32");
+    return (float*)ptr;
+  }
+  int32_t* i() const {
+    if (!is_int) throw std::invalid_argument("expected an int32 array, got float32");
+    return (int32_t*)ptr;
+  }
+};
+
+std::shared_ptr<Array> make_array(std::vector<int64_t> shape, bool is_int) {
+  auto a = std::make_shared<Array>();
+  a->shape = shape;
+  a->is_int = is_int;
+  a->nbytes = (size_t)a->size() * 4;
+  a->ptr = device_alloc(a->nbytes, "for an activation array");
+  return a;
+}
+
+void array_copy_from(Array& a, py::array arr) {
+  bool is_int = py::isinstance<py::array_t<int32_t>>(arr);
+  bool is_f32 = py::isinstance<py::array_t<float>>(arr);
+  if ((a.is_int && !is_int) || (!a.is_int && !is_f32))
+    throw std::invalid_argument(std::string("array dtype must be ") + (a.is_int ? "int32" : "float32"));
+  if ((size_t)arr.nbytes() != a.nbytes) throw std::invalid_argument("array size mismatch");
+  if (!(arr.flags() & py::array::c_style)) throw std::invalid_argument("array must be C-contiguous");
+  DS4_CHECK(cudaStreamSynchronize(stream()));
+  DS4_CHECK(cudaMemcpy(a.ptr, arr.data(), a.nbytes, cudaMemcpyHostToDevice));
+}
+
+std::shared_ptr<Array> array_from_numpy(py::array arr) {
+  bool is_int = py::isinstance<py::array_t<int32_t>>(arr);
+  if (!is_int && !py::isinstance<py::array_t<float>>(arr))
+    throw std::invalid_argument("device arrays hold float32 or int32");
+  std::vector<int64_t> shape(arr.shape(), arr.shape() + arr.ndim());
+  auto a = make_array(shape, is_int);
+  py::array c = py::array::ensure(arr, py::array::c_style);
+  array_copy_from(*a, c);
+  return a;
+}
+
+py::array array_to_numpy(const Array& a) {
+  DS4_CHECK(cudaStreamSynchronize(stream()));
+  py::array out = a.is_int ? (py::array)py::array_t<int32_t>(a.shape) : (py::array)py::array_t<float>(a.shape);
+  DS4_CHECK(cudaMemcpy(out.mutable_data(), a.ptr, a.nbytes, cudaMemcpyDeviceToHost));
+  return out;
+}
+
+void array_fill(Array& a, float value) {
+  std::vector<float> host((size_t)a.size(), value);
+  DS4_CHECK(cudaStreamSynchronize(stream()));
+  DS4_CHECK(cudaMemcpy(a.ptr, host.data(), a.nbytes, cudaMemcpyHostToDevice));
+}
+
+void matvec(const Tensor& w, const Array& x, Array& y, int groups) {
+  if (x.shape.empty() || y.shape.size() != 2) throw std::invalid_argument("matvec: x is [B, ...], y is [B, rows]");
+  int64_t B = x.shape[0];
+  if (B < 1 || B > MAX_BATCH) throw std::invalid_argument("matvec: batch must be 1..8, got " + std::to_string(B));
+  if (x.size() != B * groups * w.p.ncols)
+    throw std::invalid_argument("matvec '" + w.name + "': x has " + std::to_string(x.size()) + " values, needs " +
+                                std::to_string(B) + " x " + std::to_string(groups) + " x " + std::to_string(w.p.ncols));
+  if (y.shape[0] != B || y.shape[1] != w.p.nrows)
+    throw std::invalid_argument("matvec '" + w.name + "': y must be [" + std::to_string(B) + ", " +
+                                std::to_string(w.p.nrows) + "]");
+  XQ xq;
+  if (w.qtype != QT_F16) {
+    g_scratch.reserve(xq_bytes(B * groups, w.p.ncols));
+    g_scratch.begin();
+    xq = take_xq(B * groups, w.p.ncols);
+  }
+  launch_matvec(w.p, x.f(), xq, (int)B, groups, y.f(), stream());
+}
+
+void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
+         const Array& weights, Array& y, float clamp) {
+  if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
+  int n_expert = (int)gate.ne[2];
+  if (x.shape.size() != 2 || ids.shape.size() != 2 || weights.shape != ids.shape || y.shape != x.shape)
+    throw std::invalid_argument("moe: x, y are [T, n_embd]; ids, weights are [T, k]");
+  int64_t T = x.shape[0], k = ids.shape[1], D = gate.p.ncols, F = gate.ne[1];
+  if (ids.shape[0] != T || x.shape[1] != D) throw std::invalid_argument("moe: shapes of x/ids disagree with the experts");
+  g_scratch.reserve(xq_bytes(T, D) + align256(T * k * F * 4) + xq_bytes(T * k, F));
+  g_scratch.begin();
+  MoeScratch s;
+  s.xq_in = take_xq(T, D);
+  s.h = (float*)g_scratch.take(T * k * F * 4);
+  s.xq_h = take_xq(T * k, F);
+  launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream());
+}
+
+struct Graph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~Graph() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+  }
+  void launch(int n) {
+    for (int i = 0; i < n; ++i) DS4_CHECK(cudaGraphLaunch(exec, stream()));
+  }
+  // Mean milliseconds per replay over `iters` replays after `warmup` ones (device events).
+  double time_ms(int iters, int warmup) {
+    launch(warmup);
+    cudaEvent_t a, b;
+    DS4_CHECK(cudaEventCreate(&a));
+    DS4_CHECK(cudaEventCreate(&b));
+    DS4_CHECK(cudaEventRecord(a, stream()));
+    launch(iters);
+    DS4_CHECK(cudaEventRecord(b, stream()));
+    DS4_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DS4_CHECK(cudaEventElapsedTime(&ms, a, b));
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    return ms / iters;
+  }
+};
+
+void capture_begin() {
+  if (g_capturing) throw std::runtime_error("a capture is already running");
+  DS4_CHECK(cudaStreamSynchronize(stream()));
+  DS4_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
+  g_capturing = true;
+}
+
+std::shared_ptr<Graph> capture_end() {
+  if (!g_capturing) throw std::runtime_error("no capture is running");
+  g_capturing = false;
+  auto g = std::make_shared<Graph>();
+  DS4_CHECK(cudaStreamEndCapture(stream(), &g->graph));
+  DS4_CHECK(cudaGraphInstantiate(&g->exec, g->graph, 0));
+  return g;
+}
+
+// Device-to-device copy bandwidth, counting bytes read plus bytes written (the usual convention).
+py::dict copy_bandwidth(size_t nbytes, int iters) {
+  void* a = device_alloc(nbytes, "for the copy benchmark");
+  void* b = nullptr;
+  try {
+    b = device_alloc(nbytes, "for the copy benchmark");
+  } catch (...) {
+    cudaFree(a);
+    throw;
+  }
+  DS4_CHECK(cudaMemsetAsync(a, 0x5a, nbytes, stream()));
+  cudaEvent_t e0, e1;
+  DS4_CHECK(cudaEventCreate(&e0));
+  DS4_CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) DS4_CHECK(cudaMemcpyAsync(b, a, nbytes, cudaMemcpyDeviceToDevice, stream()));
+  DS4_CHECK(cudaEventRecord(e0, stream()));
+  for (int i = 0; i < iters; ++i)
+    DS4_CHECK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, nbytes, cudaMemcpyDeviceToDevice, stream()));
+  DS4_CHECK(cudaEventRecord(e1, stream()));
+  DS4_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  DS4_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  double per = ms / iters;
+  py::dict d;
+  d["ms"] = per;
+  d["bytes"] = 2.0 * nbytes;
+  d["gbps"] = 2.0 * nbytes / (per * 1e-3) / 1e9;
+  return d;
+}
+
+py::dict device_info() {
+  int n = 0;
+  DS4_CHECK(cudaGetDeviceCount(&n));
+  if (n == 0) throw std::runtime_error("no CUDA device");
+  int dev = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp p;
+  DS4_CHECK(cudaGetDeviceProperties(&p, dev));
+  size_t free_b = 0, total_b = 0;
+  DS4_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  py::dict d;
+  d["name"] = std::string(p.name);
+  d["cc"] = std::to_string(p.major) + "." + std::to_string(p.minor);
+  d["sms"] = p.multiProcessorCount;
+  d["l2_bytes"] = p.l2CacheSize;
+  d["mem_free"] = free_b;
+  d["mem_total"] = total_b;
+  d["devices"] = n;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_ext, m) {
+  m.doc() = "ds4 CUDA kernels: resident quantized weights, fused dequant matvec and routed MoE";
+  py::class_<Tensor, std::shared_ptr<Tensor>>(m, "Tensor")
+      .def_readonly("name", &Tensor::name)
+      .def_readonly("qtype", &Tensor::qtype)
+      .def_readonly("ne", &Tensor::ne)
+      .def_readonly("nbytes", &Tensor::nbytes, "device bytes held")
+      .def_property_readonly("gguf_nbytes", &Tensor::gguf_nbytes, "bytes of the GGUF data (= bytes a matvec reads)")
+      .def_property_readonly("ncols", [](const Tensor& t) { return t.p.ncols; })
+      .def_property_readonly("nrows", [](const Tensor& t) { return t.p.nrows; })
+      .def("__repr__", [](const Tensor& t) {
+        return "<gpu.Tensor '" + t.name + "' " + qtype_name(t.qtype) + " " + mib(t.nbytes) + ">";
+      });
+  py::class_<Array, std::shared_ptr<Array>>(m, "Array")
+      .def_static("from_numpy", &array_from_numpy, py::arg("a"))
+      .def_static("empty", [](std::vector<int64_t> shape, bool is_int) { return make_array(shape, is_int); },
+                  py::arg("shape"), py::arg("int32") = false)
+      .def_readonly("shape", &Array::shape)
+      .def("numpy", &array_to_numpy)
+      .def("copy_from", &array_copy_from, py::arg("a"))
+      .def("fill", &array_fill, py::arg("value"));
+  py::class_<Graph, std::shared_ptr<Graph>>(m, "Graph")
+      .def("launch", &Graph::launch, py::arg("n") = 1)
+      .def("time_ms", &Graph::time_ms, py::arg("iters") = 20, py::arg("warmup") = 3);
+  m.def("upload", &upload, py::arg("name"), py::arg("qtype"), py::arg("ne"), py::arg("raw"),
+        "Upload GGUF blocks (C-contiguous bytes) of a tensor with GGUF shape ne; returns a resident Tensor.");
+  m.def("matvec", &matvec, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1,
+        "y[b, r] = W[r] . x[b, r // (rows / groups)]; x is [B, groups * ncols], B <= 8.");
+  m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
+        py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
+        "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
+  m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
+  m.def("capture_begin", &capture_begin);
+  m.def("capture_end", &capture_end);
+  m.def("synchronize", []() { DS4_CHECK(cudaStreamSynchronize(stream())); });
+  m.def("copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = size_t(1) << 31, py::arg("iters") = 20);
+  m.def("device_info", &device_info);
+  m.def("device_count", []() {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+    }
+    return n;
+  });
+  m.def("packed_row_bytes", [](int qtype, int64_t ncols) {
+    int64_t a, b;
+    packed_row_bytes(qtype, ncols, &a, &b);
+    return py::make_tuple(a, b);
+  });
+}

@@ -1,0 +1,122 @@
+"""Build the CUDA extension ds4.engine.gpu._ext (run by `make cuda`).
+
+Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), bindings.cpp with
+the host compiler against pybind11 and Python, and links them with the static CUDA runtime into
+engine/gpu/_ext<EXT_SUFFIX>. No GPU is needed to build. Objects go to engine/gpu/build/ and are
+rebuilt when a source or header is newer.
+
+    python engine/gpu/build.py [--arch sm_90a] [--jobs N] [--verbose]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BUILD = HERE / "build"
+CU_SOURCES = ["repack.cu", "matvec.cu", "moe.cu"]
+HEADERS = ["common.cuh", "mv_core.cuh", "iq2_tables.inc"]
+
+
+def find_cuda() -> Path:
+    """The CUDA install: $CUDA_HOME, else the folder above nvcc on PATH, else /usr/local/cuda.
+
+    A candidate counts only if it has bin/nvcc and include/cuda_runtime.h (nvcc on PATH may be a
+    wrapper script outside the toolkit)."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates += ["/usr/local/cuda", *sorted(map(str, Path("/usr/local").glob("cuda-*")), reverse=True)]
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").exists() and (Path(c) / "include" / "cuda_runtime.h").exists():
+            return Path(c)
+    raise SystemExit("build.py: no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+
+
+def gencode_flags(arch: str) -> list[str]:
+    """sm_90a -> -gencode=arch=compute_90a,code=[sm_90a,compute_90a] (PTX kept for newer GPUs)."""
+    flags = []
+    for a in arch.split(","):
+        a = a.strip()
+        if not a.startswith("sm_"):
+            raise SystemExit(f"build.py: CUDA_ARCH entries look like sm_90a, got {a!r}")
+        num = a[3:]
+        flags.append(f"-gencode=arch=compute_{num},code=[sm_{num},compute_{num}]")
+    return flags
+
+
+def stale(obj: Path, deps: list[Path]) -> bool:
+    return not obj.exists() or any(d.stat().st_mtime > obj.stat().st_mtime for d in deps)
+
+
+def run(cmd: list[str], verbose: bool) -> None:
+    if verbose:
+        print(" ".join(cmd), flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.stderr.write(res.stdout + res.stderr)
+        raise SystemExit(f"build.py: command failed: {' '.join(cmd[:2])} ... ({res.returncode})")
+    out = (res.stdout + res.stderr).strip()
+    if out and verbose:
+        print(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default=os.environ.get("CUDA_ARCH", "sm_90a"), help="CUDA_ARCH, e.g. sm_90a or sm_80,sm_90a")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--verbose", "-v", action="store_true")
+    ap.add_argument("--ptxas-info", action="store_true", help="print registers/spills per kernel")
+    args = ap.parse_args(argv)
+
+    import pybind11
+
+    cuda = find_cuda()
+    nvcc = str(cuda / "bin" / "nvcc")
+    BUILD.mkdir(exist_ok=True)
+    arch_stamp = BUILD / "arch.txt"
+    if not arch_stamp.exists() or arch_stamp.read_text() != args.arch:
+        for o in BUILD.glob("*.o"):
+            o.unlink()
+        arch_stamp.write_text(args.arch)
+    headers = [HERE / h for h in HEADERS]
+    py_inc = sysconfig.get_paths()["include"]
+    cxx = os.environ.get("CXX", "g++")
+
+    jobs = []
+    for src in CU_SOURCES:
+        obj = BUILD / (src + ".o")
+        if stale(obj, [HERE / src, *headers, arch_stamp]):
+            cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *gencode_flags(args.arch),
+                   "-c", str(HERE / src), "-o", str(obj)]
+            if args.ptxas_info:
+                cmd.insert(3, "-Xptxas=-v")
+            jobs.append(cmd)
+    bobj = BUILD / "bindings.o"
+    if stale(bobj, [HERE / "bindings.cpp", HERE / "common.cuh"]):
+        jobs.append([cxx, "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", f"-I{pybind11.get_include()}",
+                     f"-I{py_inc}", f"-I{cuda / 'include'}", "-c", str(HERE / "bindings.cpp"), "-o", str(bobj)])
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(lambda c: run(c, args.verbose or args.ptxas_info), jobs))
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    target = HERE / f"_ext{suffix}"
+    libdirs = [cuda / "lib64", cuda / "lib", cuda / "targets" / "x86_64-linux" / "lib"]
+    link = [cxx, "-shared", "-o", str(target) + ".tmp", *[str(BUILD / (s + ".o")) for s in CU_SOURCES], str(bobj),
+            *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    run(link, args.verbose)
+    os.replace(str(target) + ".tmp", target)
+    print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+// Dequant-fused matvec for batch 1..8: y[b, r] = W[r] . x[b, g(r)] for every quant type ds4 uses.
+#include "mv_core.cuh"
+
+namespace ds4gpu {
+
+// Rows per warp for a batch width: more rows reuse each loaded x word more often, fewer keep the
+// registers (R * 8 code words + NB * 8 x words) under ~128 so enough warps stay resident.
+template <int NB>
+__host__ __device__ constexpr int rows_per_warp() {
+  return NB <= 2 ? 8 : (NB <= 4 ? 4 : 2);
+}
+
+template <int QT, int NB>
+__global__ void __launch_bounds__(CTA_THREADS) matvec_kernel(Packed w, const float* x, XQ xq, int batch,
+                                                             int groups, int S, float* y) {
+  constexpr int R = rows_per_warp<NB>();
+  __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
+  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
+  __shared__ float red[CTA_WARPS][R][NB];
+  Iq2Tables tb{s_grid, s_mask};
+  if constexpr (QT == QT_IQ2_XXS) {
+    iq2_tables_init(s_grid, s_mask);
+    __syncthreads();
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int RG = CTA_WARPS / S, rg = warp / S, cs = warp % S;
+  const int64_t row0 = ((int64_t)blockIdx.x * RG + rg) * R;
+  const int64_t rows_per_group = w.nrows / groups;
+  const int g = (int)(min(row0, w.nrows - 1) / rows_per_group);
+  const uint8_t* qrow[R];
+  const uint8_t* srow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    int64_t row = min(row0 + r, w.nrows - 1);  // rows past the end read the last row; not written
+    qrow[r] = w.qs + row * w.qs_row;
+    srow[r] = w.sc + row * w.sc_row;
+  }
+  int vec[NB];
+#pragma unroll
+  for (int b = 0; b < NB; ++b) vec[b] = min(b, batch - 1) * groups + g;
+  float acc[R][NB];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
+
+  if constexpr (QT == QT_F16) {
+    mv_accumulate_f16<NB, R>(qrow, w.ncols, cs * 32 + lane, 32 * S, x, vec, acc);
+  } else {
+    mv_accumulate<QT, NB, R>(qrow, srow, (int)(w.ncols / 32), (int)(w.ncols / 256), cs * 32 + lane, 32 * S, xq,
+                             vec, tb, acc);
+  }
+  warp_sum<R, NB>(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) red[warp][r][b] = acc[r][b];
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RG * R * NB; t += CTA_THREADS) {
+    int grp = t / (R * NB), r = (t / NB) % R, b = t % NB;
+    float s = 0.0f;
+    for (int c = 0; c < S; ++c) s += red[grp * S + c][r][b];
+    int64_t row = ((int64_t)blockIdx.x * RG + grp) * R + r;
+    if (row < w.nrows && b < batch) y[(int64_t)b * w.nrows + row] = s;
+  }
+}
+
+template <int QT, int NB>
+static void launch_nb(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
+                      cudaStream_t stream) {
+  constexpr int R = rows_per_warp<NB>();
+  int64_t units = QT == QT_F16 ? w.ncols / 8 : w.ncols / 32;
+  int S = column_splits(units);
+  int64_t rows_per_cta = (int64_t)(CTA_WARPS / S) * R;
+  if ((w.nrows / groups) % R)
+    throw std::invalid_argument("rows per group must be a multiple of " + std::to_string(R));
+  unsigned grid = (unsigned)((w.nrows + rows_per_cta - 1) / rows_per_cta);
+  matvec_kernel<QT, NB><<<grid, CTA_THREADS, 0, stream>>>(w, x, xq, batch, groups, S, y);
+  DS4_CHECK_LAUNCH("matvec");
+}
+
+template <int QT>
+static void launch_qt(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
+                      cudaStream_t stream) {
+  if (batch <= 1) launch_nb<QT, 1>(w, x, xq, batch, groups, y, stream);
+  else if (batch <= 2) launch_nb<QT, 2>(w, x, xq, batch, groups, y, stream);
+  else if (batch <= 4) launch_nb<QT, 4>(w, x, xq, batch, groups, y, stream);
+  else launch_nb<QT, 8>(w, x, xq, batch, groups, y, stream);
+}
+
+void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
+                   cudaStream_t stream) {
+  if (batch < 1 || batch > MAX_BATCH) throw std::invalid_argument("matvec batch must be 1..8");
+  if (groups < 1 || w.nrows % groups) throw std::invalid_argument("rows must split evenly into groups");
+  if (w.qtype != QT_F16) launch_quantize_x(x, batch * groups, (int)w.ncols, xq, stream);
+  switch (w.qtype) {
+    case QT_F16: launch_qt<QT_F16>(w, x, xq, batch, groups, y, stream); break;
+    case QT_Q8_0: launch_qt<QT_Q8_0>(w, x, xq, batch, groups, y, stream); break;
+    case QT_Q4_K: launch_qt<QT_Q4_K>(w, x, xq, batch, groups, y, stream); break;
+    case QT_Q2_K: launch_qt<QT_Q2_K>(w, x, xq, batch, groups, y, stream); break;
+    case QT_IQ2_XXS: launch_qt<QT_IQ2_XXS>(w, x, xq, batch, groups, y, stream); break;
+    default: throw std::invalid_argument("matvec: unsupported type " + std::to_string(w.qtype));
+  }
+}
+
+}  // namespace ds4gpu

@@ -1,0 +1,168 @@
+// Routed MoE for decode (model-spec §3.7 steps 4 and 6): for each token and each of its k experts,
+// g = min(W1 b, c), u = clamp(W3 b, -c, c), h = silu(g) u w_k, then y = sum_k W2 h_k.
+// Two kernels: gate+up (one warp computes R/2 rows of W1 and the same rows of W3, SwiGLU in the
+// epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
+#include "mv_core.cuh"
+
+namespace ds4gpu {
+
+constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
+
+template <int QT>
+__global__ void __launch_bounds__(CTA_THREADS) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
+                                                                 XQ xq, const int32_t* ids, const float* wts,
+                                                                 int k, float clamp, int S, float* h) {
+  constexpr int R = MOE_R, RH = MOE_R / 2;
+  __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
+  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
+  __shared__ float red[CTA_WARPS][R];
+  Iq2Tables tb{s_grid, s_mask};
+  if constexpr (QT == QT_IQ2_XXS) {
+    iq2_tables_init(s_grid, s_mask);
+    __syncthreads();
+  }
+  const int pair = blockIdx.y, token = pair / k;
+  const int e = ids[pair];
+  const bool bad = e < 0 || e >= n_expert;
+  const int ee = bad ? 0 : e;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int RG = CTA_WARPS / S, rg = warp / S, cs = warp % S;
+  const int f0 = (blockIdx.x * RG + rg) * RH;
+  const uint8_t* qrow[R];
+  const uint8_t* srow[R];
+#pragma unroll
+  for (int i = 0; i < RH; ++i) {
+    int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
+    qrow[i] = gate.qs + row * gate.qs_row;
+    srow[i] = gate.sc + row * gate.sc_row;
+    qrow[RH + i] = up.qs + row * up.qs_row;
+    srow[RH + i] = up.sc + row * up.sc_row;
+  }
+  int vec[1] = {token};
+  float acc[R][1];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+  mv_accumulate<QT, 1, R>(qrow, srow, (int)(gate.ncols / 32), (int)(gate.ncols / 256), cs * 32 + lane, 32 * S,
+                          xq, vec, tb, acc);
+  warp_sum<R, 1>(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RG * RH; t += CTA_THREADS) {
+    int grp = t / RH, i = t % RH;
+    float g = 0.0f, u = 0.0f;
+    for (int c = 0; c < S; ++c) {
+      g += red[grp * S + c][i];
+      u += red[grp * S + c][RH + i];
+    }
+    int f = (blockIdx.x * RG + grp) * RH + i;
+    if (f >= n_ff) continue;
+    g = fminf(g, clamp);
+    u = fminf(fmaxf(u, -clamp), clamp);
+    float v = g / (1.0f + __expf(-g)) * u * wts[pair];
+    h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
+  }
+}
+
+template <int QT>
+__global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
+                                                               const int32_t* ids, int k, int S, float* y) {
+  constexpr int R = MOE_R;
+  __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
+  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
+  __shared__ float red[CTA_WARPS][R];
+  Iq2Tables tb{s_grid, s_mask};
+  if constexpr (QT == QT_IQ2_XXS) {
+    iq2_tables_init(s_grid, s_mask);
+    __syncthreads();
+  }
+  const int token = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int RG = CTA_WARPS / S, rg = warp / S, cs = warp % S;
+  const int r0 = (blockIdx.x * RG + rg) * R;
+  float acc[R][1];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    int e = ids[token * k + j];
+    e = (e < 0 || e >= n_expert) ? 0 : e;  // the gate/up kernel already poisoned this expert's h
+    const uint8_t* qrow[R];
+    const uint8_t* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int64_t row = (int64_t)e * n_embd + min(r0 + r, n_embd - 1);
+      qrow[r] = down.qs + row * down.qs_row;
+      srow[r] = down.sc + row * down.sc_row;
+    }
+    int vec[1] = {token * k + j};
+    mv_accumulate<QT, 1, R>(qrow, srow, (int)(down.ncols / 32), (int)(down.ncols / 256), cs * 32 + lane, 32 * S,
+                            xq, vec, tb, acc);
+  }
+  warp_sum<R, 1>(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RG * R; t += CTA_THREADS) {
+    int grp = t / R, r = t % R;
+    float s = 0.0f;
+    for (int c = 0; c < S; ++c) s += red[grp * S + c][r];
+    int row = (blockIdx.x * RG + grp) * R + r;
+    if (row < n_embd) y[(int64_t)token * n_embd + row] = s;
+  }
+}
+
+template <int QT>
+static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
+                          const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
+                          cudaStream_t stream) {
+  int S = column_splits(gate.ncols / 32);
+  int rows_per_cta = (CTA_WARPS / S) * (MOE_R / 2);
+  dim3 grid((n_ff + rows_per_cta - 1) / rows_per_cta, pairs);
+  moe_gateup_kernel<QT><<<grid, CTA_THREADS, 0, stream>>>(gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, S, h);
+  DS4_CHECK_LAUNCH("moe gate/up");
+}
+
+template <int QT>
+static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
+                        int tokens, int k, float* y, cudaStream_t stream) {
+  int S = column_splits(down.ncols / 32);
+  int rows_per_cta = (CTA_WARPS / S) * MOE_R;
+  dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
+  moe_down_kernel<QT><<<grid, CTA_THREADS, 0, stream>>>(down, n_embd, n_expert, xq, ids, k, S, y);
+  DS4_CHECK_LAUNCH("moe down");
+}
+
+void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
+                const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
+                const MoeScratch& s, cudaStream_t stream) {
+  if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
+  if (gate.qtype == QT_F16 || down.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
+  if (n_expert < 1 || gate.nrows % n_expert || down.nrows % n_expert)
+    throw std::invalid_argument("expert count does not divide the stacked rows");
+  const int n_embd = (int)gate.ncols, n_ff = (int)(gate.nrows / n_expert);
+  if (down.ncols != n_ff || down.nrows / n_expert != n_embd || up.ncols != gate.ncols || up.nrows != gate.nrows)
+    throw std::invalid_argument("gate/up/down shapes do not form one expert FFN");
+  const int pairs = tokens * k;
+  launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
+  switch (gate.qtype) {
+    case QT_Q8_0: launch_gateup<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q4_K: launch_gateup<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q2_K: launch_gateup<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_IQ2_XXS: launch_gateup<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
+  }
+  launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
+  switch (down.qtype) {
+    case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
+  }
+}
+
+}  // namespace ds4gpu

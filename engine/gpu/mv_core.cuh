@@ -1,0 +1,224 @@
+// The inner loop shared by the matvec and MoE kernels: R weight rows times NB quantized activation
+// vectors over the x blocks a lane owns, decoded straight from the device layout (common.cuh).
+//
+// Why this shape: decode is bandwidth-bound only if each weight costs ~1-2 integer instructions.
+// Activations are pre-quantized to int8 hi/lo planes (x = s (254 hi + lo)), so every quant type
+// reduces to int8 codes and __dp4a (4 MACs per instruction) with exact int32 sums per 32 columns;
+// one float multiply-add per 32 columns applies the block scales. The x words are loaded once per
+// x block and reused for all R rows.
+#pragma once
+
+#include "common.cuh"
+
+namespace ds4gpu {
+
+static __device__ const unsigned long long kIq2Grid[256] = {
+#include "iq2_tables.inc"
+};
+
+// Streaming loads of weights: read-only, not kept in L1 (the activations live there).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float ld_half(const uint8_t* p) {
+  return __half2float(__ushort_as_half(__ldg((const unsigned short*)p)));
+}
+
+// IQ2_XXS lookup tables in shared memory: the grid and, per 7-bit sign field, the byte masks
+// (0xff = negative) of its 8 signs, the eighth sign being the parity of the seven.
+struct Iq2Tables {
+  unsigned long long* grid;
+  unsigned long long* smask;
+};
+
+__device__ __forceinline__ void iq2_tables_init(unsigned long long* grid, unsigned long long* smask) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = kIq2Grid[i];
+  for (int i = threadIdx.x; i < 128; i += blockDim.x) {
+    unsigned s8 = i | ((__popc(i) & 1) << 7);
+    unsigned long long m = 0;
+    for (int b = 0; b < 8; ++b)
+      if (s8 >> b & 1) m |= 0xffull << (8 * b);
+    smask[i] = m;
+  }
+}
+
+// One row's x block decoded to 8 words of int8 codes (word i = elements 4i..4i+3) and the factors
+// that turn the int32 dot products into floats:
+//   row . x  =  dscale * xs * (mul0 * T0 + mul1 * T1)  -  (min0 * sum16_0 + min1 * sum16_1)
+// with T_h the hi/lo dot product of half h (16 columns).
+struct XbCodes {
+  uint32_t c[8];
+  float dscale;
+  int mul0, mul1;
+  float min0, min1;
+};
+
+template <int QT>
+__device__ __forceinline__ void decode_xb(const uint8_t* qrow, const uint8_t* srow, int xb, int nb,
+                                          const Iq2Tables& tb, XbCodes& o) {
+  o.mul0 = o.mul1 = 1;
+  o.min0 = o.min1 = 0.0f;
+  if constexpr (QT == QT_Q8_0) {
+    uint4 a = ld_stream16(qrow + 32 * xb), b = ld_stream16(qrow + 32 * xb + 16);
+    o.c[0] = a.x; o.c[1] = a.y; o.c[2] = a.z; o.c[3] = a.w;
+    o.c[4] = b.x; o.c[5] = b.y; o.c[6] = b.z; o.c[7] = b.w;
+    o.dscale = ld_half(srow + 2 * xb);
+  } else if constexpr (QT == QT_Q4_K) {
+    uint4 v = ld_stream16(qrow + 16 * xb);
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o.c[i] = w[i] & 0x0f0f0f0fu;
+      o.c[4 + i] = (w[i] >> 4) & 0x0f0f0f0fu;
+    }
+    float d = ld_half(srow + 4 * (xb >> 3)), dmin = ld_half(srow + 4 * (xb >> 3) + 2);
+    unsigned sm = __ldg((const unsigned short*)(srow + 4 * nb + 2 * xb));
+    o.dscale = d * (float)(sm & 255);
+    o.min0 = o.min1 = dmin * (float)(sm >> 8);
+  } else if constexpr (QT == QT_Q2_K) {
+    uint2 v = ld_stream8(qrow + 8 * xb);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o.c[k] = (v.x >> (2 * k)) & 0x03030303u;
+      o.c[4 + k] = (v.y >> (2 * k)) & 0x03030303u;
+    }
+    float d = ld_half(srow + 4 * (xb >> 3)), dmin = ld_half(srow + 4 * (xb >> 3) + 2);
+    unsigned s2 = __ldg((const unsigned short*)(srow + 4 * nb + 2 * xb));
+    o.dscale = d;
+    o.mul0 = s2 & 15;
+    o.min0 = dmin * (float)((s2 >> 4) & 15);
+    o.mul1 = (s2 >> 8) & 15;
+    o.min1 = dmin * (float)((s2 >> 12) & 15);
+  } else if constexpr (QT == QT_IQ2_XXS) {
+    uint2 a = ld_stream8(qrow + 8 * xb);
+    float d = ld_half(srow + 2 * (xb >> 3));
+    o.dscale = d * (0.5f + (float)(a.y >> 28)) * 0.25f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      unsigned long long g = tb.grid[(a.x >> (8 * k)) & 255];
+      unsigned long long m = tb.smask[(a.y >> (7 * k)) & 127];
+      uint32_t glo = (uint32_t)g, ghi = (uint32_t)(g >> 32);
+      uint32_t mlo = (uint32_t)m, mhi = (uint32_t)(m >> 32);
+      // negate the masked bytes: (g ^ 0xff) + 1 = 256 - g, no carry since g >= 8
+      o.c[2 * k] = (glo ^ mlo) + (mlo & 0x01010101u);
+      o.c[2 * k + 1] = (ghi ^ mhi) + (mhi & 0x01010101u);
+    }
+  }
+}
+
+// acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb.
+template <int QT, int NB, int R>
+__device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], const uint8_t* const (&srow)[R],
+                                              int nxb, int nb, int xb0, int xbstep, const XQ& xq,
+                                              const int (&vec)[NB], const Iq2Tables& tb, float (&acc)[R][NB]) {
+  const int xnxb = xq.n / 32;
+  for (int xb = xb0; xb < nxb; xb += xbstep) {
+    XbCodes d[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) decode_xb<QT>(qrow[r], srow[r], xb, nb, tb, d[r]);
+    int T[R][NB];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int xh[NB][4], xl[NB][4];
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        int64_t off = (int64_t)vec[b] * xq.n + 32 * xb + 16 * h;
+        int4 vh = __ldg((const int4*)(xq.hi + off));
+        int4 vl = __ldg((const int4*)(xq.lo + off));
+        xh[b][0] = vh.x; xh[b][1] = vh.y; xh[b][2] = vh.z; xh[b][3] = vh.w;
+        xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+          int th = 0, tl = 0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            th = __dp4a((int)d[r].c[4 * h + i], xh[b][i], th);
+            tl = __dp4a((int)d[r].c[4 * h + i], xl[b][i], tl);
+          }
+          int t = 254 * th + tl;
+          if constexpr (QT == QT_Q2_K) t *= (h == 0 ? d[r].mul0 : d[r].mul1);
+          T[r][b] = h == 0 ? t : T[r][b] + t;
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      int64_t xi = (int64_t)vec[b] * xnxb + xb;
+      float xs = __ldg(xq.scale + xi);
+      float s0 = 0.0f, s1 = 0.0f;
+      if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) {
+        s0 = __ldg(xq.sum16 + 2 * xi);
+        s1 = __ldg(xq.sum16 + 2 * xi + 1);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float v = d[r].dscale * xs * (float)T[r][b];
+        if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) v -= d[r].min0 * s0 + d[r].min1 * s1;
+        acc[r][b] += v;
+      }
+    }
+  }
+}
+
+// F16 rows against f32 activations (x vector v at x + v * ncols), 8 columns per step.
+template <int NB, int R>
+__device__ __forceinline__ void mv_accumulate_f16(const uint8_t* const (&qrow)[R], int64_t ncols, int u0,
+                                                  int ustep, const float* x, const int (&vec)[NB],
+                                                  float (&acc)[R][NB]) {
+  const int nu = (int)(ncols / 8);
+  for (int u = u0; u < nu; u += ustep) {
+    uint4 w[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w[r] = ld_stream16(qrow[r] + 16 * (int64_t)u);
+    float xv[NB][8];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const float4* p = (const float4*)(x + (int64_t)vec[b] * ncols + 8 * (int64_t)u);
+      float4 a = __ldg(p), c = __ldg(p + 1);
+      xv[b][0] = a.x; xv[b][1] = a.y; xv[b][2] = a.z; xv[b][3] = a.w;
+      xv[b][4] = c.x; xv[b][5] = c.y; xv[b][6] = c.z; xv[b][7] = c.w;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      uint32_t ww[4] = {w[r].x, w[r].y, w[r].z, w[r].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 f = __half22float2(*reinterpret_cast<const __half2*>(&ww[i]));
+#pragma unroll
+        for (int b = 0; b < NB; ++b) acc[r][b] += f.x * xv[b][2 * i] + f.y * xv[b][2 * i + 1];
+      }
+    }
+  }
+}
+
+// Sum over the 32 lanes; afterwards every lane holds the totals.
+template <int R, int NB>
+__device__ __forceinline__ void warp_sum(float (&acc)[R][NB]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+}
+
+// Launch geometry shared by the kernels: 4 warps per CTA; S warps split the columns of one group
+// of R rows, so a CTA covers 4 / S row groups.
+constexpr int CTA_THREADS = 128;
+constexpr int CTA_WARPS = 4;
+
+inline int column_splits(int64_t units) { return units <= 32 ? 1 : (units <= 64 ? 2 : 4); }
+
+}  // namespace ds4gpu

@@ -1,0 +1,51 @@
+"""The CUDA extension's build inputs and its behaviour where it cannot run (no GPU needed)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds4.engine import gpu
+
+GPU_DIR = Path(__file__).resolve().parent.parent / "engine" / "gpu"
+
+
+def test_iq2_grid_table_matches_the_reference_quantizer() -> None:
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import gen_tables
+    finally:
+        sys.path.pop(0)
+    assert (GPU_DIR / "iq2_tables.inc").read_text() == gen_tables.render(), "run engine/gpu/gen_tables.py"
+    # spot-check against the gguf package's independent decoder table
+    import gguf.quants as gq
+    import numpy as np
+
+    gq.IQ2_XXS.init_grid()
+    grid = np.asarray(gq.IQ2_XXS.grid).reshape(256, 8).astype(np.uint8)
+    words = gen_tables.grid_words()
+    for n in (0, 1, 77, 255):
+        assert words[n] == int.from_bytes(grid[n].tobytes(), "little")
+
+
+def test_import_reports_why_it_cannot_run() -> None:
+    if gpu.available():
+        pytest.skip("a GPU is available here")
+    reason = gpu.unavailable_reason()
+    assert reason and ("make cuda" in reason or "CUDA" in reason)
+    with pytest.raises(gpu.GpuUnavailable, match="CUDA|make cuda"):
+        gpu.matvec_host(None, None)
+    with pytest.raises(gpu.GpuUnavailable):
+        gpu.Array  # noqa: B018 - attribute access loads the extension
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_extension_compiles_without_a_gpu() -> None:
+    res = subprocess.run([sys.executable, str(GPU_DIR / "build.py")], capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr
+    assert list(GPU_DIR.glob("_ext*.so"))
