@@ -191,7 +191,7 @@ class EvalApp(App):
     def action_select(self, delta: int) -> None:
         n = len(self.run_.results)
         base = self.selected if self.selected is not None else (self.run_.active or 0)
-        self.selected = (base + delta) % n if self.selected is not None else base
+        self.selected = (base + delta) % n
         self.redraw()
 
     def action_run_selected(self) -> None:
@@ -273,7 +273,7 @@ class EvalApp(App):
             shown_max = limit - run.settings.hard_budget if phase == "THINK" else limit
             line = (f"Speed {speed:.2f} t/s  {phase} {compact_count(generated)}/"
                     f"{compact_count(max(shown_max, 0))}  {q.source}/{label}")
-        status.update(Text(trim(line, width)))
+        status.update(Text(line if len(line) <= width else line[:width - 3] + "..."))
         words = " ".join(q.user_prompt.split())
         chunks = [words[i:i + width] for i in range(0, min(len(words), 3 * width), width)]
         if len(words) > 3 * width and chunks:

@@ -1,0 +1,140 @@
+"""ds4-eval end to end on the local engine: plain mode, report, trace, JSON report, regrading the
+trace it wrote, the think budget, context sizing, and Ctrl+C."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from ds4.eval.grading import grade
+from ds4.eval.questions import load_questions
+from ds4.eval.trace import read_trace
+from test_eval_util import BIN, QUESTIONS, eval_model_path, run_cli
+
+REPORT_HEADER = "#   state    prompt      gen    total given    correct  test"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return eval_model_path(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_question_run(model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e")
+    trace, report = out / "run.trace", out / "report.json"
+    t0 = time.monotonic()
+    done = run_cli("-m", str(model), "--plain", "--questions", "2", "--tokens", "32",
+                   "--seed", "7", "--trace", str(trace), "--report-json", str(report))
+    wall = time.monotonic() - t0
+    print(f"\ntwo-question end-to-end run: {wall:.1f} s wall")
+    return done, trace, report, wall
+
+
+def test_plain_run_report(two_question_run):
+    done, _, _, _ = two_question_run
+    assert done.returncode in (0, 1), done.stderr
+    out = done.stdout
+    qs = load_questions(QUESTIONS)[:2]
+    assert f"[1/2] {qs[0].source}/{qs[0].domain} {qs[0].title}" in out
+    assert f"[2/2] {qs[1].source}/{qs[1].domain} {qs[1].title}" in out
+    verdicts = [ln for ln in out.splitlines() if ln.startswith(("PASSED got", "FAIL got"))]
+    assert len(verdicts) == 2 and all("32 tokens" in v or "tokens)" in v for v in verdicts)
+    assert REPORT_HEADER in out
+    rows = out.split(REPORT_HEADER + "\n", 1)[1].splitlines()[:2]
+    for k, (row, q) in enumerate(zip(rows, qs), 1):
+        assert row.startswith(f"{k:3d} ")
+        assert row.endswith(f"{q.source}/{q.id}")
+    summary = next(ln for ln in out.splitlines() if ln.startswith("ds4-eval: "))
+    passed = sum(ln.startswith("PASSED") for ln in verdicts)
+    assert summary.startswith(f"ds4-eval: {passed}/2 passed")
+    assert done.returncode == (0 if passed == 2 else 1)
+    assert "ds4-eval: context" in done.stderr
+
+
+def test_trace_and_json_report_agree(two_question_run):
+    done, trace, report, _ = two_question_run
+    header, cases, errors = read_trace(trace)
+    assert errors == [] and len(cases) == 2
+    assert header["backend"] == "local" and header["max_tokens"] == "32"
+    assert header["seed"] == "7" and header["think_mode_requested"] == "high"
+    assert int(header["ctx"]) == int(header["max_prompt_tokens"]) + 32
+    data = json.loads(report.read_text())
+    assert data["total"] == 2 and len(data["cases"]) == 2
+    qs = load_questions(QUESTIONS)[:2]
+    for case, row, q in zip(cases, data["cases"], qs):
+        assert (case.source, case.id) == (q.source, q.id) == (row["source"], row["id"])
+        assert case.status == row["state"] in ("PASSED", "FAILED")
+        assert case.prompt_tokens == row["prompt_tokens"] > 0
+        assert case.generated_tokens == row["generated_tokens"]
+        assert 0 < case.generated_tokens <= 32
+        # the recorded verdict is what the grader says about the recorded output
+        picked, ok = grade(q, case.output)
+        assert case.picked == picked == (row["given"] or "?")
+        assert ok == (case.status == "PASSED")
+        assert case.question_prompt == q.user_prompt
+    assert data["per_source"]["GPQA Diamond"]["total"] == 1
+
+
+def test_think_budget_closes_thinking(two_question_run):
+    _, trace, _, _ = two_question_run
+    _, cases, _ = read_trace(trace)
+    for case in cases:
+        # --tokens 32 → hard budget 8: thinking must be closed by generated token 25 at latest
+        assert case.think_close in ("natural", "soft_forced", "hard_forced")
+        assert "</think>" in case.output
+        assert 1 <= case.think_close_token_index <= 32 - 8 + 1
+        if case.think_close == "hard_forced":
+            assert case.think_close_remaining_budget == 8
+        if case.think_close == "soft_forced":
+            assert 1 <= case.think_close_rank <= 3
+
+
+def test_regrade_reads_back_the_run(two_question_run):
+    _, trace, _, _ = two_question_run
+    done = run_cli("--regrade-trace", str(trace))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "regraded 2 cases" in done.stdout and "changed=0 unknown=0 parse_errors=0" in done.stdout
+
+
+def test_nothink_greedy_is_deterministic(model, tmp_path):
+    traces = []
+    for k in range(2):
+        trace = tmp_path / f"t{k}.trace"
+        done = run_cli("-m", str(model), "--plain", "--only", "3", "--tokens", "12", "--temp", "0",
+                       "--nothink", "--seed", str(k + 1), "--trace", str(trace))
+        assert done.returncode in (0, 1), done.stderr
+        traces.append(read_trace(trace)[1][0])
+    assert traces[0].output == traces[1].output and traces[0].generated_tokens == 12
+    assert traces[0].think_close == "none" and traces[0].think_mode_effective == "none"
+
+
+def test_context_over_one_million_is_refused(model):
+    done = run_cli("-m", str(model), "--plain", "--questions", "1", "--tokens", "1000000",
+                   "--hard-limit-reply-budget", "10")
+    assert done.returncode == 2
+    assert "exceeds 1000000 tokens" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_prints_report_and_keeps_trace_valid(model, tmp_path):
+    trace = tmp_path / "int.trace"
+    proc = subprocess.Popen(
+        [str(BIN / "ds4-eval"), "-m", str(model), "--plain", "--questions", "3", "--tokens",
+         "5000", "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:   # wait until the first case is generating
+        if trace.exists() and proc.poll() is None:
+            time.sleep(1.5)
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err
+    assert REPORT_HEADER in out and "STOPPED" in out
+    _, cases, errors = read_trace(trace)
+    assert errors == [] and cases and cases[-1].status == "STOPPED"
+    assert trace.read_text().rstrip().endswith("total: %d" % len(cases))
