@@ -93,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="imatrix (.dat or GGUF)")
     s.add_argument("--heatmap", default=None, metavar="PNG")
 
+    q = sub.add_parser("quant-error", help="measure the weighted quantization error of routed experts with and "
+                                           "without an imatrix, on held-out activations",
+                       description="Capture held-out routed inputs of one layer through the engine, quantize each "
+                                   "expert of a routed tensor with ds4's default importance (column energy of W) "
+                                   "and with the imatrix, and report Σ‖(W−Ŵ)x‖² / Σ‖Wx‖² for both.")
+    q.add_argument("-m", "--model", default=None)
+    q.add_argument("--imatrix", required=True, help="imatrix file (.dat or GGUF)")
+    qsrc = q.add_mutually_exclusive_group()
+    qsrc.add_argument("--dataset", default=None, help="held-out prompts (JSONL records or marker text)")
+    qsrc.add_argument("--rendered", default=None)
+    q.add_argument("--skip-prompts", type=_positive, default=0, help="skip the first N prompts (held out = unseen)")
+    q.add_argument("--max-tokens", type=_positive, default=2048)
+    q.add_argument("--layer", type=_positive, default=3)
+    q.add_argument("--kind", choices=["gate", "up", "down"], default="gate")
+    q.add_argument("--type", default="iq2_xxs", choices=["iq2_xxs", "q2_k", "q4_k"])
+    q.add_argument("--max-experts", type=_positive, default=0)
+
     v = sub.add_parser("convert", help="convert between legacy .dat and GGUF imatrix")
     v.add_argument("input")
     v.add_argument("output", help="*.gguf → GGUF, otherwise .dat")
@@ -201,7 +218,46 @@ def _load_model(path: str | None, backend: str):
         raise UsageError(f"cannot load model: {e}") from None
 
 
-COMMANDS = {"collect": cmd_collect, "build-dataset": cmd_build_dataset, "stats": cmd_stats, "convert": cmd_convert}
+def cmd_quant_error(args) -> int:
+    from ds4.engine.session import Session
+    from ds4.gguf_tools.constants import QuantType
+    from ds4.imatrix.collect import load_prompts
+    from ds4.imatrix.evaluate import LayerInputRecorder, compare_quantization
+
+    im = fmt.load(args.imatrix)
+    model = _load_model(args.model, "cpu")
+    if args.layer >= model.config.n_layer:
+        raise UsageError(f"--layer {args.layer}: the model has {model.config.n_layer} layers")
+    source = args.rendered or args.dataset or str(default_dataset())
+    try:
+        prompts = load_prompts(source)[args.skip_prompts:]
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    rec = LayerInputRecorder(args.layer)
+    used = 0
+    for p in prompts:
+        ids = model.tokenizer.encode_chat(p.text)[: args.max_tokens - used]
+        if not ids:
+            break
+        Session(model, ctx=max(len(ids), 2), hooks=rec).prefill(ids)
+        used += len(ids)
+    rows = compare_quantization(model, im, rec, args.kind, QuantType[args.type.upper()], args.max_experts)
+    if not rows:
+        raise UsageError("no expert received enough held-out rows; raise --max-tokens")
+    print(f"layer {args.layer} {args.kind}, {args.type}, {used} held-out tokens")
+    print(f"{'expert':>6} {'rows':>6} {'err default':>12} {'err imatrix':>12} {'change':>8}")
+    for r in rows:
+        print(f"{r.expert:>6} {r.rows:>6} {r.err_default:>12.5f} {r.err_imatrix:>12.5f} "
+              f"{100 * (r.err_imatrix / r.err_default - 1):>7.2f}%")
+    d = sum(r.err_default * r.rows for r in rows) / sum(r.rows for r in rows)
+    w = sum(r.err_imatrix * r.rows for r in rows) / sum(r.rows for r in rows)
+    better = sum(r.err_imatrix < r.err_default for r in rows)
+    print(f"row-weighted mean: default {d:.5f}, imatrix {w:.5f} ({100 * (w / d - 1):+.2f}%); "
+          f"imatrix better on {better}/{len(rows)} experts")
+    return 0
+
+
+COMMANDS = {"collect": cmd_collect, "quant-error": cmd_quant_error, "build-dataset": cmd_build_dataset, "stats": cmd_stats, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

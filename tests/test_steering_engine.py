@@ -123,8 +123,8 @@ def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
     from ds4.steering.cli import main
 
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
-    good.write_text("\n".join(PROMPTS_A[:3]) + "\n")
-    bad.write_text("# contrast\n" + "\n".join(PROMPTS_B[:3]) + "\n")
+    good.write_text("\n".join(PROMPTS_A[:2]) + "\n")
+    bad.write_text("# contrast\n" + "\n".join(PROMPTS_B[:2]) + "\n")
     out = tmp_path / "dir.f32"
     r = _steer_cli("build", "-m", tiny_path, "--positive", good, "--negative", bad, "-o", out,
                    "--gguf", tmp_path / "dir.gguf", "-q")
@@ -136,12 +136,12 @@ def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
 
     (tmp_path / "eval.txt").write_text("Explain why databases use indexes.\n")
     r = _steer_cli("sweep", "-m", tiny_path, "--direction", out, "--prompts", tmp_path / "eval.txt",
-                   "--scales=-1,0,1", "--tokens", "6", "--csv", tmp_path / "s.csv", "--chart", tmp_path / "s.png", "-q")
+                   "--scales=-1,0,1", "--tokens", "3", "--csv", tmp_path / "s.csv", "--chart", tmp_path / "s.png", "-q")
     assert r.returncode == 0, r.stderr
     assert "ffn -1" in r.stdout and "mean" in r.stdout
     rows = list(csv.DictReader(open(tmp_path / "s.csv")))
     assert [row["ffn_scale"] for row in rows] == ["-1", "0", "1"]
-    assert all(0 <= int(row["tokens"]) <= 6 for row in rows)
+    assert all(0 <= int(row["tokens"]) <= 3 for row in rows)
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
     # in-process from here on (the subprocess paths are covered above)
