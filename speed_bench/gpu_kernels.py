@@ -1,0 +1,217 @@
+"""Kernel benchmark of ds4.engine.gpu at DeepSeek V4 Flash shapes (issue 6; run on an H200).
+
+For each kernel: time per call, bytes of weights read (GGUF bytes), achieved GB/s and the ratio to a
+device-to-device copy measured in the same run (copy GB/s counts bytes read + written). Each timed
+call goes through a CUDA graph that cycles over enough copies of the weights to keep them out of
+the 60 MB L2. A "layer" row runs every matvec of one Flash q2 layer in sequence in one graph and
+compares it with its bandwidth floor (bytes / copy bandwidth).
+
+    python -m ds4.speed_bench.gpu_kernels [--batch 1 8] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ds4.engine import gpu
+from ds4.gguf_tools.constants import BLOCK, QuantType as Q, row_bytes
+
+L2_BYTES = 60 << 20
+ROTATE_BYTES = 512 << 20  # weights cycled per graph: ~8x L2
+
+
+def random_raw(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random GGUF blocks with finite f16 scales (bandwidth does not depend on the values)."""
+    rb = row_bytes(qtype, cols)
+    raw = np.frombuffer(rng.bytes(rows * rb), dtype=np.uint8).copy()
+    if qtype == Q.F16:
+        v = raw.view(np.uint16)
+        v &= 0x3BFF  # |x| < 1, finite
+        return raw.reshape(rows, rb)
+    info = BLOCK[qtype]
+    blocks = raw.reshape(-1, info.nbytes)
+    scale_offsets = {Q.Q8_0: (0,), Q.Q2_K: (80, 82), Q.Q4_K: (0, 2), Q.IQ2_XXS: (0,)}[qtype]
+    for off in scale_offsets:
+        blocks[:, off:off + 2] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return raw.reshape(rows, rb)
+
+
+class Weights:
+    """`copies` device copies of one random tensor (same bytes, distinct buffers)."""
+
+    def __init__(self, name: str, qtype: Q, ne: tuple[int, ...], rng: np.random.Generator, copies: int | None = None):
+        rows = int(np.prod(ne[1:]))
+        raw = random_raw(qtype, rows, ne[0], rng)
+        if copies is None:
+            copies = max(1, min(64, -(-ROTATE_BYTES // raw.nbytes)))
+        self.name, self.qtype, self.ne = name, qtype, ne
+        self.tensors = [gpu.upload(f"{name}#{i}", qtype, ne, raw) for i in range(copies)]
+        self.nbytes = raw.nbytes
+
+
+def time_graph(record, n_calls: int, iters: int) -> float:
+    """ms per call of `record(i)` captured n_calls times in one graph."""
+    ext = gpu.load()
+    record(0)  # size scratch outside capture
+    ext.synchronize()
+    ext.capture_begin()
+    try:
+        for i in range(n_calls):
+            record(i)
+    finally:
+        graph = ext.capture_end()
+    return graph.time_ms(iters=iters, warmup=2) / n_calls
+
+
+def bench_matvec(w: Weights, batch: int, groups: int = 1, iters: int = 10) -> float:
+    ext = gpu.load()
+    rng = np.random.default_rng(0)
+    ncols, nrows = w.ne[0], int(np.prod(w.ne[1:]))
+    x = ext.Array.from_numpy(rng.standard_normal((batch, groups * ncols)).astype(np.float32))
+    y = ext.Array.empty([batch, nrows])
+    n_calls = max(len(w.tensors), 8)
+    return time_graph(lambda i: ext.matvec(w.tensors[i % len(w.tensors)], x, y, groups), n_calls, iters)
+
+
+class Experts:
+    def __init__(self, mix: str, rng: np.random.Generator, n_expert: int = 256, n_embd: int = 4096, n_ff: int = 2048):
+        qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
+        self.mix, self.n_expert, self.n_embd = mix, n_expert, n_embd
+        self.gate = Weights(f"{mix}.gate_exps", qg, (n_embd, n_ff, n_expert), rng, copies=1)
+        self.up = Weights(f"{mix}.up_exps", qg, (n_embd, n_ff, n_expert), rng, copies=1)
+        self.down = Weights(f"{mix}.down_exps", qd, (n_ff, n_embd, n_expert), rng, copies=1)
+        self.per_expert = (self.gate.nbytes + self.up.nbytes + self.down.nbytes) // n_expert
+
+
+def bench_moe(ex: Experts, tokens: int, k: int = 6, iters: int = 10) -> tuple[float, int]:
+    """ms per MoE call with fresh experts each call; returns (ms, distinct expert bytes per call)."""
+    ext = gpu.load()
+    rng = np.random.default_rng(1)
+    n_calls = 32
+    perm = [rng.permutation(ex.n_expert) for _ in range(n_calls)]
+    ids = [ext.Array.from_numpy(p[: tokens * k].reshape(tokens, k).astype(np.int32).copy()) for p in perm]
+    wts = ext.Array.from_numpy(np.full((tokens, k), 0.25, np.float32))
+    x = ext.Array.from_numpy(rng.standard_normal((tokens, ex.n_embd)).astype(np.float32))
+    y = ext.Array.empty([tokens, ex.n_embd])
+    g, u, d = ex.gate.tensors[0], ex.up.tensors[0], ex.down.tensors[0]
+    ms = time_graph(lambda i: ext.moe(g, u, d, x, ids[i % n_calls], wts, y, 10.0), n_calls, iters)
+    return ms, tokens * k * ex.per_expert
+
+
+# One Flash layer's matvecs (model-spec §2.4, §8.2): name, type, ne, groups.
+FLASH_MATVECS = [
+    ("attn_q_a", Q.Q8_0, (4096, 1024), 1),
+    ("attn_q_b", Q.Q8_0, (1024, 32768), 1),
+    ("attn_kv", Q.Q8_0, (4096, 512), 1),
+    ("attn_output_a", Q.Q8_0, (4096, 8192), 8),
+    ("attn_output_b", Q.Q8_0, (8192, 4096), 1),
+    ("ffn_gate_shexp", Q.Q8_0, (4096, 2048), 1),
+    ("ffn_up_shexp", Q.Q8_0, (4096, 2048), 1),
+    ("ffn_down_shexp", Q.Q8_0, (2048, 4096), 1),
+    ("attn_compressor_kv", Q.F16, (4096, 1024), 1),
+    ("attn_compressor_gate", Q.F16, (4096, 1024), 1),
+    ("indexer.attn_q_b", Q.F16, (1024, 8192), 1),
+    ("indexer.proj", Q.F16, (4096, 64), 1),
+    ("ffn_gate_inp", Q.F16, (4096, 256), 1),
+]
+# Stand-alone rows for each expert type at the size of 6 experts (a plain matvec over stacked rows).
+EXPERT_MATVECS = [
+    ("6x gate/up IQ2_XXS", Q.IQ2_XXS, (4096, 6 * 2048), 1),
+    ("6x down Q2_K", Q.Q2_K, (2048, 6 * 4096), 1),
+    ("6x gate/up Q4_K", Q.Q4_K, (4096, 6 * 2048), 1),
+    ("6x down Q4_K", Q.Q4_K, (2048, 6 * 4096), 1),
+]
+HEAD = ("output (head)", Q.Q8_0, (4096, 129280), 1)
+
+
+def bench_layer(rng: np.random.Generator, experts: Experts, copies: int, iters: int) -> tuple[float, int]:
+    """All matvecs of one Flash q2 layer (ratio-4 layer: compressor + indexer) in one graph."""
+    ext = gpu.load()
+    layers = [{name: gpu.upload(f"L{c}.{name}", q, ne, random_raw(q, int(np.prod(ne[1:])), ne[0], rng))
+               for name, q, ne, _ in FLASH_MATVECS} for c in range(copies)]
+    bufs = {}
+    for name, q, ne, groups in FLASH_MATVECS:
+        bufs[name] = (ext.Array.from_numpy(rng.standard_normal((1, groups * ne[0])).astype(np.float32)),
+                      ext.Array.empty([1, ne[1]]), groups)
+    k = 6
+    ids = [ext.Array.from_numpy(rng.permutation(experts.n_expert)[:k].reshape(1, k).astype(np.int32).copy())
+           for _ in range(copies)]
+    wts = ext.Array.from_numpy(np.full((1, k), 0.25, np.float32))
+    xm = ext.Array.from_numpy(rng.standard_normal((1, experts.n_embd)).astype(np.float32))
+    ym = ext.Array.empty([1, experts.n_embd])
+    g, u, d = experts.gate.tensors[0], experts.up.tensors[0], experts.down.tensors[0]
+
+    def record(i: int) -> None:
+        layer = layers[i % copies]
+        for name, _, _, groups in FLASH_MATVECS:
+            x, y, _ = bufs[name]
+            ext.matvec(layer[name], x, y, groups)
+        ext.moe(g, u, d, xm, ids[i % copies], wts, ym, 10.0)
+
+    ms = time_graph(record, copies, iters)
+    nbytes = sum(t.gguf_nbytes for t in layers[0].values()) + k * experts.per_expert
+    return ms, nbytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="GPU kernel bandwidth at Flash shapes (needs a CUDA device)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch widths to time (1..8)")
+    ap.add_argument("--json", help="write all rows to this JSON file")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = ap.parse_args(argv)
+    if not gpu.available():
+        print(f"gpu_kernels: {gpu.unavailable_reason()}", file=sys.stderr)
+        return 2
+    if any(b < 1 or b > 8 for b in args.batch):
+        print("gpu_kernels: --batch values must be 1..8", file=sys.stderr)
+        return 2
+    ext = gpu.load()
+    iters = 5 if args.quick else 20
+    info = ext.device_info()
+    copy = ext.copy_bandwidth(1 << 31, 20)
+    copy_gbps = copy["gbps"]
+    print(f"device: {info['name']} ({info['sms']} SMs, L2 {info['l2_bytes'] >> 20} MiB); "
+          f"D2D copy {copy_gbps:.0f} GB/s (read+write)", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def add(kernel: str, qtype: str, batch: int, ms: float, nbytes: int) -> None:
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        row = dict(kernel=kernel, type=qtype, batch=batch, us=ms * 1e3, mbytes=nbytes / 1e6, gbps=gbps,
+                   ratio=gbps / copy_gbps)
+        rows.append(row)
+        print(f"{kernel:26s} {qtype:8s} B={batch}  {row['us']:9.1f} us  {row['mbytes']:8.2f} MB  "
+              f"{gbps:7.0f} GB/s  {row['ratio']:5.2f}", flush=True)
+
+    t0 = time.time()
+    for name, q, ne, groups in FLASH_MATVECS + EXPERT_MATVECS + [HEAD]:
+        w = Weights(name, q, ne, rng)
+        for b in args.batch:
+            add(name, q.name, b, bench_matvec(w, b, groups, iters), w.nbytes)
+        del w
+    experts = {mix: Experts(mix, rng) for mix in ("q2", "q4")}
+    for mix, ex in experts.items():
+        for b in args.batch:
+            ms, nbytes = bench_moe(ex, b, iters=iters)
+            add(f"routed MoE k=6 ({mix})", "IQ2+Q2K" if mix == "q2" else "Q4_K", b, ms, nbytes)
+    ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
+    floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
+    add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)
+    print(f"layer: {ms * 1e3:.1f} us vs floor {floor_ms * 1e3:.1f} us at copy bandwidth -> {ms / floor_ms:.2f}x floor")
+    print(f"total bench time {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(device=info, copy=copy, rows=rows, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
+        import os
+
+        os.replace(args.json + ".tmp", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
