@@ -180,9 +180,24 @@ def topk_rows(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 class _RefKernels:
+    """Plain numpy: the readable definition (BLAS matmuls are not batch-invariant; see kernels.matmul_t)."""
+
     compressor_scan = staticmethod(compressor_scan_ref)
     indexer_scores = staticmethod(indexer_scores_ref)
     attend = staticmethod(attend_ref)
+
+    @staticmethod
+    def matmul(model, name, x):
+        return (x @ model.w(name).T).astype(F32)
+
+    @staticmethod
+    def expert_matmul(model, name, e, x):
+        return (x @ model.w(name)[e].T).astype(F32)
+
+    @staticmethod
+    def group_matmul(model, name, groups, x):
+        w = model.w(name)
+        return np.einsum("tgi,goi->tgo", x, w.reshape(groups, w.shape[0] // groups, w.shape[1])).astype(F32)
 
 
 def _kernels(impl: str):
@@ -194,11 +209,11 @@ def _kernels(impl: str):
 
 
 # ---- sublayers -----------------------------------------------------------------------------------
-def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, cfg: Config):
-    """mHC pre (model-spec §3.3): returns the sublayer input u [T, D], post [T, n] and comb [T, n, n]."""
-    T, n, D = X.shape
-    xn = rms_norm(X.reshape(T, n * D), None, cfg.rms_eps)
-    mix = xn @ fn.T
+def hc_pre(X: np.ndarray, mix: np.ndarray, scale: np.ndarray, base: np.ndarray, cfg: Config):
+    """mHC pre (model-spec §3.3) from mix = fn · UnitRMS(flatten X) [T, (2+n)·n]: returns the
+    sublayer input u [T, D], post [T, n] and the Sinkhorn-projected comb [T, n, n]."""
+    n = X.shape[1]
+    T = X.shape[0]
     pre = sigmoid(mix[:, :n] * scale[0] + base[:n]) + F32(cfg.hc_eps)
     post = F32(2.0) * sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[:, 2 * n:].reshape(T, n, n) * scale[2] + base[2 * n:].reshape(n, n)
@@ -208,13 +223,28 @@ def hc_pre(X: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, c
     for _ in range(cfg.sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=2, keepdims=True) + F32(cfg.hc_eps))
         comb = comb / (comb.sum(axis=1, keepdims=True) + F32(cfg.hc_eps))
-    u = np.einsum("ti,tid->td", pre, X)
-    return u.astype(F32), post.astype(F32), comb.astype(F32)
+    return stream_sum(pre, X), post.astype(F32), comb.astype(F32)
+
+
+def stream_sum(wts: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """Σ_i wts[:, i] · X[:, i] (elementwise, so every token's result is independent of the batch)."""
+    u = wts[:, 0, None] * X[:, 0]
+    for i in range(1, X.shape[1]):
+        u = u + wts[:, i, None] * X[:, i]
+    return u.astype(F32)
 
 
 def hc_post(X: np.ndarray, y: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     """X'[b] = post_b · y + Σ_a comb[a, b] · X[a]."""
-    return (post[:, :, None] * y[:, None, :] + np.einsum("tab,tad->tbd", comb, X)).astype(F32)
+    out = np.empty_like(X)
+    for b in range(X.shape[1]):
+        out[:, b] = post[:, b, None] * y + stream_sum(comb[:, :, b], X)
+    return out
+
+
+def _hc_mix(model, K, X: np.ndarray, fn_name: str) -> np.ndarray:
+    T, n, D = X.shape
+    return K.matmul(model, fn_name, rms_norm(X.reshape(T, n * D), None, model.config.rms_eps))
 
 
 def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: int, cfg: Config, indexer: bool) -> np.ndarray:
@@ -233,10 +263,10 @@ def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, stat
     cfg = model.config
     ratio = cfg.ratio(li)
     kv_name, gate_name, ape_name, norm_name = names
-    kv = model.matmul(C.blk(li, kv_name), a)
+    kv = K.matmul(model, C.blk(li, kv_name), a)
     ape = model.w(C.blk(li, ape_name))
     positions = pos0 + np.arange(a.shape[0])
-    score = model.matmul(C.blk(li, gate_name), a) + ape[positions % ratio]
+    score = K.matmul(model, C.blk(li, gate_name), a) + ape[positions % ratio]
     pooled = np.empty((a.shape[0] // ratio + 1, kv.shape[1] // 2 if ratio == 4 else kv.shape[1]), F32)
     n = K.compressor_scan(np.ascontiguousarray(kv), np.ascontiguousarray(score, dtype=F32), pos0, ratio,
                           state_kv, state_score, pooled)
@@ -258,12 +288,12 @@ def _indexer_mask(model, li: int, c: np.ndarray, a: np.ndarray, pos: np.ndarray,
         return visible
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
     rows = np.nonzero(sel)[0]
-    q = model.matmul(C.blk(li, L.IDX_Q_B), c[rows]).reshape(len(rows), Hi, di)
+    q = K.matmul(model, C.blk(li, L.IDX_Q_B), c[rows]).reshape(len(rows), Hi, di)
     cos, sin = cos_sin(inv_freq(cfg, True), pos[rows])
     q = apply_tail(q, cos, sin, cfg.rope_dim)
     if cfg.indexer_qat:
         q = indexer_qat(q)
-    w = model.matmul(C.blk(li, L.IDX_PROJ), a[rows]) * F32(1.0 / math.sqrt(di * Hi))
+    w = K.matmul(model, C.blk(li, L.IDX_PROJ), a[rows]) * F32(1.0 / math.sqrt(di * Hi))
     scores = K.indexer_scores(np.ascontiguousarray(q), np.ascontiguousarray(w, dtype=F32), st.idx[:n])
     scores = np.where(visible[rows], scores, -np.inf)
     chosen = topk_rows(scores, cfg.indexer_top_k)
@@ -281,10 +311,10 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     pos = pos0 + np.arange(T)
     cos, sin = cos_sin(inv_freq(cfg, ratio != 0), pos)
 
-    c = rms_norm(model.matmul(C.blk(li, L.ATTN_Q_A), a), model.w(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
-    q = rms_norm(model.matmul(C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
+    c = rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_A), a), model.w(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
+    q = rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
     q = apply_tail(q, cos, sin, cfg.rope_dim)
-    kv = rms_norm(model.matmul(C.blk(li, L.ATTN_KV), a), model.w(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
+    kv = rms_norm(K.matmul(model, C.blk(li, L.ATTN_KV), a), model.w(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
     kv = apply_tail(kv, cos, sin, cfg.rope_dim)
     if cfg.fp8_kv:
         kv = fp8_kv_round(kv, cfg.n_nope)
@@ -317,15 +347,14 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     o = apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
 
     G = cfg.o_groups
-    wa = model.w(C.blk(li, L.ATTN_OUTPUT_A)).reshape(G, cfg.o_lora_rank, H * d // G)
-    low = np.einsum("tgi,goi->tgo", o.reshape(T, G, H * d // G), wa).reshape(T, G * cfg.o_lora_rank)
-    return model.matmul(C.blk(li, L.ATTN_OUTPUT_B), low)
+    low = K.group_matmul(model, C.blk(li, L.ATTN_OUTPUT_A), G, o.reshape(T, G, H * d // G)).reshape(T, -1)
+    return K.matmul(model, C.blk(li, L.ATTN_OUTPUT_B), low)
 
 
-def route(model, li: int, b: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def route(model, K, li: int, b: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids [T, k] and routing weights [T, k] (model-spec §3.7 steps 1-3)."""
     cfg = model.config
-    s = np.sqrt(softplus(model.matmul(C.blk(li, L.FFN_GATE_INP), b)))
+    s = np.sqrt(softplus(K.matmul(model, C.blk(li, L.FFN_GATE_INP), b)))
     if cfg.is_hash_layer(li):
         ids = model.ids(C.blk(li, L.FFN_GATE_TID2EID))[tokens]
     else:
@@ -341,38 +370,36 @@ def _swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
     return silu(np.minimum(g, F32(limit))) * np.clip(u, -limit, limit)
 
 
-def moe(model, li: int, b: np.ndarray, tokens: np.ndarray, hooks: Hooks | None) -> np.ndarray:
+def moe(model, K, li: int, b: np.ndarray, tokens: np.ndarray, hooks: Hooks | None) -> np.ndarray:
     """Routed experts plus the shared expert (model-spec §3.7); b = RMSNorm(v; ffn_norm) [T, D]."""
     cfg = model.config
     T, k = b.shape[0], cfg.n_expert_used
     limit = cfg.swiglu_clamp[li]
-    ids, w = route(model, li, b, tokens)
+    ids, w = route(model, K, li, b, tokens)
     want_mid = hooks is not None and hooks.wants_routed_inputs()
     mid = np.zeros((T, k, cfg.expert_ffn), F32) if want_mid else None
     out = np.zeros((T, cfg.n_embd), F32)
-    W1, W3, W2 = (model.w(C.blk(li, n)) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
+    W1, W3, W2 = (C.blk(li, n) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
     for e in np.unique(ids):
         tt, slot = np.nonzero(ids == e)
         x = b[tt]
-        h = _swiglu(x @ W1[e].T, x @ W3[e].T, limit) * w[tt, slot, None]
+        h = _swiglu(K.expert_matmul(model, W1, e, x), K.expert_matmul(model, W3, e, x), limit) * w[tt, slot, None]
         if mid is not None:
             mid[tt, slot] = h
-        np.add.at(out, tt, h @ W2[e].T)
+        np.add.at(out, tt, K.expert_matmul(model, W2, e, h))
     if want_mid:
         hooks.routed_inputs(li, b, ids, w, mid)
-    sh = _swiglu(model.matmul(C.blk(li, L.FFN_GATE_SHEXP), b), model.matmul(C.blk(li, L.FFN_UP_SHEXP), b), limit)
-    return (out + model.matmul(C.blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
+    sh = _swiglu(K.matmul(model, C.blk(li, L.FFN_GATE_SHEXP), b), K.matmul(model, C.blk(li, L.FFN_UP_SHEXP), b), limit)
+    return (out + K.matmul(model, C.blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
 
 
-def head(model, X: np.ndarray) -> np.ndarray:
+def head(model, K, X: np.ndarray) -> np.ndarray:
     """Output HC collapse, final norm and LM head (model-spec §3.8): X [T, n, D] → logits [T, V]."""
     cfg = model.config
-    T, n, D = X.shape
-    xn = rms_norm(X.reshape(T, n * D), None, cfg.rms_eps)
-    mix = xn @ model.w(C.OUTPUT_HC_FN).T
+    mix = _hc_mix(model, K, X, C.OUTPUT_HC_FN)
     wts = sigmoid(mix * model.w(C.OUTPUT_HC_SCALE)[0] + model.w(C.OUTPUT_HC_BASE)) + F32(cfg.hc_eps)
-    h = np.einsum("ti,tid->td", wts, X)
-    return model.matmul(C.OUTPUT, rms_norm(h, model.w(C.OUTPUT_NORM), cfg.rms_eps))
+    h = stream_sum(wts, X)
+    return K.matmul(model, C.OUTPUT, rms_norm(h, model.w(C.OUTPUT_NORM), cfg.rms_eps))
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -406,20 +433,35 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
     X = np.repeat(e[:, None, :], cfg.n_hc, axis=1).astype(F32)
     for li in range(cfg.n_layer):
         st = state.layers[li]
-        u, post, comb = hc_pre(X, model.w(C.blk(li, L.HC_ATTN_FN)), model.w(C.blk(li, L.HC_ATTN_SCALE)),
-                               model.w(C.blk(li, L.HC_ATTN_BASE)), cfg)
+        u, post, comb = hc_pre(X, _hc_mix(model, K, X, C.blk(li, L.HC_ATTN_FN)),
+                               model.w(C.blk(li, L.HC_ATTN_SCALE)), model.w(C.blk(li, L.HC_ATTN_BASE)), cfg)
         a = rms_norm(u, model.w(C.blk(li, L.ATTN_NORM)), cfg.rms_eps)
         y = _edit(hooks, li, "attn", attention(model, li, a, pos0, st, state, K))
         X = hc_post(X, y, post, comb)
 
-        v, post, comb = hc_pre(X, model.w(C.blk(li, L.HC_FFN_FN)), model.w(C.blk(li, L.HC_FFN_SCALE)),
-                               model.w(C.blk(li, L.HC_FFN_BASE)), cfg)
+        v, post, comb = hc_pre(X, _hc_mix(model, K, X, C.blk(li, L.HC_FFN_FN)),
+                               model.w(C.blk(li, L.HC_FFN_SCALE)), model.w(C.blk(li, L.HC_FFN_BASE)), cfg)
         b = rms_norm(v, model.w(C.blk(li, L.FFN_NORM)), cfg.rms_eps)
-        y = _edit(hooks, li, "ffn", moe(model, li, b, tokens, hooks))
+        y = _edit(hooks, li, "ffn", moe(model, K, li, b, tokens, hooks))
         X = hc_post(X, y, post, comb)
         if hooks is not None:
             hooks.residual(li, X)
     state.n_tokens += T
     if all_logits:
-        return head(model, X)
-    return head(model, X[-1:])[0]
+        return head(model, K, X)
+    return head(model, K, X[-1:])[0]
+
+
+def warm_weights(model) -> None:
+    """Prepare every weight the numba path multiplies by (transposed float32 copies)."""
+    cfg = model.config
+    names = [C.OUTPUT, C.OUTPUT_HC_FN]
+    for li in range(cfg.n_layer):
+        for t in (L.HC_ATTN_FN, L.HC_FFN_FN, L.ATTN_Q_A, L.ATTN_Q_B, L.ATTN_KV, L.ATTN_OUTPUT_B, L.FFN_GATE_INP,
+                  L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP, L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS,
+                  L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_Q_B, L.IDX_PROJ):
+            if model.has(C.blk(li, t)):
+                names.append(C.blk(li, t))
+        model.transposed(C.blk(li, L.ATTN_OUTPUT_A), groups=cfg.o_groups)
+    for name in names:
+        model.transposed(name)

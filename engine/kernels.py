@@ -124,3 +124,56 @@ def attend(q, keys, mask, sinks, scale):
                 for j in range(d):
                     out[t, h, j] += p * keys[n, j]
     return out
+
+
+@nb.njit(cache=True, parallel=True)
+def matmul_t(x, wt):
+    """out[t, o] = Σ_k x[t, k] · wt[k, o] with wt = Wᵀ ([K, O], contiguous).
+
+    Batch-invariant by construction: every output accumulates k = 0..K−1 strictly in order (no
+    fastmath, no FMA contraction), vectorised across o, so a row's result does not depend on how
+    many rows are multiplied with it. That makes prefill, chunked prefill and decode bit-identical
+    even through the discontinuous FP8/FP4 roundings (BLAS gemm/gemv blocking is not). Blocks of
+    4 rows × 512 outputs keep the accumulators in L1; threads split the output blocks.
+    """
+    T, K = x.shape
+    O = wt.shape[1]
+    out = np.zeros((T, O), np.float32)
+    OB = 512
+    for ob in nb.prange((O + OB - 1) // OB):
+        o0 = ob * OB
+        n = min(O - o0, OB)
+        acc = np.zeros((4, OB), np.float32)
+        for t0 in range(0, T, 4):
+            nt = min(T - t0, 4)
+            acc[:] = 0
+            for k in range(K):
+                w = wt[k, o0:o0 + n]
+                for tt in range(nt):
+                    xv = x[t0 + tt, k]
+                    a = acc[tt]
+                    for j in range(n):
+                        a[j] += xv * w[j]
+            for tt in range(nt):
+                out[t0 + tt, o0:o0 + n] = acc[tt, :n]
+    return out
+
+
+# ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
+def matmul(model, name, x):
+    """x[T, in] @ W.T for the model's 2-D weight `name`."""
+    return matmul_t(np.ascontiguousarray(x, dtype=np.float32), model.transposed(name))
+
+
+def expert_matmul(model, name, e, x):
+    """x[T, in] @ W[e].T for expert e of a 3-D expert tensor."""
+    return matmul_t(np.ascontiguousarray(x, dtype=np.float32), model.transposed(name)[e])
+
+
+def group_matmul(model, name, groups, x):
+    """Grouped output projection: x [T, G, in_g] → [T, G, out_g], group g using rows g·out_g.. of W."""
+    wt = model.transposed(name, groups=groups)
+    out = np.empty((x.shape[0], groups, wt.shape[2]), np.float32)
+    for g in range(groups):
+        out[:, g] = matmul_t(np.ascontiguousarray(x[:, g], dtype=np.float32), wt[g])
+    return out

@@ -33,6 +33,7 @@ class Model:
         self.path = path
         self._source = tensors  # name -> array (numpy) or a DS4File-backed loader
         self._cache: dict[str, np.ndarray] = {}
+        self._tcache: dict[tuple, np.ndarray] = {}
         self._tokenizer = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -59,6 +60,7 @@ class Model:
         other = Model(self.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat), self._source,
                       file=self.file, path=self.path)
         other._cache = self._cache
+        other._tcache = self._tcache
         other._tokenizer = self._tokenizer
         return other
 
@@ -75,6 +77,22 @@ class Model:
             src = self._source[name]
             arr = np.ascontiguousarray(np.asarray(src), dtype=F32) if not isinstance(src, _Lazy) else src.load()
             self._cache[name] = arr
+        return arr
+
+    def transposed(self, name: str, groups: int | None = None) -> np.ndarray:
+        """Contiguous Wᵀ for the batch-invariant kernels, cached: [in, out] for a 2-D weight,
+        [E, in, out] for experts, [G, in_g, out_g] for a grouped projection."""
+        key = (name, groups)
+        arr = self._tcache.get(key)
+        if arr is None:
+            w = self._cache.get(name)
+            if w is None:  # convert without caching the row-major copy as well
+                src = self._source[name]
+                w = src.load() if isinstance(src, _Lazy) else np.asarray(src, dtype=F32)
+            if groups is not None:
+                w = w.reshape(groups, w.shape[0] // groups, w.shape[1])
+            arr = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=F32)
+            self._tcache[key] = arr
         return arr
 
     def ids(self, name: str) -> np.ndarray:
@@ -106,10 +124,10 @@ class Model:
         return self._tokenizer
 
     def warm(self) -> None:
-        """Convert every weight now (benchmarks: keep conversion out of timed decode)."""
-        for name in self._source:
-            if not name.endswith("tid2eid.weight"):
-                self.w(name)
+        """Convert every weight the fast path multiplies by now (keeps conversion out of timings)."""
+        from ds4.engine.forward import warm_weights
+
+        warm_weights(self)
 
 
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,19 @@ HEADER = struct.Struct("<13I")
 RESUME_PREFILL_MIN = 4  # shorter extensions run as single-token decodes
 
 
+def kv_bytes_per_token(cfg) -> float:
+    """model-spec §4.5: bytes of f32 compressed rows per token, d·4/r per compressed layer plus the
+    indexer's di·4/4 on ratio-4 layers (the raw ring and the frontiers are a constant on top)."""
+    total = 0.0
+    for i in range(cfg.n_layer):
+        r = cfg.ratio(i)
+        if r:
+            total += cfg.head_dim * 4 / r
+        if r == 4:
+            total += cfg.indexer_dim * 4 / 4
+    return total
+
+
 class SessionError(ValueError):
     """A prompt that does not fit, or a session payload that cannot be restored here."""
 
@@ -132,16 +145,7 @@ class Session:
         return self.state.nbytes()
 
     def kv_bytes_per_token(self) -> float:
-        """model-spec §4.5: f32 compressed rows per token, d·4/r per compressed layer plus the
-        indexer's di·4/4 on ratio-4 layers (the raw ring and frontiers are constant)."""
-        cfg, total = self.cfg, 0.0
-        for i in range(cfg.n_layer):
-            r = cfg.ratio(i)
-            if r:
-                total += cfg.head_dim * 4 / r
-            if r == 4:
-                total += cfg.indexer_dim * 4 / 4
-        return total
+        return kv_bytes_per_token(self.cfg)
 
     # ---- DSV4 payload (runtime-spec §6.2) ------------------------------------------------------
     def _header(self, n_tokens: int) -> tuple[int, ...]:

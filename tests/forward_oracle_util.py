@@ -150,3 +150,44 @@ def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         out = model(input_ids=torch.tensor([list(tokens)]), use_cache=False)
     return out.logits[0].float().numpy()
+
+
+def random_tensors(cfg: Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """GGUF-named random weights for `cfg` at scales that keep activations O(1) (no transformers)."""
+    from ds4.engine.model import expected_shapes
+
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    shapes = dict(expected_shapes(cfg))
+    for i in range(cfg.n_hash_layers, cfg.n_layer):
+        shapes[C.blk(i, L.EXP_PROBS_B)] = (cfg.n_expert,)
+    for name, shape in shapes.items():
+        if name.endswith(L.FFN_GATE_TID2EID.value):
+            out[name] = np.stack([rng.permutation(cfg.n_expert)[:cfg.n_expert_used] for _ in range(shape[0])]).astype(np.int32)
+        elif "norm" in name:
+            out[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        elif name.endswith(("sinks.weight", "ape.weight", "base.weight", "hc_base.weight")):
+            out[name] = rng.standard_normal(shape).astype(np.float32)
+        elif name.endswith("scale.weight"):
+            out[name] = (0.5 + rng.random(shape)).astype(np.float32)
+        elif name.endswith("exp_probs_b.bias"):
+            out[name] = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name == C.TOKEN_EMBD:
+            out[name] = rng.standard_normal(shape).astype(np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return out
+
+
+def write_model_gguf(path, cfg: Config, tensors: dict[str, np.ndarray], qtypes: dict[str, int] | None = None):
+    """A DS4 GGUF through the project's writer (F32 tensors unless `qtypes` names another type)."""
+    from ds4.gguf_tools.writer import ds4_metadata, write_tensors
+
+    qtypes = qtypes or {}
+    tokens = [f"<t{i}>" for i in range(cfg.vocab_size)]
+    meta = ds4_metadata(cfg, tokens, ["<t0> <t1>"])
+    items = {}
+    for name, arr in tensors.items():
+        q = C.QuantType.I32 if arr.dtype.kind == "i" else C.QuantType(qtypes.get(name, C.QuantType.F32))
+        items[name] = (q, arr)
+    return write_tensors(path, meta, items)
