@@ -26,6 +26,7 @@ $(MODEL): $(VENV)/.installed
 	$(VENV)/bin/ds4-quantize convert models/tiny-hf $(MODEL) --type f16
 
 test: venv
+	$(VENV)/bin/ds4-eval --self-test-extractors
 	$(VENV)/bin/pytest -q -x
 
 test-slow: venv
