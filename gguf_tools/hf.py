@@ -506,7 +506,7 @@ class HFCheckpoint:
             return dequant_fp8(arr[row0:row1], st_array(scale), row0)
         return to_f32(e, arr[row0:row1])
 
-    def iter_slot(self, slot: TensorSlot, max_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
+    def iter_slot(self, slot: TensorSlot, max_bytes: int = 16 << 20) -> Iterator[np.ndarray]:
         """The tensor's values in GGUF row order, in row blocks of at most ~max_bytes of float32.
 
         Routed experts come expert by expert (each [F, D] or [D, F]); a block never spans two
