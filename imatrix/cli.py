@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-tokens", type=_positive, default=2048)
     q.add_argument("--layer", type=_positive, default=3)
     q.add_argument("--kind", choices=["gate", "up", "down"], default="gate")
-    q.add_argument("--type", default="iq2_xxs", choices=["iq2_xxs", "q2_k", "q4_k"])
+    q.add_argument("--type", default="iq2_xxs", choices=["iq2_xxs", "q2_k", "q4_k", "q8_0"])
     q.add_argument("--max-experts", type=_positive, default=0)
 
     v = sub.add_parser("convert", help="convert between legacy .dat and GGUF imatrix")
