@@ -63,7 +63,8 @@ def perturb_rows(src: Path, dst: Path, tensor: str, rows, scale: float) -> Path:
     return rewrite_gguf(src, dst, choose)
 
 
-def quantize_copy(src: Path, dst: Path, qtype: QuantType, fallback: QuantType | None = QuantType.Q8_0) -> Path:
+def quantize_copy(src: Path, dst: Path, qtype: QuantType, fallback: QuantType | None = QuantType.Q8_0,
+                  keep: tuple[str, ...] = ()) -> Path:
     """Every matrix / expert tensor whose rows fit `qtype`'s block becomes `qtype` (else `fallback`
     when its rows fit that, else unchanged): a crude stand-in for ds4-quantize on test models."""
     from ds4.gguf_tools.constants import BLOCK
@@ -73,7 +74,7 @@ def quantize_copy(src: Path, dst: Path, qtype: QuantType, fallback: QuantType | 
     kinds = {s.name: s.kind for s in tensor_layout(cfg)}
 
     def choose(name, t):
-        if kinds.get(name) not in (Kind.MATRIX, Kind.EXPERTS):
+        if kinds.get(name) not in (Kind.MATRIX, Kind.EXPERTS) or name in keep:
             return None
         for q in (qtype, fallback):
             if q is not None and t.ne[0] % BLOCK[q].elements == 0:
@@ -105,7 +106,8 @@ def write_random_model(path: Path, cfg, seed: int = 0) -> Path:
     return path
 
 
-def tiny_wide_config():
-    """`tiny` with 256-wide hidden and expert rows, so every quant type (256-value blocks) applies."""
+def tiny_wide_ffn_config():
+    """`tiny` with 256-wide expert FFNs: the expert down projections then take 256-value quant blocks
+    (Q2_K, Q4_K, IQ2_XXS), like the routed experts of a real 2-bit mix, while the model stays tiny."""
     from ds4.engine.config import preset
-    return dataclasses.replace(preset("tiny"), n_embd=256, expert_ffn=256, name="ds4-tiny-wide")
+    return dataclasses.replace(preset("tiny"), expert_ffn=256, name="ds4-tiny-wide-ffn")
