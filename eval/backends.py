@@ -110,6 +110,9 @@ class LocalBackend:
     def prepare(self, ctx: int) -> None:
         self.timeline = EngineTimeline(self.model, ctx)
 
+    def kv_bytes(self) -> int:
+        return self.timeline.session.kv_bytes() if self.timeline else 0
+
     def generate(self, question, settings: GenSettings, pos: int, progress: CaseProgress,
                  control: RunControl, sink) -> None:
         from ds4.engine.sampling import Sampler

@@ -13,14 +13,13 @@ import argparse
 import os
 import signal
 import sys
-import time
 
 from ds4.paths import default_model
 
 from . import grading
 from .questions import QuestionsError, default_questions_path, find_case, load_questions, \
     parse_only, select_questions
-from .report import hhmm, render_report, report_dict, write_json_atomic
+from .report import render_report, report_dict, write_json_atomic
 from .runner import ERROR, FAILED, MAX_CONTEXT, PASSED, SKIPPED, EvalRun, GenSettings, Listener
 from .trace import TraceError, TraceWriter, read_trace
 
@@ -254,6 +253,9 @@ def run_eval(args) -> int:
         print(f"ds4-eval: context {run.ctx} tokens (largest prompt "
               f"{max(run.prompt_tokens.values())} + budget {settings.tokens})", file=sys.stderr)
     backend.prepare(run.ctx)
+    kv_bytes = getattr(backend, "kv_bytes", lambda: 0)()
+    if kv_bytes:
+        print(f"ds4-eval: session KV buffers {kv_bytes / 2**20:.1f} MiB", file=sys.stderr)
     if args.trace:
         run.trace = TraceWriter(args.trace, {
             "model": backend.model_name, "backend": backend.name, "ctx": run.ctx,
@@ -273,6 +275,11 @@ def run_eval(args) -> int:
         printer = PlainPrinter(len(selected))
         printer.ctx = run.ctx
         run.listener = printer
+
+        def terminate(signum, frame):      # SIGTERM/SIGHUP: stop like Ctrl+C, report included
+            raise KeyboardInterrupt
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, terminate)
         try:
             run.run()
         except KeyboardInterrupt:      # Ctrl+C outside a case (the runner catches it inside)
@@ -288,7 +295,7 @@ def run_eval(args) -> int:
             "temperature": settings.temperature, "top_p": settings.top_p,
             "min_p": settings.min_p, "seed": settings.seed, "extractor": args.extractor,
             "questions_file": str(qpath)}))
-    passed, failed, _ = run.counts()
+    _, failed, _ = run.counts()
     return 1 if failed else 0
 
 

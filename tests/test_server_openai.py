@@ -180,3 +180,38 @@ def test_eval_base_url_matches_local_engine(server, model_path, tmp_path):
 def test_eval_base_url_unreachable_is_exit_2():
     done = run_cli("--base-url", "http://127.0.0.1:9/v1", "--plain", "--questions", "1")
     assert done.returncode == 2 and "cannot connect" in done.stderr
+
+
+def test_stop_mid_stream_over_http_then_server_still_serves(server):
+    """ds4-eval stopping a case closes the stream; the server drops that generation and keeps
+    serving (the next request gets a full answer)."""
+    import threading
+    import time
+
+    from ds4.eval.backends import OpenAIBackend
+    from ds4.eval.questions import load_questions
+    from ds4.eval.runner import EvalRun, GenSettings
+    from test_eval_util import QUESTIONS
+
+    q = load_questions(QUESTIONS)[0]
+    backend = OpenAIBackend(server.base_url)
+    settings = GenSettings(tokens=300, think="high", temperature=0, seed=2, soft_budget=20,
+                           hard_budget=10)
+    run = EvalRun([q], backend, settings)
+    worker = threading.Thread(target=run.run)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        p = run.results[0].progress
+        if p is not None and p.generated >= 3:
+            break
+        time.sleep(0.02)
+    run.control.request_stop()
+    worker.join(timeout=60)
+    result = run.results[0]
+    assert not worker.is_alive() and result.state == "STOPPED"
+    assert 3 <= result.generated < 300 and result.output
+    status, _, text = _post(server.base_url + "/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "thinking": False,
+        "temperature": 0})
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 5
