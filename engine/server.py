@@ -139,15 +139,16 @@ class Job:
 class Engine:
     """The model, its tokenizer and the one live session, used by one request at a time."""
 
-    def __init__(self, model_path: str, ctx: int, max_tokens: int, client_sampling: bool = False):
+    def __init__(self, model_path: str, ctx: int, max_tokens: int, client_sampling: bool = False,
+                 backend: str | None = None):
+        from ds4.engine.cli import open_session
         from ds4.engine.model import Model
-        from ds4.engine.session import Session
         self.model = Model.load(model_path)
         self.tokenizer = self.model.tokenizer
         self.ctx = ctx
         self.max_tokens = max_tokens
         self.client_sampling = client_sampling
-        self.session = Session(self.model, ctx=ctx)
+        self.session = open_session(self.model, ctx, backend)
         self.lock = threading.Lock()
         self.seq = 0
         self.shutting_down = False
@@ -166,7 +167,7 @@ class Engine:
         """Generate for `job`; `emit(kind, text)` receives reasoning/content deltas as they
         become safe to send. Returns the parsed result with usage."""
         tok = self.tokenizer
-        live = self.session.tokens
+        live = list(getattr(self.session, "tokens", []))
         cached = len(live) if live and prompt[:len(live)] == live else 0
         logits = self.session.sync(prompt)
         limit = min(job.max_tokens, self.ctx - len(prompt))
@@ -497,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx", type=int, default=32768, help="context size (tokens)")
     p.add_argument("-n", "--tokens", type=int, default=393216,
                    help="default max_tokens of a request")
+    p.add_argument("--backend", choices=("cpu", "cuda"),
+                   help="engine backend (default: cuda when it can run, else cpu)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     p.add_argument("--cors", action="store_true", help="add permissive CORS headers")
@@ -518,8 +521,12 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.model):
         print(f"ds4-server: {args.model}: no such model file", file=sys.stderr)
         return 2
+    from ds4.engine.cli import CliError
     try:
-        engine = Engine(args.model, args.ctx, args.tokens, args.client_sampling)
+        engine = Engine(args.model, args.ctx, args.tokens, args.client_sampling, args.backend)
+    except CliError as exc:
+        print(f"ds4-server: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"ds4-server: {args.model}: cannot load model ({exc})", file=sys.stderr)
         return 2

@@ -61,16 +61,21 @@ class EngineTimeline:
     """The one reused KV timeline of a local run: reuse the common prefix with the previous
     prompt, rebuild otherwise, then decode token by token. Uses ds4.engine.session.Session."""
 
-    def __init__(self, model, ctx: int):
-        from ds4.engine.session import Session
-        self.session = Session(model, ctx=ctx)
+    def __init__(self, model, ctx: int, backend: str | None = None):
+        from ds4.engine.cli import CliError, open_session
+        try:
+            self.session = open_session(model, ctx, backend)
+        except CliError as exc:
+            raise BackendError(str(exc)) from None
 
     def prefill(self, tokens: list[int], progress_cb) -> np.ndarray:
-        self.session.progress = progress_cb
+        if hasattr(self.session, "progress"):
+            self.session.progress = progress_cb
         try:
             return np.asarray(self.session.sync(tokens))
         finally:
-            self.session.progress = None
+            if hasattr(self.session, "progress"):
+                self.session.progress = None
 
     def step(self, token: int) -> np.ndarray:
         return np.asarray(self.session.decode(token))
@@ -79,8 +84,9 @@ class EngineTimeline:
 class LocalBackend:
     """The in-process engine (`-m model.gguf`)."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, engine_backend: str | None = None):
         from ds4.engine.model import Model
+        self.engine_backend = engine_backend      # cpu | cuda | None (cuda when it can run)
         self.model_path = str(model_path)
         if not os.path.exists(self.model_path):
             raise BackendError(f"{self.model_path}: no such model file")
@@ -108,10 +114,11 @@ class LocalBackend:
         return len(self.prompt_tokens(question, think))
 
     def prepare(self, ctx: int) -> None:
-        self.timeline = EngineTimeline(self.model, ctx)
+        self.timeline = EngineTimeline(self.model, ctx, self.engine_backend)
 
     def kv_bytes(self) -> int:
-        return self.timeline.session.kv_bytes() if self.timeline else 0
+        session = self.timeline.session if self.timeline else None
+        return session.kv_bytes() if hasattr(session, "kv_bytes") else 0
 
     def generate(self, question, settings: GenSettings, pos: int, progress: CaseProgress,
                  control: RunControl, sink) -> None:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("backend")
     g.add_argument("-m", "--model", help="GGUF model for the local engine (default: the "
                    "embedded default model, $DS4_MODEL overrides)")
+    g.add_argument("--backend", choices=("cpu", "cuda"), help="local engine backend "
+                   "(default: cuda when it can run, else cpu)")
     g.add_argument("--base-url", help="use an OpenAI-compatible server instead, e.g. "
                    "http://127.0.0.1:8000/v1")
     g.add_argument("--api-model", help="model name to request from --base-url (default: the "
@@ -220,7 +222,7 @@ def make_backend(args):
     if args.base_url:
         return OpenAIBackend(args.base_url, args.api_model, args.api_key,
                              parse_extra_body(args.extra_body))
-    return LocalBackend(args.model or str(default_model()))
+    return LocalBackend(args.model or str(default_model()), args.backend)
 
 
 def size_context(run: EvalRun, settings: GenSettings) -> int:
