@@ -1,7 +1,8 @@
 """Build the CUDA extension ds4.engine.gpu._ext (run by `make cuda`).
 
-Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), bindings.cpp with
-the host compiler against pybind11 and Python, and links them with the static CUDA runtime into
+Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), bindings.cpp (also
+through nvcc, so one host compiler builds everything) against pybind11 and Python, and links them
+with the shared CUDA runtime (rpath to the toolkit) into
 engine/gpu/_ext<EXT_SUFFIX>. No GPU is needed to build. Objects go to engine/gpu/build/ and are
 rebuilt when a source or header is newer.
 
@@ -89,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         arch_stamp.write_text(args.arch)
     headers = [HERE / h for h in HEADERS]
     py_inc = sysconfig.get_paths()["include"]
-    cxx = os.environ.get("CXX", "g++")
 
     jobs = []
     for src in CU_SOURCES:
@@ -102,16 +102,18 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(cmd)
     bobj = BUILD / "bindings.o"
     if stale(bobj, [HERE / "bindings.cpp", HERE / "common.cuh"]):
-        jobs.append([cxx, "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", f"-I{pybind11.get_include()}",
-                     f"-I{py_inc}", f"-I{cuda / 'include'}", "-c", str(HERE / "bindings.cpp"), "-o", str(bobj)])
+        # through nvcc too, so one host compiler builds every object
+        jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden", f"-I{pybind11.get_include()}",
+                     f"-I{py_inc}", "-c", str(HERE / "bindings.cpp"), "-o", str(bobj)])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda c: run(c, args.verbose or args.ptxas_info), jobs))
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     target = HERE / f"_ext{suffix}"
-    libdirs = [cuda / "lib64", cuda / "lib", cuda / "targets" / "x86_64-linux" / "lib"]
-    link = [cxx, "-shared", "-o", str(target) + ".tmp", *[str(BUILD / (s + ".o")) for s in CU_SOURCES], str(bobj),
-            *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    libdir = next((d for d in (cuda / "lib64", cuda / "targets" / "x86_64-linux" / "lib") if d.exists()), cuda / "lib64")
+    # shared CUDA runtime found through an rpath to the toolkit that built us
+    link = [nvcc, "-shared", "-cudart=shared", "-o", str(target) + ".tmp",
+            *[str(BUILD / (s + ".o")) for s in CU_SOURCES], str(bobj), f"-Xlinker=-rpath,{libdir}"]
     run(link, args.verbose)
     os.replace(str(target) + ".tmp", target)
     print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}")
