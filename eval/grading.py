@@ -14,7 +14,8 @@ Three extractor rule sets live here, chosen with `--extractor`:
       last `\\boxed{}`; else the first `answer` word that yields a candidate;
     - text is NFKC-normalised first, so fullwidth `Ｂ` or math-bold `𝐁` read as `B`;
     - multiple choice: an article/pronoun (`a`, `A good…`, `I think`, `I'm`) loses to a real
-      letter later in the window; a letter after `not` (`not A but B`) is never picked;
+      letter later in the window; a letter after `not`, `neither`, `nor`, `rather than` or
+      `instead of` (`not A but B`) is never picked;
       the backward fallback ignores lower-case letters (so prose "a" is never an answer);
     - integer: a `\\boxed{}` in the window wins; thousands separators are joined
       (`1,234` → 1234); on an `x = … = 70` answer line the value after the last `=` is taken;
@@ -193,8 +194,8 @@ def head_line_spec(raw: str, marker_rule: bool = False) -> str:
 _MARKER = re.compile(r"(?<![^\W\d_])answer(?![^\W\d_])[\s*_`]*:", re.IGNORECASE)
 _ANSWER_WORD = re.compile(r"(?<![^\W\d_])answer(?![^\W\d_])", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\s*\{")
-_NEGATION = re.compile(r"(?:\bnot|n't|\bnor)\s+(?:option\s+|choice\s+|answer\s+)?[(\[*]*$",
-                       re.IGNORECASE)
+_NEGATION = re.compile(r"(?:\bnot|n't|\bnor|\bneither|\brather\s+than|\binstead\s+of)\s+"
+                       r"(?:option\s+|choice\s+|answer\s+)?[(\[*]*$", re.IGNORECASE)
 
 
 def _normalize(text: str) -> str:

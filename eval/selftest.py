@@ -71,6 +71,8 @@ CASES: tuple[ExtractorCase, ...] = (
     _c("mc-plain", MC, 4, "think</think>Answer: B", "B", "B", "B"),
     _c("mc-not-a-but-b", MC, 4, "think</think>The answer is not A but B.", "B", "A", "A"),
     _c("mc-isnt", MC, 4, "think</think>Answer: it isn't C, it's D", "D"),
+    _c("mc-neither-nor", MC, 4, "</think>Answer: neither A nor B; it is D", "D", "A", "A"),
+    _c("mc-rather-than", MC, 10, "</think>Answer: rather than (A), choose G", "G", "A", "A"),
     _c("mc-article", MC, 4, "</think>The answer is a tricky one, but it is C.", "C", "A", "A"),
     _c("mc-pronoun-i", MC, 10, "</think>Answer: I think it is E", "E", "I", "I"),
     _c("mc-letter-i", MC, 10, "</think>Answer: I", "I", "I", "I"),

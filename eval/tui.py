@@ -195,8 +195,10 @@ class EvalApp(App):
         self.redraw()
 
     def action_run_selected(self) -> None:
-        if self.selected is not None and self.selected != self.run_.active:
-            self.run_.control.request_switch(self.selected)
+        sel = self.selected
+        if sel is not None and sel != self.run_.active and \
+                self.run_.results[sel].state in (PENDING, STOPPED):
+            self.run_.control.request_switch(sel)
 
     # -- drawing
     def redraw(self) -> None:
