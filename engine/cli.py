@@ -366,24 +366,29 @@ class Printer:
         self.color = self.out.isatty() if color is None else color
         self.in_think = thinking
         self.stream = Utf8Stream()
-        self.started = False
+        self.grey = False  # an ANSI grey span is open
 
     def _write(self, text: str) -> None:
         if text:
-            if self.in_think and self.color and not self.started:
+            if self.in_think and self.color and not self.grey:
                 self.out.write(GREY)
-            self.started = True
+                self.grey = True
             self.out.write(text)
             self.out.flush()
 
+    def _end_grey(self) -> None:
+        if self.grey:
+            self.out.write(RESET)
+            self.grey = False
+
     def __call__(self, token: int) -> None:
         if token == self.tok.think_open_id:
+            self._write(self.stream.flush())
             self.in_think = True
             return
         if token == self.tok.think_close_id:
             self._write(self.stream.flush())
-            if self.color and self.started:
-                self.out.write(RESET)
+            self._end_grey()
             self.in_think = False
             self.out.write("\n")
             self.out.flush()
@@ -392,8 +397,7 @@ class Printer:
 
     def finish(self) -> None:
         self._write(self.stream.flush())
-        if self.color and self.in_think and self.started:
-            self.out.write(RESET)
+        self._end_grey()
         self.out.write("\n")
         self.out.flush()
 
