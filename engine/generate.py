@@ -62,16 +62,16 @@ def generate(
     """Prefill `prompt_tokens` (reusing the session's common prefix) and sample up to `max_tokens`.
 
     `sampler.sample(logits) -> id`; `on_token(id)` is called for every kept token (not for EOS).
-    A KeyboardInterrupt during decoding ends the generation with finish_reason "interrupted" and
+    A KeyboardInterrupt during prefill or decoding ends the generation with finish_reason "interrupted" and
     the tokens produced so far. `logits`, if given, are the session's current logits for exactly
     `prompt_tokens` (skips the sync)."""
     result = Generation(prompt_tokens=len(prompt_tokens))
-    t0 = time.perf_counter()
-    if logits is None:
-        logits = session.sync(list(prompt_tokens))
-    result.prefill_seconds = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    t0 = t1 = time.perf_counter()
     try:
+        if logits is None:
+            logits = session.sync(list(prompt_tokens))
+        t1 = time.perf_counter()
+        result.prefill_seconds = t1 - t0
         for step in range(max(0, max_tokens)):
             token = int(sampler.sample(np.asarray(logits)))
             if eos_id is not None and token == eos_id:
@@ -84,6 +84,9 @@ def generate(
                 logits = session.decode(token)
     except KeyboardInterrupt:
         result.finish_reason = "interrupted"
+        if not result.prefill_seconds:
+            result.prefill_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
     result.decode_seconds = time.perf_counter() - t1
     return result
 

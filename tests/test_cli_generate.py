@@ -145,3 +145,19 @@ def test_bench_tokenizer_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout and "ratio ds4/HF" in proc.stdout
     assert "whole text identical: True" in proc.stdout
+
+
+class InterruptAfter(Scripted):
+    """Plays back ids, then behaves like a user pressing Ctrl+C."""
+
+    def sample(self, logits):
+        if not self.ids:
+            raise KeyboardInterrupt
+        return super().sample(logits)
+
+
+def test_generate_interrupted_keeps_tokens(model, session):
+    gen = generate(session, [0, 5, 6, 7], 10, InterruptAfter([11, 12]), eos_id=1)
+    assert gen.tokens == [11, 12] and gen.finish_reason == "interrupted"
+    # the session is consistent: it continues from prompt + kept tokens
+    assert session.tokens == [0, 5, 6, 7, 11, 12]
