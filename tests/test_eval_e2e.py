@@ -147,14 +147,15 @@ def test_ctrl_c_prints_report_and_keeps_trace_valid(model, tmp_path):
     proc = subprocess.Popen(
         [str(BIN / "ds4-eval"), "-m", str(model), "--plain", "--questions", "3", "--tokens",
          "5000", "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:   # wait until the first case is generating
-        if trace.exists() and proc.poll() is None:
-            time.sleep(1.5)
-            break
-        time.sleep(0.1)
+    head = ""
+    while "[1/3]" not in head:           # the first case has started (header printed)
+        line = proc.stdout.readline()
+        assert line, "ds4-eval ended before the first case started"
+        head += line
+    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
+    out = head + out
     assert "Traceback" not in err
     assert REPORT_HEADER in out and "STOPPED" in out
     _, cases, errors = read_trace(trace)
