@@ -199,3 +199,24 @@ def test_bad_flags_exit_2(args, needle):
     done = run_cli("--plain", *args)
     assert done.returncode == 2, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_extractors_never_raise_on_arbitrary_text():
+    """Model output is arbitrary: every extractor returns a string on random soups of the
+    characters the rules look at (fixed seed, so a failure reproduces)."""
+    import random
+
+    rng = random.Random(1234)
+    alphabet = list("Answer: answer ANSWER </think> \\boxed{ } ( ) - – — , . 0 7 9 12 255 1000 "
+                    "A B J a i I not nor rather than CWE-122 CVE-2021-3156 line lines to ** ` \n"
+                    "Ｂ ７ 𝐂 é 中") + ["\\boxed{", "</think>", "Answer:", "answer is", "\n\n"]
+    for _ in range(1500):
+        raw = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        for mode in EXTRACTORS:
+            for kind, n in (("multiple_choice", 10), ("integer", 0), ("line_set", 0)):
+                got = extract(raw, kind, n, mode)
+                assert isinstance(got, str) and got
+                if kind == "line_set" and got != "?":
+                    assert set(got) <= set("0123456789,-")
+                if kind == "integer" and got != "?":
+                    assert got.isdigit() and (got == "0" or not got.startswith("0"))
