@@ -110,8 +110,8 @@ def test_iq2_tables_agree_with_gguf_grid():
         assert list(zip(d2, idx)) == sorted(zip(d2, idx))
         all_d2 = np.unique(((iq2_xxs.GRID_Q.astype(int) - pos) ** 2).sum(axis=1))
         assert set(d2) == set(all_d2[:2])
-        vals = iq2_xxs.NB_VALS[8 * s : 8 * (s + n)].reshape(8, n)
-        np.testing.assert_array_equal(vals, iq2_xxs.GRID_Q[idx].T)
+        terms = iq2_xxs.NB_TERMS[8 * s : 8 * (s + n)].reshape(n, 8)
+        np.testing.assert_array_equal(terms, 3 * np.arange(8) + (iq2_xxs.GRID_Q[idx] - 1) // 2)
 
 
 @njit

@@ -9,9 +9,8 @@ of the weight matrix as importance (`synthetic_importance`); `quantize(x, None)`
 
 Speed: the search is ggml's (13 trial scales x 4 sub-groups, snapping off-grid codes to the best
 of their precomputed neighbours), with the same float32 operations in the same order, so the bytes
-are identical. What is faster: rows run in parallel, and each neighbour list is stored transposed
-(dimension-major, float32), so the 8-term distance of all candidates is computed lane-parallel;
-every candidate still sums its own 8 terms in ggml's order.
+are identical. What is faster: rows run in parallel; the neighbour distance uses a 24-entry term
+table (grid levels take 3 values), see `_best_neighbour`.
 """
 
 from __future__ import annotations
@@ -59,9 +58,9 @@ def build_tables():
     squared distances from u's level vector (2l+1 per dimension), ordered by (distance, index).
     Only codes with levels 0..2 are ever looked up, so only those get lists.
     Returns (grid_q int8 [256, 8] with values 1/3/5, map int32 [MAP_SIZE] (-1 off grid),
-    nb_start, nb_count int32 [MAP_SIZE], nb_index int32 [total], nb_vals float32 [total*8]).
-    nb_vals holds each list transposed: for code u, dimension i, candidate c at
-    nb_vals[8*nb_start[u] + i*nb_count[u] + c].
+    nb_start, nb_count int32 [MAP_SIZE], nb_index int32 [total], nb_terms uint8 [total*8]).
+    nb_terms[8*e + i] = 3*i + level_i of neighbour entry e: where its dimension i finds its term
+    in the 24-entry table of the neighbour search.
     """
     kgrid = _kgrid()
     grid_q = (2 * _levels(kgrid) + 1).astype(np.int8)
@@ -76,7 +75,7 @@ def build_tables():
     d2 = ((pos[:, None, :] - grid_q[None, :, :].astype(np.int32)) ** 2).sum(-1)  # [m, 256]
     nb_start = np.zeros(MAP_SIZE, dtype=np.int32)
     nb_count = np.zeros(MAP_SIZE, dtype=np.int32)
-    idx_parts, val_parts = [], []
+    idx_parts = []
     total = 0
     for row, u in enumerate(codes):
         order = np.lexsort((np.arange(256), d2[row]))  # by distance, then index
@@ -87,11 +86,12 @@ def build_tables():
         nb_count[u] = len(chosen)
         total += len(chosen)
         idx_parts.append(chosen.astype(np.int32))
-        val_parts.append(grid_q[chosen].T.astype(np.float32).reshape(-1))
-    return grid_q, gmap, nb_start, nb_count, np.concatenate(idx_parts), np.concatenate(val_parts)
+    nb_index = np.concatenate(idx_parts)
+    nb_terms = (3 * np.arange(8)[None, :] + (grid_q[nb_index].astype(np.int32) - 1) // 2).astype(np.uint8)
+    return grid_q, gmap, nb_start, nb_count, nb_index, nb_terms.reshape(-1)
 
 
-GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VALS = build_tables()
+GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS = build_tables()
 GRID_F = GRID_Q.astype(np.float32)
 KSIGNS = _ksigns()
 
@@ -127,34 +127,47 @@ def dequantize_reference(raw: np.ndarray) -> np.ndarray:
 
 
 @njit(inline="always")
-def _best_neighbour(u, xval, waux, g0, scale, nb_start, nb_count, nb_index, nb_vals, d2):
-    """Index of the neighbour of off-grid code u closest to xval[g0:g0+8] (first minimum wins)."""
-    n = nb_count[u]
-    base = 8 * nb_start[u]
-    for c in range(n):
-        d2[c] = F32(0.0)
+def _best_neighbour(u, xval, waux, g0, scale, nb_start, nb_count, nb_index, nb_terms, T):
+    """Index of the neighbour of off-grid code u closest to xval[g0:g0+8] (first minimum wins).
+
+    ggml sums d2 = sum_i waux_i * (scale*g_i - x_i)^2 over i = 0..7 for each candidate. g_i takes
+    only the values 1, 3, 5, so the 24 possible terms are computed once (same float ops), and each
+    candidate adds its 8 terms in the same order: the same float32 sums. (Stopping a candidate
+    once its partial sum reaches the best would also be exact, terms being >= 0, but the branch
+    costs more than it saves.)
+    """
     for i in range(8):
         xi = xval[g0 + i]
         wi = waux[g0 + i]
-        off = base + i * n
-        for c in range(n):
-            diff = scale * nb_vals[off + c] - xi
-            d2[c] += wi * diff * diff
-    best = FLT_MAX  # ggml starts from FLT_MAX: an all-inf/NaN candidate set keeps index 0 here
+        for lv in range(3):
+            diff = scale * F32(2 * lv + 1) - xi
+            T[3 * i + lv] = wi * diff * diff
+    start = nb_start[u]
+    n = nb_count[u]
+    best = FLT_MAX
     best_c = 0
     for c in range(n):
-        if d2[c] < best:
-            best = d2[c]
+        e = 8 * (start + c)
+        acc = F32(0.0)
+        for i in range(8):
+            acc += T[nb_terms[e + i]]
+        if acc < best:
+            best = acc
             best_c = c
-    return nb_index[nb_start[u] + best_c]
+    return nb_index[start + best_c]
 
 
 @njit(error_model="numpy")
-def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals, weight, waux, xval, L, Laux, Lqp, d2):
-    """One 256-block: ggml's quantize_row_iq2_xxs_impl, operation for operation."""
-    scales = np.zeros(8, dtype=np.float32)
-    words = np.zeros(16, dtype=np.uint32)
-    signs = np.zeros(4, dtype=np.int32)
+def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, weight, waux, xval, L, Laux, Lqp, T,
+                    scales, words, signs, wx, wq2):
+    """One 256-block: ggml's quantize_row_iq2_xxs_impl, operation for operation.
+
+    The trailing arguments are per-thread scratch. wx[i] = w_i*xval_i and wq2[3i+l] = (w_i*q)*q
+    for q = 2l+1 are the products ggml forms first in its sumqx/sumq2 loops, hoisted out of the
+    13 trial steps (same operations, same order, same values).
+    """
+    for j in range(16):
+        words[j] = 0
     max_scale = F32(0.0)
     sumx2 = F32(0.0)
     for i in range(QK_K):
@@ -195,6 +208,12 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
         if mx < GROUP_MAX_EPS:
             scales[ib] = F32(0.0)
             continue
+        for i in range(32):
+            w = weight[i]
+            wx[i] = w * xval[i]
+            for lv in range(3):
+                q = F32(2 * lv + 1)
+                wq2[3 * i + lv] = w * q * q
         scale = make_qp(32, 4, xval, Lqp, weight)
         eff_max = scale * F32(3.0)
         if eff_max <= 0:
@@ -212,16 +231,14 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
                     Laux[8 * k + i] = q
                     u |= q << (2 * i)
                 if gmap[u] < 0:
-                    gi = _best_neighbour(u, xval, waux, 8 * k, this_scale, nb_start, nb_count, nb_index, nb_vals, d2)
+                    gi = _best_neighbour(u, xval, waux, 8 * k, this_scale, nb_start, nb_count, nb_index, nb_terms, T)
                     for i in range(8):
                         Laux[8 * k + i] = (grid_q[gi, i] - 1) // 2
             sumqx = F32(0.0)
             sumq2 = F32(0.0)
             for i in range(32):
-                w = weight[i]
-                q = F32(2 * Laux[i] + 1)
-                sumqx += w * xval[i] * q
-                sumq2 += w * q * q
+                sumqx += wx[i] * F32(2 * Laux[i] + 1)
+                sumq2 += wq2[3 * i + Laux[i]]
             if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                 scale = sumqx / sumq2
                 best = scale * sumqx
@@ -237,16 +254,14 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
                     u |= q << (2 * i)
                 gi = gmap[u]
                 if gi < 0:
-                    gi = _best_neighbour(u, xval, waux, 8 * k, scale, nb_start, nb_count, nb_index, nb_vals, d2)
+                    gi = _best_neighbour(u, xval, waux, 8 * k, scale, nb_start, nb_count, nb_index, nb_terms, T)
                 for i in range(8):
                     L[8 * k + i] = (grid_q[gi, i] - 1) // 2
             sumqx = F32(0.0)
             sumq2 = F32(0.0)
             for i in range(32):
-                w = weight[i]
-                q = F32(2 * L[i] + 1)
-                sumqx += w * xval[i] * q
-                sumq2 += w * q * q
+                sumqx += wx[i] * F32(2 * L[i] + 1)
+                sumq2 += wq2[3 * i + L[i]]
             if sumq2 > 0:
                 scale = sumqx / sumq2
         if scale < 0:
@@ -286,12 +301,9 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_vals):
+def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms):
     rows, cols = x.shape
     nb = cols // QK_K
-    max_nb = 0
-    for u in range(nb_count.shape[0]):
-        max_nb = max(max_nb, nb_count[u])
     for r in prange(rows):
         weight = np.zeros(32, dtype=np.float32)
         waux = np.zeros(32, dtype=np.float32)
@@ -299,11 +311,17 @@ def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_va
         L = np.zeros(32, dtype=np.int32)
         Laux = np.zeros(32, dtype=np.int32)
         Lqp = np.zeros(32, dtype=np.uint8)
-        d2 = np.zeros(max_nb, dtype=np.float32)
+        T = np.zeros(24, dtype=np.float32)
+        scales = np.zeros(8, dtype=np.float32)
+        words = np.zeros(16, dtype=np.uint32)
+        signs = np.zeros(4, dtype=np.int32)
+        wx = np.zeros(32, dtype=np.float32)
+        wq2 = np.zeros(96, dtype=np.float32)
         for b in range(nb):
             _quantize_block(
                 x[r, b * QK_K : (b + 1) * QK_K], qw[b * QK_K : (b + 1) * QK_K], out[r], b * BLOCK_BYTES,
-                grid_q, gmap, nb_start, nb_count, nb_index, nb_vals, weight, waux, xval, L, Laux, Lqp, d2,
+                grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, weight, waux, xval, L, Laux, Lqp, T,
+                scales, words, signs, wx, wq2,
             )
 
 
@@ -361,7 +379,7 @@ def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"IQ2_XXS needs a [rows, cols] array with cols % {QK_K} == 0, got {x.shape}")
     qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
     out = np.empty((x.shape[0], x.shape[1] // QK_K * BLOCK_BYTES), dtype=np.uint8)
-    _quantize_rows(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VALS)
+    _quantize_rows(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS)
     return out
 
 
