@@ -117,7 +117,8 @@ class Imatrix:
             return flat
         if expert is not None and flat.size % ncols == 0 and expert < flat.size // ncols:
             return flat[expert * ncols:(expert + 1) * ncols]
-        raise ImatrixError(f"imatrix entry '{name}' has {flat.size} values, not a multiple fit for {ncols} columns")
+        raise ImatrixError(f"imatrix entry '{name}' has {flat.size} values: neither {ncols} nor one block of "
+                           f"{ncols} per expert")
 
 
 def _atomic_write(path: Path, write) -> None:
