@@ -10,10 +10,9 @@ __host__ __device__ constexpr int rows_per_warp() {
   return NB <= 2 ? 8 : (NB <= 4 ? 4 : 2);
 }
 
-template <int QT, int NB>
+template <int QT, int NB, int R>
 __global__ void __launch_bounds__(CTA_THREADS) matvec_kernel(Packed w, const float* x, XQ xq, int batch,
                                                              int groups, int S, float* y) {
-  constexpr int R = rows_per_warp<NB>();
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
   __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
   __shared__ float red[CTA_WARPS][R][NB];
@@ -67,18 +66,34 @@ __global__ void __launch_bounds__(CTA_THREADS) matvec_kernel(Packed w, const flo
   }
 }
 
+template <int QT, int NB, int R>
+static void launch_r(const Packed& w, const float* x, const XQ& xq, int batch, int groups, int S, float* y,
+                     cudaStream_t stream) {
+  int64_t rows_per_cta = (int64_t)(CTA_WARPS / S) * R;
+  if ((w.nrows / groups) % R)
+    throw std::invalid_argument("rows per group must be a multiple of " + std::to_string(R));
+  unsigned grid = (unsigned)((w.nrows + rows_per_cta - 1) / rows_per_cta);
+  matvec_kernel<QT, NB, R><<<grid, CTA_THREADS, 0, stream>>>(w, x, xq, batch, groups, S, y);
+  DS4_CHECK_LAUNCH("matvec");
+}
+
+// Small matrices (q_a, kv, router, shared expert) give too few warps at R rows each to keep enough
+// loads in flight (v1: 64-256 CTAs, 7-9 us for 2-9 MB); they take 2 rows per warp instead.
+constexpr int64_t MIN_WARPS = 132 * 16;
+
 template <int QT, int NB>
 static void launch_nb(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
                       cudaStream_t stream) {
   constexpr int R = rows_per_warp<NB>();
   int64_t units = QT == QT_F16 ? w.ncols / 8 : w.ncols / 32;
   int S = column_splits(units);
-  int64_t rows_per_cta = (int64_t)(CTA_WARPS / S) * R;
-  if ((w.nrows / groups) % R)
-    throw std::invalid_argument("rows per group must be a multiple of " + std::to_string(R));
-  unsigned grid = (unsigned)((w.nrows + rows_per_cta - 1) / rows_per_cta);
-  matvec_kernel<QT, NB><<<grid, CTA_THREADS, 0, stream>>>(w, x, xq, batch, groups, S, y);
-  DS4_CHECK_LAUNCH("matvec");
+  if constexpr (R > 2) {
+    if (w.nrows / R * S < MIN_WARPS && (w.nrows / groups) % 2 == 0) {
+      launch_r<QT, NB, 2>(w, x, xq, batch, groups, S, y, stream);
+      return;
+    }
+  }
+  launch_r<QT, NB, R>(w, x, xq, batch, groups, S, y, stream);
 }
 
 template <int QT>

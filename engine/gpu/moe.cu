@@ -85,8 +85,12 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
   float acc[R][1];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-  for (int j = 0; j < k; ++j) {
-    int e = ids[token * k + j];
+  // The k experts' columns are one long row: units (expert j, x block xb) are spread over the
+  // lanes and warps, so no warp walks the experts one DRAM round trip after another.
+  const int nxb = (int)(down.ncols / 32), nb = (int)(down.ncols / 256);
+  for (int u = cs * 32 + lane; u < k * nxb; u += 32 * S) {
+    const int j = u / nxb, xb = u - j * nxb;
+    int e = __ldg(ids + token * k + j);
     e = (e < 0 || e >= n_expert) ? 0 : e;  // the gate/up kernel already poisoned this expert's h
     const uint8_t* qrow[R];
     const uint8_t* srow[R];
@@ -97,8 +101,7 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
       srow[r] = down.sc + row * down.sc_row;
     }
     int vec[1] = {token * k + j};
-    mv_accumulate<QT, 1, R>(qrow, srow, (int)(down.ncols / 32), (int)(down.ncols / 256), cs * 32 + lane, 32 * S,
-                            xq, vec, tb, acc);
+    mv_accumulate<QT, 1, R>(qrow, srow, xb + 1, nb, xb, 1, xq, vec, tb, acc);  // this one x block
   }
   warp_sum<R, 1>(acc);
   if (lane == 0) {
@@ -129,7 +132,7 @@ static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_
 template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
                         int tokens, int k, float* y, cudaStream_t stream) {
-  int S = column_splits(down.ncols / 32);
+  int S = column_splits(k * down.ncols / 32);
   int rows_per_cta = (CTA_WARPS / S) * MOE_R;
   dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
   moe_down_kernel<QT><<<grid, CTA_THREADS, 0, stream>>>(down, n_embd, n_expert, xq, ids, k, S, y);

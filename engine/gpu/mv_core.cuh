@@ -16,22 +16,32 @@ static __device__ const unsigned long long kIq2Grid[256] = {
 #include "iq2_tables.inc"
 };
 
-// Streaming loads of weights: read-only, not kept in L1 (the activations live there).
+// Streaming loads of weights: read-only, not kept in L1 (the activations live there). `volatile`
+// keeps them in program order, so all rows of an x block are requested before the first is used
+// (v1 let the compiler interleave load and use per row: one DRAM round trip per row, ~50% of copy).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 __device__ __forceinline__ uint2 ld_stream8(const void* p) {
   uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-__device__ __forceinline__ float ld_half(const uint8_t* p) {
-  return __half2float(__ushort_as_half(__ldg((const unsigned short*)p)));
+__device__ __forceinline__ uint32_t ld_stream4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
 }
+__device__ __forceinline__ uint32_t ld_stream2(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 
 // IQ2_XXS lookup tables in shared memory: the grid and, per 7-bit sign field, the byte masks
 // (0xff = negative) of its 8 signs, the eighth sign being the parity of the seven.
@@ -51,6 +61,36 @@ __device__ __forceinline__ void iq2_tables_init(unsigned long long* grid, unsign
   }
 }
 
+// The raw bits of one row's x block: codes q (as many words as the type has) and scale bits.
+struct RawXb {
+  uint32_t q[8];
+  uint32_t s0, s1;
+};
+
+template <int QT>
+__device__ __forceinline__ void load_xb(const uint8_t* qrow, const uint8_t* srow, int xb, int nb, RawXb& o) {
+  if constexpr (QT == QT_Q8_0) {
+    uint4 a = ld_stream16(qrow + 32 * xb), b = ld_stream16(qrow + 32 * xb + 16);
+    o.q[0] = a.x; o.q[1] = a.y; o.q[2] = a.z; o.q[3] = a.w;
+    o.q[4] = b.x; o.q[5] = b.y; o.q[6] = b.z; o.q[7] = b.w;
+    o.s0 = ld_stream2(srow + 2 * xb);
+  } else if constexpr (QT == QT_Q4_K) {
+    uint4 v = ld_stream16(qrow + 16 * xb);
+    o.q[0] = v.x; o.q[1] = v.y; o.q[2] = v.z; o.q[3] = v.w;
+    o.s0 = ld_stream4(srow + 4 * (xb >> 3));
+    o.s1 = ld_stream2(srow + 4 * nb + 2 * xb);
+  } else if constexpr (QT == QT_Q2_K) {
+    uint2 v = ld_stream8(qrow + 8 * xb);
+    o.q[0] = v.x; o.q[1] = v.y;
+    o.s0 = ld_stream4(srow + 4 * (xb >> 3));
+    o.s1 = ld_stream2(srow + 4 * nb + 2 * xb);
+  } else if constexpr (QT == QT_IQ2_XXS) {
+    uint2 v = ld_stream8(qrow + 8 * xb);
+    o.q[0] = v.x; o.q[1] = v.y;
+    o.s0 = ld_stream2(srow + 2 * (xb >> 3));
+  }
+}
+
 // One row's x block decoded to 8 words of int8 codes (word i = elements 4i..4i+3) and the factors
 // that turn the int32 dot products into floats:
 //   row . x  =  dscale * xs * (mul0 * T0 + mul1 * T1)  -  (min0 * sum16_0 + min1 * sum16_1)
@@ -63,49 +103,41 @@ struct XbCodes {
 };
 
 template <int QT>
-__device__ __forceinline__ void decode_xb(const uint8_t* qrow, const uint8_t* srow, int xb, int nb,
-                                          const Iq2Tables& tb, XbCodes& o) {
+__device__ __forceinline__ void decode_xb(const RawXb& in, const Iq2Tables& tb, XbCodes& o) {
   o.mul0 = o.mul1 = 1;
   o.min0 = o.min1 = 0.0f;
   if constexpr (QT == QT_Q8_0) {
-    uint4 a = ld_stream16(qrow + 32 * xb), b = ld_stream16(qrow + 32 * xb + 16);
-    o.c[0] = a.x; o.c[1] = a.y; o.c[2] = a.z; o.c[3] = a.w;
-    o.c[4] = b.x; o.c[5] = b.y; o.c[6] = b.z; o.c[7] = b.w;
-    o.dscale = ld_half(srow + 2 * xb);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o.c[i] = in.q[i];
+    o.dscale = half_bits(in.s0);
   } else if constexpr (QT == QT_Q4_K) {
-    uint4 v = ld_stream16(qrow + 16 * xb);
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      o.c[i] = w[i] & 0x0f0f0f0fu;
-      o.c[4 + i] = (w[i] >> 4) & 0x0f0f0f0fu;
+      o.c[i] = in.q[i] & 0x0f0f0f0fu;
+      o.c[4 + i] = (in.q[i] >> 4) & 0x0f0f0f0fu;
     }
-    float d = ld_half(srow + 4 * (xb >> 3)), dmin = ld_half(srow + 4 * (xb >> 3) + 2);
-    unsigned sm = __ldg((const unsigned short*)(srow + 4 * nb + 2 * xb));
-    o.dscale = d * (float)(sm & 255);
-    o.min0 = o.min1 = dmin * (float)(sm >> 8);
+    float d = half_bits(in.s0 & 0xffff), dmin = half_bits(in.s0 >> 16);
+    o.dscale = d * (float)(in.s1 & 255);
+    o.min0 = o.min1 = dmin * (float)(in.s1 >> 8);
   } else if constexpr (QT == QT_Q2_K) {
-    uint2 v = ld_stream8(qrow + 8 * xb);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      o.c[k] = (v.x >> (2 * k)) & 0x03030303u;
-      o.c[4 + k] = (v.y >> (2 * k)) & 0x03030303u;
+      o.c[k] = (in.q[0] >> (2 * k)) & 0x03030303u;
+      o.c[4 + k] = (in.q[1] >> (2 * k)) & 0x03030303u;
     }
-    float d = ld_half(srow + 4 * (xb >> 3)), dmin = ld_half(srow + 4 * (xb >> 3) + 2);
-    unsigned s2 = __ldg((const unsigned short*)(srow + 4 * nb + 2 * xb));
+    float d = half_bits(in.s0 & 0xffff), dmin = half_bits(in.s0 >> 16);
     o.dscale = d;
-    o.mul0 = s2 & 15;
-    o.min0 = dmin * (float)((s2 >> 4) & 15);
-    o.mul1 = (s2 >> 8) & 15;
-    o.min1 = dmin * (float)((s2 >> 12) & 15);
+    o.mul0 = in.s1 & 15;
+    o.min0 = dmin * (float)((in.s1 >> 4) & 15);
+    o.mul1 = (in.s1 >> 8) & 15;
+    o.min1 = dmin * (float)((in.s1 >> 12) & 15);
   } else if constexpr (QT == QT_IQ2_XXS) {
-    uint2 a = ld_stream8(qrow + 8 * xb);
-    float d = ld_half(srow + 2 * (xb >> 3));
-    o.dscale = d * (0.5f + (float)(a.y >> 28)) * 0.25f;
+    const uint32_t a0 = in.q[0], a1 = in.q[1];
+    o.dscale = half_bits(in.s0) * (0.5f + (float)(a1 >> 28)) * 0.25f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      unsigned long long g = tb.grid[(a.x >> (8 * k)) & 255];
-      unsigned long long m = tb.smask[(a.y >> (7 * k)) & 127];
+      unsigned long long g = tb.grid[(a0 >> (8 * k)) & 255];
+      unsigned long long m = tb.smask[(a1 >> (7 * k)) & 127];
       uint32_t glo = (uint32_t)g, ghi = (uint32_t)(g >> 32);
       uint32_t mlo = (uint32_t)m, mhi = (uint32_t)(m >> 32);
       // negate the masked bytes: (g ^ 0xff) + 1 = 256 - g, no carry since g >= 8
@@ -122,9 +154,12 @@ __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], c
                                               const int (&vec)[NB], const Iq2Tables& tb, float (&acc)[R][NB]) {
   const int xnxb = xq.n / 32;
   for (int xb = xb0; xb < nxb; xb += xbstep) {
+    RawXb raw[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb, nb, raw[r]);  // all rows in flight
     XbCodes d[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) decode_xb<QT>(qrow[r], srow[r], xb, nb, tb, d[r]);
+    for (int r = 0; r < R; ++r) decode_xb<QT>(raw[r], tb, d[r]);
     int T[R][NB];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
