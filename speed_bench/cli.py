@@ -117,34 +117,42 @@ def cmd_compare(argv: list[str]) -> int:
     return 0
 
 
-def load_prompt_tokens(args, model) -> list[int]:
-    from ds4.test_vectors.runtime import render_nothink
-    tok = model.tokenizer
+def read_prompt_text(args) -> str:
     path = args.chat_prompt_file or args.prompt_file or paths.data_dir(args.data_dir) / "speed-bench" / "promessi_sposi.txt"
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
+
+
+def prompt_tokens(args, model, text: str) -> list[int]:
+    """The fixed token sequence the sweep walks: plain BPE of the text (or the chat rendering)."""
+    from ds4.test_vectors.runtime import render_nothink
+    tok = model.tokenizer
     # Tokenize only as much text as the sweep needs (BPE of 1.3 MB in Python takes a while):
     # grow the slice until it yields ctx_max tokens.
     need = args.ctx_max
     n_chars = min(len(text), need * 6 + 1024)
     while True:
         piece = text[:n_chars]
-        if args.chat_prompt_file:
-            ids = render_nothink(tok, piece, args.system)
-        else:
-            ids = tok.encode(piece)
+        ids = render_nothink(tok, piece, args.system) if args.chat_prompt_file else tok.encode(piece)
         if len(ids) >= need or n_chars >= len(text):
             break
         n_chars = min(len(text), n_chars * 2)
     if len(ids) < need:
-        raise ValueError(f"{path}: {len(ids)} tokens, fewer than --ctx-max {need}")
-    if not args.chat_prompt_file:
-        return ids[:need]
-    return ids
+        raise ValueError(f"the prompt has {len(ids)} tokens, fewer than --ctx-max {need}")
+    return ids if args.chat_prompt_file else ids[:need]
+
+
+def _loadavg() -> str:
+    """Other processes skew CPU timings; the 1-minute load average at the start says how much."""
+    try:
+        import os
+        return f"{os.getloadavg()[0]:.2f} ({os.cpu_count()} cpus)"
+    except OSError:
+        return "unknown"
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -160,8 +168,9 @@ def cmd_run(argv: list[str]) -> int:
     model_path = Path(args.model) if args.model else paths.default_model()
     backend = args.backend or default_backend()
     try:
+        text = read_prompt_text(args)
         model = load_model(model_path)
-        tokens = load_prompt_tokens(args, model)
+        tokens = prompt_tokens(args, model, text)
         session = open_session(model, ctx_alloc, backend, args.prefill_chunk)
     except (ToolError, ValueError) as e:
         return _fail(str(e))
@@ -169,7 +178,7 @@ def cmd_run(argv: list[str]) -> int:
     if hasattr(model, "warm"):
         model.warm()  # keep one-time weight conversion out of the first timed prefill
     meta = {"model": str(model_path), "backend": backend, "machine": machine_description(), "git": git_revision(),
-            "gen_tokens": str(args.gen_tokens), "power": str(args.power)}
+            "gen_tokens": str(args.gen_tokens), "power": str(args.power), "loadavg_at_start": _loadavg()}
     if args.label:
         meta["label"] = args.label
     fronts = list(frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul))
