@@ -106,8 +106,8 @@ class Imatrix:
     def vector_for(self, name: str, ncols: int, expert: int | None = None) -> np.ndarray | None:
         """The importance row for `name` (expert `expert` of a routed tensor), or None when absent.
 
-        Lookup as ds4's quantizer does (tooling-spec §1.7, pass 2): an entry of `ncols` values is
-        shared by every expert; one of `n × ncols` values is sliced for expert E.
+        An entry of `ncols` values is shared by every expert; one of `n × ncols` values is sliced
+        for expert E (tooling-spec §1.7, pass 2). Any other size is an error.
         """
         entry = self.entries.get(name)
         if entry is None:
@@ -119,6 +119,33 @@ class Imatrix:
             return flat[expert * ncols:(expert + 1) * ncols]
         raise ImatrixError(f"imatrix entry '{name}' has {flat.size} values: neither {ncols} nor one block of "
                            f"{ncols} per expert")
+
+    def lookup(self, names: list[str], ncols: int, expert: int | None = None) -> np.ndarray | None:
+        """ds4's quantizer lookup (tooling-spec §1.7) over candidate names (GGUF name, HF name).
+
+        Regular tensors: exact name with exactly `ncols` values. Expert E of a routed tensor: three
+        passes over the candidates, `NAME.expert.E`, then `NAME.expert_E`, then the bare `NAME`
+        (shared row, or sliced per expert). None when nothing matches.
+        """
+        if expert is None:
+            for n in names:
+                entry = self.entries.get(n)
+                if entry is not None:
+                    if entry.n_mat * entry.ncols != ncols:
+                        raise ImatrixError(f"imatrix entry '{n}' has {entry.n_mat * entry.ncols} values, "
+                                           f"the tensor has {ncols} columns")
+                    return entry.importance().reshape(-1)
+            return None
+        for pattern in ("{}.expert.{}", "{}.expert_{}"):
+            for n in names:
+                key = pattern.format(n, expert)
+                if key in self.entries:
+                    return self.vector_for(key, ncols)
+        for n in names:
+            row = self.vector_for(n, ncols, expert)
+            if row is not None:
+                return row
+        return None
 
 
 def _atomic_write(path: Path, write) -> None:

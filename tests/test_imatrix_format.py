@@ -214,3 +214,23 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     r = _cli("--help")
     assert r.returncode == 0 and "collect" in r.stdout and "build-dataset" in r.stdout
+
+
+def test_quantizer_lookup_passes():
+    """§1.7: NAME.expert.E, then NAME.expert_E, then the bare NAME (shared or sliced); regular tensors exact."""
+    im = F.Imatrix()
+    im.entries["w.expert.1"] = F.ImatrixEntry(np.full((1, 4), 2.0), np.ones(1))
+    im.entries["w.expert_2"] = F.ImatrixEntry(np.full((1, 4), 3.0), np.ones(1))
+    im.entries["w"] = F.ImatrixEntry(np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(3))
+    im.entries["shared"] = F.ImatrixEntry(np.full((1, 4), 5.0), np.ones(1))
+    im.entries["dense"] = F.ImatrixEntry(np.full((1, 6), 7.0), np.array([2.0]))
+    assert np.all(im.lookup(["w"], 4, 1) == 2.0)
+    assert np.all(im.lookup(["w"], 4, 2) == 3.0)
+    np.testing.assert_array_equal(im.lookup(["w"], 4, 0), [0, 1, 2, 3])
+    assert np.all(im.lookup(["nope", "shared"], 4, 9) == 5.0)
+    assert np.all(im.lookup(["dense"], 6) == 3.5)
+    assert im.lookup(["nope"], 6) is None and im.lookup(["nope"], 4, 0) is None
+    with pytest.raises(F.ImatrixError):
+        im.lookup(["dense"], 5)
+    with pytest.raises(F.ImatrixError):
+        im.lookup(["w"], 5, 0)
