@@ -1,4 +1,6 @@
 // Dequant-fused matvec for batch 1..8: y[b, r] = W[r] . x[b, g(r)] for every quant type ds4 uses.
+#include <cstdlib>
+
 #include "mv_core.cuh"
 
 namespace ds4gpu {
@@ -79,7 +81,14 @@ static void launch_r(const Packed& w, const float* x, const XQ& xq, int batch, i
 
 // Small matrices (q_a, kv, router, shared expert) give too few warps at R rows each to keep enough
 // loads in flight (v1: 64-256 CTAs, 7-9 us for 2-9 MB); they take 2 rows per warp instead.
-constexpr int64_t MIN_WARPS = 132 * 16;
+// $DS4_GPU_MIN_WARPS overrides the threshold (benchmark A/B: a huge value forces 2 rows everywhere).
+static int64_t min_warps() {
+  static const int64_t v = [] {
+    const char* e = getenv("DS4_GPU_MIN_WARPS");
+    return e ? atoll(e) : (int64_t)132 * 16;
+  }();
+  return v;
+}
 
 template <int QT, int NB>
 static void launch_nb(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
@@ -88,7 +97,7 @@ static void launch_nb(const Packed& w, const float* x, const XQ& xq, int batch, 
   int64_t units = QT == QT_F16 ? w.ncols / 8 : w.ncols / 32;
   int S = column_splits(units);
   if constexpr (R > 2) {
-    if (w.nrows / R * S < MIN_WARPS && (w.nrows / groups) % 2 == 0) {
+    if (w.nrows / R * S < min_warps() && (w.nrows / groups) % 2 == 0) {
       launch_r<QT, NB, 2>(w, x, xq, batch, groups, S, y, stream);
       return;
     }
