@@ -142,3 +142,28 @@ def test_histogram_png(tmp_path):
     out = tmp_path / "h.png"
     K.plot_histogram(np.abs(np.random.default_rng(3).normal(size=500)) * 1e-3, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_table_mixes_kld_and_score_results(tmp_path):
+    import json
+
+    from ds4.quality.report import CompareError, compare_files
+    M.write_scores(tmp_path / "q2.tsv", [M.CaseScore("case_000", 20, 4, 6.0, 0, 1)])
+    rng = np.random.default_rng(4)
+    lg = rng.normal(size=(50, 30))
+    acc = K.KldAccumulator()
+    acc.add(M.log_softmax(lg), lg + rng.normal(size=lg.shape) * 0.3, rng.integers(0, 30, 50))
+    s = acc.result().summary()
+    (tmp_path / "q8.json").write_text(json.dumps({"kind": "ds4-quality-kld", "label": "q8_0", "stats": s}))
+    import io
+    buf = io.StringIO()
+    md = compare_files([str(tmp_path / "q8.json"), str(tmp_path / "q2.tsv")], csv_out=str(tmp_path / "t.csv"),
+                       chart=str(tmp_path / "t.svg"), stdout=buf)
+    rows = (tmp_path / "t.csv").read_text().splitlines()
+    assert rows[0].split(",")[:2] == ["model", "mean KLD"] and "score avg_nll" in rows[0]
+    assert rows[1].startswith(f"q8_0,{s['kld_mean']:.6f}") and rows[2].startswith("q2,")
+    assert "1.500000" in rows[2]  # avg_nll = 6 / 4
+    assert md == buf.getvalue() and (tmp_path / "t.svg").read_text().lstrip().startswith("<?xml")
+    (tmp_path / "bad.json").write_text('{"kind": "other"}')
+    with pytest.raises(CompareError, match="not a ds4-quality kld result"):
+        compare_files([str(tmp_path / "bad.json")], stdout=io.StringIO())
