@@ -169,8 +169,9 @@ def cmd_kld(args) -> int:
     if saved is not None:
         chunks = saved.tokens.astype("int64")
         score_start = saved.score_start
-        if chunks.max() >= tok.n_vocab:
-            return _fail(f"{args.base_logits}: token ids beyond this model's vocabulary")
+        if int(saved.header["n_vocab"]) != tok.n_vocab or chunks.max() >= tok.n_vocab:
+            return _fail(f"{args.base_logits}: saved for a {saved.header['n_vocab']}-token vocabulary, "
+                         f"this model has {tok.n_vocab}")
     else:
         ctx = args.ctx
         if ctx < 4:
