@@ -453,7 +453,9 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
 
 
 def warm_weights(model) -> None:
-    """Prepare every weight the numba path multiplies by (transposed float32 copies)."""
+    """Prepare every weight the numba path multiplies by (float32, transposed where it helps)."""
+    from ds4.engine import kernels
+
     cfg = model.config
     names = [C.OUTPUT, C.OUTPUT_HC_FN]
     for li in range(cfg.n_layer):
@@ -462,6 +464,12 @@ def warm_weights(model) -> None:
                   L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_Q_B, L.IDX_PROJ):
             if model.has(C.blk(li, t)):
                 names.append(C.blk(li, t))
-        model.transposed(C.blk(li, L.ATTN_OUTPUT_A), groups=cfg.o_groups)
+        if cfg.o_lora_rank <= kernels.NARROW:
+            model.w(C.blk(li, L.ATTN_OUTPUT_A))
+        else:
+            model.transposed(C.blk(li, L.ATTN_OUTPUT_A), groups=cfg.o_groups)
     for name in names:
-        model.transposed(name)
+        if len(model.shape(name)) == 2 and model.shape(name)[0] <= kernels.NARROW:
+            model.w(name)
+        else:
+            model.transposed(name)

@@ -33,6 +33,10 @@ Hook points (model-spec §3.3-3.7, §6; tooling-spec §3.1):
   or "ffn" (routed sum + shared expert); `y` [T, D] is the sublayer output *before* HC post.
   Return None to leave it, or a new [T, D] array to replace it (directional steering:
   `y - scale · v (v · y)`).
+  The engine is batch-invariant (decode, prefill and any chunking give the same bits); an edit
+  keeps that only if it is computed row by row, e.g. `(y * v).sum(-1, keepdims=True)` rather than
+  `y @ v` (BLAS blocks by batch size, and the FP8 KV rounding turns last-bit differences into
+  visible ones).
 * `residual(layer, X)` — the hyper-connection state [T, n_hc, D] after the layer (observe only).
 * `begin(pos0, tokens)` — start of a forward call: first absolute position and the token ids [T].
 """

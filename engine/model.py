@@ -65,6 +65,9 @@ class Model:
         return other
 
     # ---- weights ------------------------------------------------------------------------------
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._source[name].shape)
+
     def has(self, name: str) -> bool:
         return name in self._source
 
