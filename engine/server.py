@@ -140,15 +140,25 @@ class Engine:
     """The model, its tokenizer and the one live session, used by one request at a time."""
 
     def __init__(self, model_path: str, ctx: int, max_tokens: int, client_sampling: bool = False,
-                 backend: str | None = None):
-        from ds4.engine.cli import open_session
+                 backend: str | None = None, steering_args=None):
+        from ds4.engine.cli import CliError, open_session
         from ds4.engine.model import Model
         self.model = Model.load(model_path)
         self.tokenizer = self.model.tokenizer
         self.ctx = ctx
         self.max_tokens = max_tokens
         self.client_sampling = client_sampling
-        self.session = open_session(self.model, ctx, backend)
+        hooks = None
+        if steering_args is not None:
+            from ds4.steering import apply as steering
+            hooks = steering.hooks_from_args(steering_args, self.model.config)
+        if hooks is not None:           # steering edits sublayer outputs through CPU hooks
+            if backend == "cuda":
+                raise CliError("directional steering needs --backend cpu")
+            from ds4.engine.session import Session
+            self.session = Session(self.model, ctx=ctx, hooks=hooks)
+        else:
+            self.session = open_session(self.model, ctx, backend)
         self.lock = threading.Lock()
         self.seq = 0
         self.shutting_down = False
@@ -507,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="honour the client's temperature/top_p/min_p in thinking mode too "
                    "(ds4 forces T=1, top_p=1, min_p=0.05 there)")
     p.add_argument("--quiet", action="store_true", help="do not log requests")
+    from ds4.steering import apply as steering
+    steering.add_arguments(p)
     return p
 
 
@@ -522,9 +534,11 @@ def main(argv=None) -> int:
         print(f"ds4-server: {args.model}: no such model file", file=sys.stderr)
         return 2
     from ds4.engine.cli import CliError
+    from ds4.steering.format import SteeringFileError
     try:
-        engine = Engine(args.model, args.ctx, args.tokens, args.client_sampling, args.backend)
-    except CliError as exc:
+        engine = Engine(args.model, args.ctx, args.tokens, args.client_sampling, args.backend,
+                        steering_args=args)
+    except (CliError, SteeringFileError) as exc:
         print(f"ds4-server: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:

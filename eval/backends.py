@@ -61,8 +61,14 @@ class EngineTimeline:
     """The one reused KV timeline of a local run: reuse the common prefix with the previous
     prompt, rebuild otherwise, then decode token by token. Uses ds4.engine.session.Session."""
 
-    def __init__(self, model, ctx: int, backend: str | None = None):
+    def __init__(self, model, ctx: int, backend: str | None = None, hooks=None):
         from ds4.engine.cli import CliError, open_session
+        if hooks is not None:       # steering edits sublayer outputs: the CPU engine's hooks
+            if backend == "cuda":
+                raise BackendError("directional steering needs --backend cpu")
+            from ds4.engine.session import Session
+            self.session = Session(model, ctx=ctx, hooks=hooks)
+            return
         try:
             self.session = open_session(model, ctx, backend)
         except CliError as exc:
@@ -98,6 +104,7 @@ class LocalBackend:
         self.name = "local"
         self.model_name = os.path.basename(self.model_path)
         self.timeline: EngineTimeline | None = None
+        self.hooks = None                          # e.g. directional steering (ds4.steering)
         self._prompt_cache: dict = {}
 
     def prompt_tokens(self, question, think: str) -> list[int]:
@@ -114,7 +121,7 @@ class LocalBackend:
         return len(self.prompt_tokens(question, think))
 
     def prepare(self, ctx: int) -> None:
-        self.timeline = EngineTimeline(self.model, ctx, self.engine_backend)
+        self.timeline = EngineTimeline(self.model, ctx, self.engine_backend, self.hooks)
 
     def kv_bytes(self) -> int:
         session = self.timeline.session if self.timeline else None

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--report-json", metavar="FILE", help="write the final report as JSON")
     o.add_argument("--extractor", choices=grading.EXTRACTORS, default="careful",
                    help="answer extraction rules: careful (ours), pr185, head (ds4 8d57664)")
+    from ds4.steering import apply as steering
+    steering.add_arguments(p)
     t = p.add_argument_group("tools")
     t.add_argument("--regrade-trace", metavar="FILE",
                    help="re-extract and re-grade the answers in a trace; no model is loaded")
@@ -220,9 +222,17 @@ class PlainPrinter(Listener):
 def make_backend(args):
     from .backends import LocalBackend, OpenAIBackend, parse_extra_body
     if args.base_url:
+        if args.dir_steering_file or args.dir_steering_attn or args.dir_steering_ffn:
+            raise UsageError("--dir-steering-* apply to the local engine, not --base-url")
         return OpenAIBackend(args.base_url, args.api_model, args.api_key,
                              parse_extra_body(args.extra_body))
-    return LocalBackend(args.model or str(default_model()), args.backend)
+    backend = LocalBackend(args.model or str(default_model()), args.backend)
+    from ds4.steering import apply as steering
+    try:
+        backend.hooks = steering.hooks_from_args(args, backend.model.config)
+    except ValueError as exc:          # SteeringFileError: a one-line user mistake
+        raise UsageError(str(exc)) from None
+    return backend
 
 
 def size_context(run: EvalRun, settings: GenSettings) -> int:

@@ -161,3 +161,34 @@ def test_ctrl_c_prints_report_and_keeps_trace_valid(model, tmp_path):
     _, cases, errors = read_trace(trace)
     assert errors == [] and cases and cases[-1].status == "STOPPED"
     assert trace.read_text().rstrip().endswith("total: %d" % len(cases))
+
+
+def test_directional_steering_changes_the_local_run(model, tmp_path):
+    """--dir-steering-* reach the engine through hooks: a strong FFN direction changes the greedy
+    output, a zero scale does not read the file and changes nothing."""
+    import numpy as np
+
+    from ds4.engine.model import Model
+    from ds4.eval.cli import build_parser, make_backend, size_context
+    from ds4.eval.runner import EvalRun, GenSettings
+
+    cfg = Model.load(model).config
+    direction = np.random.default_rng(0).standard_normal((cfg.n_layer, cfg.n_embd))
+    direction /= np.linalg.norm(direction, axis=1, keepdims=True)
+    path = tmp_path / "dir.f32"
+    direction.astype("<f4").tofile(path)
+    q = load_questions(QUESTIONS)[2]
+    outputs = []
+    for extra in ([], ["--dir-steering-file", str(path), "--dir-steering-ffn", "0"],
+                  ["--dir-steering-file", str(path), "--dir-steering-ffn", "-2",
+                   "--dir-steering-attn", "-2"]):
+        args = build_parser().parse_args(["-m", str(model), "--backend", "cpu", *extra])
+        backend = make_backend(args)
+        settings = GenSettings(tokens=10, think="none", temperature=0, soft_budget=4,
+                               hard_budget=2)
+        run = EvalRun([q], backend, settings)
+        run.ctx = size_context(run, settings)
+        backend.prepare(run.ctx)
+        outputs.append(run.run()[0].output)
+    assert outputs[0] == outputs[1]
+    assert outputs[2] != outputs[0]
