@@ -239,3 +239,26 @@ def test_repl(tiny_gguf, tmp_path):
 def test_repl_end_of_input(tiny_gguf):
     proc = ds4("-m", tiny_gguf, stdin="")
     assert proc.returncode == 0
+
+
+def test_think_max_needs_context(tiny_gguf, tmp_path):
+    out = tmp_path / "lp.json"
+    proc = ds4("-m", tiny_gguf, "--think-max", "-p", "What is 2+2?", "-n", 1, "--dump-logprobs", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "--think-max needs --ctx >= 393216" in proc.stderr
+    assert json.loads(out.read_text())["prompt_tokens"] == 16  # HIGH: the §1.8 prompt without the prefix
+
+
+@pytest.mark.slow
+def test_think_max_prompt(tiny_gguf, tmp_path):
+    out = tmp_path / "lp.json"
+    proc = ds4("-m", tiny_gguf, "--think-max", "--ctx", 393216, "-p", "What is 2+2?", "-n", 1, "--dump-logprobs", out)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["prompt_tokens"] == 95  # §1.8: the full MAX prompt
+
+
+@pytest.mark.slow
+def test_inspect(tiny_gguf):
+    proc = ds4("-m", tiny_gguf, "--inspect")
+    assert proc.returncode == 0, proc.stderr
+    assert "n_layer" in proc.stdout and "vocab_size       129280" in proc.stdout and "tensors" in proc.stdout
