@@ -90,3 +90,30 @@ def test_oracle_sweep(overrides, seed, n_tokens):
     ref = hf_logits(hf, tokens)
     ours = forward_chunk(model, KVState(model.config, ctx=1024), tokens, all_logits=True)
     assert rel_err(ours, ref) <= TOL
+
+
+def test_converted_gguf_matches_transformers_checkpoint(tmp_path):
+    """End to end through the project's tools: a random official-layout checkpoint, converted by
+    `ds4-quantize convert` to a GGUF, read by Model.load, against transformers loading the same
+    weights through its own official-name mapping (gguf_tools.synth.write_transformers_checkpoint)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from ds4.engine.config import preset
+    from ds4.gguf_tools.synth import synth_checkpoint, write_transformers_checkpoint
+
+    cfg = preset("tiny")
+    synth_checkpoint(cfg, tmp_path / "official", seed=3)
+    hf = write_transformers_checkpoint(cfg, tmp_path / "tf", seed=3, official_dir=tmp_path / "official")
+    exe = Path(sys.executable).with_name("ds4-quantize")
+    gguf = tmp_path / "m.gguf"
+    subprocess.run([str(exe), "convert", str(tmp_path / "official"), str(gguf), "--type", "f32", "--quiet"], check=True)
+    model = Model.load(gguf, fp8_kv=False, indexer_qat=False)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, 260)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([tokens.tolist()]), use_cache=False).logits[0].float().numpy()
+    ours = forward_chunk(model, KVState(model.config, ctx=512), tokens, all_logits=True)
+    assert rel_err(ours, ref) <= TOL
