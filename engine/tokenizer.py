@@ -334,13 +334,18 @@ class Tokenizer:
         while self._n_key < self.n_vocab + len(merges) + 1:
             self._n_key <<= 1
         table: dict[int, tuple[int, int]] = {}
+        lookup = self.token_to_id.get
+        n_key = self._n_key
         for rank, merge in enumerate(merges):
             left, sep, right = merge.partition(" ")
             if not sep:
                 raise ValueError(f"malformed merge #{rank}: {merge!r}")
-            key = symbol_id(left) * self._n_key + symbol_id(right)
+            a, b, ab = lookup(left), lookup(right), lookup(left + right)
+            if a is None or b is None or ab is None:  # only for tables outside the DeepSeek vocab
+                a, b, ab = symbol_id(left), symbol_id(right), symbol_id(left + right)
+            key = a * n_key + b
             if key not in table:  # a repeated pair keeps its first (lowest) rank
-                table[key] = (rank, symbol_id(left + right))
+                table[key] = (rank, ab)
         self._merges = table
         self._cache: dict[str, tuple[int, ...]] = {}
         self._bytes: list[bytes | None] = [None] * self.n_vocab
