@@ -35,6 +35,10 @@ test-slow: venv
 bench: venv
 	$(PY) -m ds4.engine.bench_tokenizer
 
+.PHONY: bench-quants
+bench-quants: venv
+	$(PY) -m ds4.gguf_tools.quants.bench
+
 cuda: venv
 	$(PIP) install -q pybind11
 	CUDA_ARCH=$(CUDA_ARCH) $(PY) engine/gpu/build.py
