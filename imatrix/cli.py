@@ -167,8 +167,21 @@ def cmd_build_dataset(args) -> int:
     return 0
 
 
+def _check_output(path: str | None) -> None:
+    """Fail before hours of work, not after: the output's folder must exist and be writable."""
+    import os
+
+    if path:
+        folder = Path(path).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UsageError(f"{path}: folder {folder} does not exist or is not writable")
+
+
 def cmd_collect(args) -> int:
     from ds4.imatrix.collect import collect, load_prompts
+
+    _check_output(args.output)
+    _check_output(args.heatmap)
 
     source = args.rendered or args.dataset or str(default_dataset())
     try:
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     except (fmt.ImatrixError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"ds4-imatrix: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ds4-imatrix: interrupted (nothing written)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

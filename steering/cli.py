@@ -130,8 +130,20 @@ def _prompts(path: str, limit: int = 0) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def _check_output(path: str | None) -> None:
+    import os
+
+    if path:
+        folder = Path(path).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UsageError(f"{path}: folder {folder} does not exist or is not writable")
+
+
 def cmd_build(args) -> int:
     from tqdm import tqdm
+
+    for out in (args.output, args.gguf):
+        _check_output(out)
 
     from ds4.steering.run import capture_last_rows
 
@@ -175,6 +187,8 @@ def cmd_sweep(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompts = _prompts(args.prompts, args.max_prompts)
+    for out in (args.csv, args.chart):
+        _check_output(out)
     model = _load_model(args.model)
     cfg = model.config
     ds = load_directions(args.direction, cfg.n_layer, cfg.n_embd)

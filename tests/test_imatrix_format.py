@@ -212,6 +212,8 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path):
         assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     r = _cli("collect", "-o", tmp_path / "x.dat", "--max-prompts", "-3")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = _cli("collect", "-o", tmp_path / "no" / "such" / "x.dat")  # refused before any work
+    assert r.returncode == 2 and "not writable" in r.stderr
     r = _cli("--help")
     assert r.returncode == 0 and "collect" in r.stdout and "build-dataset" in r.stdout
 

@@ -105,5 +105,7 @@ def test_cli_convert_and_info(tmp_path):
     for args in (("info", tmp_path / "nope.f32"), ("convert", tmp_path / "nope.f32", tmp_path / "x.gguf")):
         r = _cli(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    r = _cli("build", "-o", tmp_path / "no" / "dir.f32")  # refused before loading anything
+    assert r.returncode == 2 and "not writable" in r.stderr
     r = _cli("--help")
     assert r.returncode == 0 and all(c in r.stdout for c in ("build", "sweep", "info", "convert"))
