@@ -464,11 +464,15 @@ def warm_weights(model) -> None:
                   L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_Q_B, L.IDX_PROJ):
             if model.has(C.blk(li, t)):
                 names.append(C.blk(li, t))
-        if cfg.o_lora_rank <= kernels.NARROW:
+        if model.quantized(C.blk(li, L.ATTN_OUTPUT_A)) is not None:
+            pass
+        elif cfg.o_lora_rank <= kernels.NARROW:
             model.w(C.blk(li, L.ATTN_OUTPUT_A))
         else:
             model.transposed(C.blk(li, L.ATTN_OUTPUT_A), groups=cfg.o_groups)
     for name in names:
+        if model.quantized(name) is not None:
+            continue
         if len(model.shape(name)) == 2 and model.shape(name)[0] <= kernels.NARROW:
             model.w(name)
         else:

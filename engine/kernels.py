@@ -260,15 +260,29 @@ def matmul_w(x, w):
 
 
 # ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
+def _quant_matmul(qtype, raw, x):
+    """Fused dequantize-and-multiply from the GGUF blocks (gguf_tools.quants: per-output fixed order,
+    so batch-invariant as well)."""
+    from ds4.gguf_tools import quants
+
+    return np.asarray(quants.matmul(qtype, raw, x), dtype=np.float32)
+
+
 def matmul(model, name, x):
     """x[T, in] @ W.T for the model's 2-D weight `name` (the form is chosen by W's shape only)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
+    qt = model.quantized(name)
+    if qt is not None:
+        return _quant_matmul(qt, model.raw(name), x)
     w = model.w(name) if model.shape(name)[0] <= NARROW else None
     return matmul_w(x, w) if w is not None else matmul_t(x, model.transposed(name))
 
 
 def expert_matmul(model, name, e, x):
     """x[T, in] @ W[e].T for expert e of a 3-D expert tensor."""
+    qt = model.quantized(name)
+    if qt is not None:
+        return _quant_matmul(qt, model.raw(name)[e], np.ascontiguousarray(x, dtype=np.float32))
     return matmul_t(np.ascontiguousarray(x, dtype=np.float32), model.transposed(name)[e])
 
 
@@ -276,6 +290,12 @@ def group_matmul(model, name, groups, x):
     """Grouped output projection: x [T, G, in_g] → [T, G, out_g], group g using rows g·out_g.. of W."""
     rows = model.shape(name)[0] // groups
     out = np.empty((x.shape[0], groups, rows), np.float32)
+    qt = model.quantized(name)
+    if qt is not None:
+        raw = model.raw(name)
+        for g in range(groups):
+            out[:, g] = _quant_matmul(qt, raw[g * rows:(g + 1) * rows], np.ascontiguousarray(x[:, g], dtype=np.float32))
+        return out
     if rows <= NARROW:
         w = model.w(name)
         for g in range(groups):

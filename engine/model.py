@@ -27,8 +27,10 @@ class ModelError(ValueError):
 
 
 class Model:
-    def __init__(self, config: Config, tensors: Mapping[str, Any], file: Any = None, path: str | None = None):
+    def __init__(self, config: Config, tensors: Mapping[str, Any], file: Any = None, path: str | None = None,
+                 fused_quant: bool = False):
         self.config = config
+        self.fused_quant = fused_quant
         self.file = file
         self.path = path
         self._source = tensors  # name -> array (numpy) or a DS4File-backed loader
@@ -38,14 +40,19 @@ class Model:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike, *, fp8_kv: bool = True, indexer_qat: bool = True) -> "Model":
-        """Open a DS4 GGUF. The file stays mapped; no weight is copied until first use."""
+    def load(cls, path: str | os.PathLike, *, fp8_kv: bool = True, indexer_qat: bool = True,
+             fused_quant: bool = False) -> "Model":
+        """Open a DS4 GGUF. The file stays mapped; no weight is copied until first use.
+
+        With `fused_quant` quantized tensors (Q8_0, Q4_K, Q2_K, IQ2_XXS) are multiplied
+        straight from their blocks by `ds4.gguf_tools.quants.matmul`; otherwise they are
+        dequantized once to float32 like F16 tensors (default: faster on CPU, more memory)."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelError(f"model file not found: {path}")
         dsfile = _open_gguf(path)
         cfg = dsfile.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat)
-        model = cls(cfg, _FileTensors(dsfile), file=dsfile, path=path)
+        model = cls(cfg, _FileTensors(dsfile), file=dsfile, path=path, fused_quant=fused_quant)
         model.check_tensors()
         return model
 
@@ -58,13 +65,25 @@ class Model:
     def with_numerics(self, *, fp8_kv: bool | None = None, indexer_qat: bool | None = None) -> "Model":
         """A model sharing the same weights (and cache) with the rounding simulations switched."""
         other = Model(self.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat), self._source,
-                      file=self.file, path=self.path)
+                      file=self.file, path=self.path, fused_quant=self.fused_quant)
         other._cache = self._cache
         other._tcache = self._tcache
         other._tokenizer = self._tokenizer
         return other
 
     # ---- weights ------------------------------------------------------------------------------
+    def quantized(self, name: str) -> C.QuantType | None:
+        """The block quant type of a file tensor multiplied in fused form, else None."""
+        src = self._source.get(name)
+        if not self.fused_quant or not isinstance(src, _Lazy):
+            return None
+        qt = src.qtype
+        return qt if qt in (C.QuantType.Q8_0, C.QuantType.Q2_K, C.QuantType.Q4_K, C.QuantType.IQ2_XXS) else None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored blocks of a file tensor, zero-copy: (rows..., row_bytes)."""
+        return self.file.raw(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._source[name].shape)
 
@@ -172,8 +191,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 class _Lazy:
     """A tensor in the file, converted to float32 on first use."""
 
-    def __init__(self, dsfile: Any, name: str, shape: tuple[int, ...]):
-        self.dsfile, self.name, self.shape = dsfile, name, shape
+    def __init__(self, dsfile: Any, name: str, shape: tuple[int, ...], qtype: Any = None):
+        self.dsfile, self.name, self.shape, self.qtype = dsfile, name, shape, qtype
 
     def load(self) -> np.ndarray:
         arr = self.dsfile.array(self.name)
@@ -187,46 +206,13 @@ class _FileTensors(dict):
         super().__init__()
         for name, info in dsfile.tensors.items():
             shape = tuple(int(x) for x in reversed(tuple(info.ne))) if hasattr(info, "ne") else tuple(info.shape)
-            self[name] = _Lazy(dsfile, name, shape)
+            self[name] = _Lazy(dsfile, name, shape, getattr(info, "qtype", None))
 
 
 def _open_gguf(path: str) -> Any:
-    """The GGUF reader of gguf_tools when present; otherwise a minimal one over gguf-py."""
+    from ds4.gguf_tools.reader import GGUFError, open_model
+
     try:
-        from ds4.gguf_tools.reader import open_model
-    except ImportError:
-        return _GgufPyFile(path)
-    return open_model(path)
-
-
-class _GgufPyFile:
-    """Fallback DS4File: `.config`, `.tensors` (name → info with `.ne`), `.array(name)` as float32."""
-
-    class _Info:
-        def __init__(self, t: Any):
-            self.ne = tuple(int(x) for x in t.shape)
-            self.qtype = C.QuantType(int(t.tensor_type))
-            self.data = t.data
-
-    def __init__(self, path: str):
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(path, "r")
-        except Exception as e:  # noqa: BLE001 - gguf raises bare ValueErrors on foreign files
-            raise ModelError(f"{path}: not a readable GGUF file ({e})") from None
-        meta = {}
-        for name, field in self.reader.fields.items():
-            meta[name] = field.contents() if hasattr(field, "contents") else None
-        self.metadata = meta
-        self.config = Config.from_metadata(meta)
-        self.tensors = {t.name: self._Info(t) for t in self.reader.tensors}
-
-    def array(self, name: str) -> np.ndarray:
-        info = self.tensors[name]
-        shape = tuple(reversed(info.ne))
-        if info.qtype in (C.QuantType.F32, C.QuantType.F16, C.QuantType.I32):
-            return np.asarray(info.data).reshape(shape)
-        from gguf.quants import dequantize
-
-        return dequantize(np.asarray(info.data), info.qtype.value).reshape(shape).astype(F32)
+        return open_model(path)
+    except GGUFError as e:
+        raise ModelError(str(e)) from None

@@ -186,3 +186,20 @@ def test_model_loads_gguf_written_by_project_writer(tmp_path, tokens):
     assert np.array_equal(got, ref)
     off = Model.load(path, fp8_kv=False, indexer_qat=False)
     assert not off.config.fp8_kv and not off.config.indexer_qat
+
+
+def test_fused_q8_0_matches_dequantized_and_stays_batch_invariant(tmp_path, tokens):
+    cfg = oracle_config()
+    tensors = random_tensors(cfg, seed=6)
+    q8 = {n: C.QuantType.Q8_0 for n in tensors
+          if n.endswith(("attn_q_b.weight", "attn_output_a.weight", "ffn_down_shexp.weight", "ffn_gate_exps.weight",
+                         "ffn_up_exps.weight", "ffn_down_exps.weight"))}
+    path = write_model_gguf(tmp_path / "q8.gguf", cfg, tensors, q8)
+    fused = Model.load(path, fp8_kv=False, indexer_qat=False, fused_quant=True)
+    plain = Model.load(path, fp8_kv=False, indexer_qat=False)
+    assert all(fused.quantized(n) == C.QuantType.Q8_0 for n in q8) and plain.quantized(next(iter(q8))) is None
+    a = Session(fused, ctx=128).prefill(tokens[:40], all_logits=True)
+    b = Session(plain, ctx=128).prefill(tokens[:40], all_logits=True)
+    assert close(a, b)
+    s = Session(fused, ctx=128)
+    assert np.array_equal(np.stack([s.decode(t).copy() for t in tokens[:40]]), a)
