@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from ds4 import paths
 from ds4.engine import power
 
@@ -58,6 +60,9 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=_positive_int, default=None, help="engine prefill chunk (default: engine's)")
     p.add_argument("--csv", default=None, help="output CSV (default: stdout)")
     p.add_argument("--label", default=None, help="legend label stored in the CSV header")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up (numba compiles its kernels on first use; without the "
+                        "warm-up the first row measures compilation too)")
     power.add_power_argument(p)
     return p
 
@@ -182,6 +187,15 @@ def cmd_run(argv: list[str]) -> int:
     if args.label:
         meta["label"] = args.label
     fronts = list(frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul))
+    if not args.no_warmup:
+        # A throwaway session past the sliding window and a ratio-128 compression boundary, in
+        # chunks and token by token, so every kernel is compiled before the first timed row.
+        n = min(args.ctx_start, 300, len(tokens) - 1)
+        warm = open_session(model, n + 3, backend, args.prefill_chunk)
+        logits = warm.sync(tokens[:n])
+        for _ in range(2):
+            logits = warm.decode(int(np.argmax(logits)))
+        del warm
     from tqdm import tqdm
     bar = tqdm(total=len(fronts), desc="frontiers", unit="row", disable=not sys.stderr.isatty())
 
