@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.test_vectors.formats import publish
+
 from .metrics import log_softmax
 
 LOGITS_MAGIC = b"DS4KLDv1"
@@ -213,7 +215,7 @@ def _save_fig_atomic(fig, out: str | os.PathLike) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, format=fmt)
-        os.replace(tmp, out)
+        publish(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -267,7 +269,7 @@ class LogitsWriter:
                 self.f.write(block)
         self.f.close()
         os.unlink(self.tmp_body)
-        os.replace(self.tmp, self.path)
+        publish(self.tmp, self.path)
 
     def abort(self) -> None:
         for f, p in ((self.f, self.tmp), (self.fb, self.tmp_body)):

@@ -58,6 +58,19 @@ class VectorCase:
 # Atomic writes
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() would give a new file (mkstemp creates 0600 files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Give a finished temp file ordinary permissions and rename it into place."""
+    os.chmod(tmp, _umask_mode())
+    os.replace(tmp, path)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write to a temp file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
@@ -66,7 +79,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
