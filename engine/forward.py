@@ -14,8 +14,17 @@ rows i < floor((p+1)/r) of its layer; on ratio-4 layers the Lightning indexer na
 top-k once there are more than top-k of them. Compressed rows are pooled by a streaming compressor
 whose frontier lives in the state, so any chunking gives the same rows.
 
-The hot loops (compressor scan, indexer scores, attention with sink) have numba versions in
-`ds4.engine.kernels`, held to the `*_ref` functions here by tests. `impl="ref"` runs this file only.
+The hot loops (weight products, compressor scan, indexer scores, attention with sink) have numba
+versions in `ds4.engine.kernels`, held to the `*_ref` functions here by tests; `impl="ref"` runs
+this file only. The numba path is batch-invariant: a token's logits are the same bits whether it
+was decoded alone or prefilled in any chunking (see kernels.matmul_t).
+
+Numerics follow the official reference (model-spec §7): FP8 e4m3 rounding of the non-RoPE KV dims
+(raw and compressed rows) and Hadamard + FP4 rounding of indexer q/keys, both on by default and
+switched by `Config.fp8_kv` / `Config.indexer_qat` (off to compare with transformers, which lacks
+them). Choices that differ from ds4 at the last-bit level only: raw rows are kept in f32 (ds4
+rounds them to f16, the official code stores bf16); activations are not quantized before
+Q8_0/K-quant products; softmaxes and norms accumulate in f32.
 """
 
 from __future__ import annotations
