@@ -33,7 +33,10 @@ def title_from_name(stem: str) -> str:
     words = [w for w in stem.replace("-", "_").split("_") if w]
     out = []
     for w in words:
-        out.append(w.upper() if len(w) <= 3 and any(c.isdigit() for c in w) else w.capitalize())
+        if (len(w) <= 3 and any(c.isdigit() for c in w)) or w.lower() in ("cpu", "gpu", "cuda", "kv"):
+            out.append(w.upper())
+        else:
+            out.append(w.capitalize())
     return " ".join(out) + " t/s"
 
 
@@ -124,7 +127,7 @@ def compare_runs(a: BenchRun, b: BenchRun) -> list[RatioRow]:
 
 def format_comparison(a: BenchRun, b: BenchRun, rows: list[RatioRow], markdown: bool = False) -> str:
     la, lb = a.label, b.label
-    head = ["ctx", f"prefill A", f"prefill B", "B/A", f"gen A", f"gen B", "B/A"]
+    head = ["ctx", "prefill A", "prefill B", "B/A", "gen A", "gen B", "B/A"]
     body = [[f"{r.ctx_tokens}", f"{r.prefill_a:.2f}", f"{r.prefill_b:.2f}", f"{r.prefill_ratio:.3f}",
              f"{r.gen_a:.2f}", f"{r.gen_b:.2f}", f"{r.gen_ratio:.3f}"] for r in rows]
     import statistics
