@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--count", type=_pos, default=100)
     c.add_argument("--max-tokens", type=_pos, default=24)
     c.add_argument("--ctx", type=_pos, default=4096)
+    c.add_argument("--base-url", default=None,
+                   help="collect from an OpenAI-compatible endpoint instead of a local model "
+                        "(e.g. https://api.deepseek.com or a ds4-server's http://host:port/v1)")
+    c.add_argument("--api-model", default="deepseek-v4-flash", help="model name sent to the endpoint")
+    c.add_argument("--attempts", type=_pos, default=6, help="tries per prompt (pauses 1 s × 1.7^k between)")
+    c.add_argument("--api-key-env", default="DEEPSEEK_API_KEY",
+                   help="environment variable holding the bearer key (default DEEPSEEK_API_KEY; unset = none)")
 
     s = sub.add_parser("score", help="per-token NLL, first-token match, greedy prefix length (§4.3)")
     s.add_argument("-m", "--model", default=None)
@@ -94,17 +101,33 @@ def _bar(total: int, desc: str):
 
 
 def cmd_collect(args) -> int:
-    from .run import greedy_continuation, read_prompts_jsonl, write_collection
-    model_path = Path(args.model) if args.model else paths.default_model()
+    import os
+    import time
+
+    from .run import api_continuation, greedy_continuation, read_prompts_jsonl, write_collection
     prompts = read_prompts_jsonl(args.prompts or paths.data_dir(args.data_dir) / "quality" / "prompts.jsonl")
-    model = load_model(model_path)
+    prompts = prompts[: args.count]
+    if args.base_url:
+        import openai
+        client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get(args.api_key_env) or "none",
+                               max_retries=0, timeout=120.0)
+    else:
+        model_path = Path(args.model) if args.model else paths.default_model()
+        model = load_model(model_path)
     items = []
-    bar = _bar(min(args.count, len(prompts)), "collect")
-    for cid, prompt in prompts[: args.count]:
-        text, ids = greedy_continuation(model, prompt, args.max_tokens, args.ctx, args.backend)
-        items.append((cid, prompt, text, {"source": "ds4-local", "model": model_path.name, "id": cid,
-                                          "max_tokens": args.max_tokens, "tokens": ids,
-                                          "choices": [{"message": {"role": "assistant", "content": text}}]}))
+    bar = _bar(len(prompts), "collect")
+    for cid, prompt in prompts:
+        if args.base_url:
+            resp = api_continuation(client, args.api_model, prompt, args.max_tokens, attempts=args.attempts)
+            text = (resp.get("choices") or [{}])[0].get("message", {}).get("content") or ""
+            if not text:
+                print(f"ds4-quality: warning: {cid}: empty continuation", file=sys.stderr)
+            time.sleep(0.05)  # the 50 ms pause between prompts of collect_official.py
+        else:
+            text, ids = greedy_continuation(model, prompt, args.max_tokens, args.ctx, args.backend)
+            resp = {"source": "ds4-local", "model": model_path.name, "id": cid, "max_tokens": args.max_tokens,
+                    "tokens": ids, "choices": [{"message": {"role": "assistant", "content": text}}]}
+        items.append((cid, prompt, text, resp))
         bar.update(1)
     bar.close()
     write_collection(args.out, items)

@@ -161,6 +161,39 @@ def all_position_logits(sess, prefix: list[int], continuation: list[int]) -> lis
 
 
 # ----------------------------------------------------------------------------------------------
+# Collect from an OpenAI-compatible endpoint (collect_official.py's request, any server)
+
+
+def api_continuation(client, model_name: str, prompt: str, max_tokens: int, attempts: int = 6,
+                     sleep=None) -> dict:
+    """One chat completion as collect_official.py asks for it (greedy, thinking disabled, top-5
+    logprobs); retries 429 / 5xx / connection errors with 1 s × 1.7^k pauses, fails at once on
+    other 4xx. Returns the full response as a dict."""
+    import time
+
+    import openai
+
+    sleep = sleep or time.sleep
+    last: Exception | None = None
+    for k in range(attempts):
+        try:
+            resp = client.chat.completions.create(
+                model=model_name, messages=[{"role": "user", "content": prompt}], temperature=0,
+                max_tokens=max_tokens, logprobs=True, top_logprobs=5, stream=False,
+                extra_body={"thinking": {"type": "disabled"}})
+            return resp.model_dump()
+        except openai.APIStatusError as e:
+            if 400 <= e.status_code < 500 and e.status_code != 429:
+                raise ToolError(f"the endpoint refused the request: HTTP {e.status_code} {e.message}") from None
+            last = e
+        except openai.APIConnectionError as e:
+            last = e
+        if k + 1 < attempts:
+            sleep(1.0 * 1.7 ** k)
+    raise ToolError(f"the endpoint failed {attempts} times: {type(last).__name__}: {last}")
+
+
+# ----------------------------------------------------------------------------------------------
 # KLD
 
 

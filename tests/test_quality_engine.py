@@ -118,3 +118,35 @@ def test_score_own_continuations_and_diff(tiny, tmp_path):
     r = quality_cli("diff", tmp_path / "self.tsv", tmp_path / "bad.tsv")
     assert r.returncode == 0 and "cases\t3" in r.stdout and "old best cases:" in r.stdout
     assert np.isfinite(float(r.stdout.split("relative_nll_change\t")[1].split("%")[0]))
+
+
+def test_collect_from_openai_compatible_server_matches_local_greedy(tiny, tmp_path):
+    """`collect --base-url` against a real ds4-server on loopback (greedy, thinking disabled) gives
+    the continuations the local engine gives."""
+    import re
+    import signal
+    srv = subprocess.Popen([sys.executable, "-m", "ds4.engine.server", "-m", str(tiny), "--port", "0",
+                            "--host", "127.0.0.1", "--ctx", "512", "--backend", "cpu", "--quiet"],
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        line = srv.stderr.readline()
+        m = re.search(r"listening on (http://\S+/v1)", line)
+        assert m, line
+        r = quality_cli("collect", "--base-url", m.group(1), "--api-model", "ds4", "--out", tmp_path / "api",
+                        "--count", 2, "--max-tokens", 5)
+        assert r.returncode == 0, r.stderr
+    finally:
+        srv.send_signal(signal.SIGTERM)
+        srv.wait(timeout=30)
+    r = quality_cli("collect", "-m", tiny, "--out", tmp_path / "local", "--count", 2, "--max-tokens", 5)
+    assert r.returncode == 0, r.stderr
+    for cid in ("case_000", "case_001"):
+        api = (tmp_path / "api" / "continuations" / f"{cid}.txt").read_text()
+        local = (tmp_path / "local" / "continuations" / f"{cid}.txt").read_text()
+        assert api == local and api
+        resp = json.loads((tmp_path / "api" / "responses" / f"{cid}.json").read_text())
+        assert resp["choices"][0]["message"]["content"] == api
+    # nothing listening: retries, then a one-line error
+    r = quality_cli("collect", "--base-url", "http://127.0.0.1:9/v1", "--out", tmp_path / "x", "--count", 1,
+                    "--attempts", 2)
+    assert r.returncode == 2 and "failed 2 times" in r.stderr and "Traceback" not in r.stderr
