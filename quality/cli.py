@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chart", default=None, help="bar chart .png/.svg")
 
     for sp in (c, s, k):
-        sp.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+        sp.add_argument("--backend", choices=("cpu", "cuda"), default=None,
+                        help="engine backend (default: cuda when it can run, else cpu)")
         sp.add_argument("--data-dir", default=None)
         power.add_power_argument(sp)
     return p
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         power.install(args.power)
     handlers = {"collect": cmd_collect, "score": cmd_score, "diff": cmd_diff, "kld": cmd_kld, "compare": cmd_compare}
     try:
+        if hasattr(args, "backend"):
+            from ds4.test_vectors.runtime import check_backend
+            args.backend = check_backend(args.backend)
         return handlers[args.cmd](args)
     except ToolError as e:
         return _fail(str(e))

@@ -167,12 +167,12 @@ def cmd_run(argv: list[str]) -> int:
     ctx_alloc = args.ctx_alloc or args.ctx_max + args.gen_tokens + 1
     if ctx_alloc <= args.ctx_max + args.gen_tokens:
         return _fail("--ctx-alloc must be > ctx-max + gen-tokens")
-    from ds4.test_vectors.runtime import ToolError, default_backend, eos_id, load_model, open_session
+    from ds4.test_vectors.runtime import ToolError, check_backend, eos_id, load_model, open_session
 
     from .frontier import frontiers, sweep
     model_path = Path(args.model) if args.model else paths.default_model()
-    backend = args.backend or default_backend()
     try:
+        backend = check_backend(args.backend)
         text = read_prompt_text(args)
         model = load_model(model_path)
         tokens = prompt_tokens(args, model, text)

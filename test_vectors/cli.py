@@ -19,7 +19,7 @@ from ds4.engine import power
 
 from .compare import DEFAULT_TOLERANCE, DEFAULT_TOP_K
 from .formats import VectorFormatError, load_vector_dir, write_text_atomic
-from .runtime import ToolError, load_model
+from .runtime import ToolError, check_backend, load_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="max |Δ logprob| in nats (default 4)")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="local top-k searched for alternatives (default 20)")
     p.add_argument("--ctx", type=int, default=None, help="override every case's context size")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=None,
+                   help="engine backend (default: cuda when it can run, else cpu)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the per-step report as JSON")
     p.add_argument("--capture", metavar="DIR", default=None,
                    help="capture mode: run the model greedily on the vector prompts and write manifest.json, "
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("--top-k, --steps and --ctx must be positive")
     vec_dir = Path(args.vectors) if args.vectors else paths.data_dir(args.data_dir) / "test-vectors"
     try:
+        args.backend = check_backend(args.backend)
         vs = load_vector_dir(vec_dir)
         cases = vs.cases
         if args.only:

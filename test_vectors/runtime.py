@@ -31,28 +31,47 @@ def load_model(path: str | os.PathLike):
         raise ToolError(f"{path}: cannot load model: {msg}") from None
 
 
-def available_backends() -> list[str]:
-    out = ["cpu"]
+def _gpu_session_class():
+    """(the CUDA engine's Session class or None, why not): the same probe as the ds4 CLI."""
     try:
-        from ds4.engine.gpu import session as _gpu_session  # noqa: F401
-        out.append("cuda")
-    except Exception:  # not built / no device
-        pass
-    return out
+        from ds4.engine import gpu
+        if not gpu.available():
+            return None, gpu.unavailable_reason() or "CUDA unavailable"
+        from ds4.engine.gpu.session import Session  # type: ignore[import-not-found]
+        return Session, None
+    except ImportError as e:
+        return None, f"no CUDA engine session in this build ({e})"
+
+
+def check_backend(backend: str | None) -> str:
+    """The backend to use ('cpu' / 'cuda'; None = cuda when it runs, else cpu), or ToolError now,
+    before any model is loaded."""
+    if backend is None:
+        return default_backend()
+    if backend == "cuda":
+        cls, why = _gpu_session_class()
+        if cls is None:
+            raise ToolError(f"backend cuda is not available: {why}")
+    elif backend != "cpu":
+        raise ToolError(f"unknown backend {backend!r} (cpu or cuda)")
+    return backend
+
+
+def available_backends() -> list[str]:
+    return ["cpu"] + (["cuda"] if _gpu_session_class()[0] is not None else [])
 
 
 def open_session(model, ctx: int, backend: str = "cpu", prefill_chunk: int | None = None):
-    """A fresh session of `ctx` tokens on `backend`."""
+    """A fresh session of `ctx` tokens on `backend`, throttled by --power when one is installed."""
     kwargs = {"ctx": int(ctx)}
     if prefill_chunk:
         kwargs["prefill_chunk"] = int(prefill_chunk)
     if backend == "cpu":
         from ds4.engine.session import Session
     elif backend == "cuda":
-        try:
-            from ds4.engine.gpu.session import Session  # type: ignore[no-redef]
-        except Exception as e:
-            raise ToolError(f"backend cuda is not available ({type(e).__name__}: {e})") from None
+        Session, why = _gpu_session_class()
+        if Session is None:
+            raise ToolError(f"backend cuda is not available: {why}")
     else:
         raise ToolError(f"unknown backend {backend!r} (cpu or cuda)")
     session = Session(model, **kwargs)
