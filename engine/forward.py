@@ -209,6 +209,31 @@ class _RefKernels:
         return np.einsum("tgi,goi->tgo", x, w.reshape(groups, w.shape[0] // groups, w.shape[1])).astype(F32)
 
 
+class _ReportingKernels:
+    """Kernels that pass each 2-D layer projection's input to `hooks.linear_input` first. Only
+    used when the hooks ask for it, so the plain path has no per-product check."""
+
+    def __init__(self, kernels, hooks: Hooks):
+        self._k = kernels
+        self._hooks = hooks
+        self.compressor_scan = kernels.compressor_scan
+        self.indexer_scores = kernels.indexer_scores
+        self.attend = kernels.attend
+        self.expert_matmul = kernels.expert_matmul
+
+    def _report(self, name: str, x: np.ndarray) -> None:
+        if name.startswith("blk."):
+            self._hooks.linear_input(int(name.split(".", 2)[1]), name, x)
+
+    def matmul(self, model, name, x):
+        self._report(name, x)
+        return self._k.matmul(model, name, x)
+
+    def group_matmul(self, model, name, groups, x):
+        self._report(name, x.reshape(-1, x.shape[-1]))
+        return self._k.group_matmul(model, name, groups, x)
+
+
 def _kernels(impl: str):
     if impl == "ref":
         return _RefKernels
@@ -435,6 +460,8 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
     K = _kernels(impl)
+    if hooks is not None and hooks.wants_linear_inputs():
+        K = _ReportingKernels(K, hooks)
     pos0 = state.n_tokens
     if hooks is not None:
         hooks.begin(pos0, tokens)

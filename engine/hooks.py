@@ -14,6 +14,7 @@ Call order inside `forward_chunk(tokens at positions pos0..pos0+T-1)`:
         y = attention(...);  y = sublayer_output(layer, "attn", y) or y;   HC post
         x = RMSNorm(v; ffn_norm)
         routed experts;      routed_inputs(layer, x, expert_ids, weights, down_inputs)
+        (before every 2-D layer projection: linear_input(layer, name, x), only when wanted)
         y = routed + shared; y = sublayer_output(layer, "ffn", y) or y;    HC post
         residual(layer, X)
 
@@ -38,6 +39,13 @@ Hook points (model-spec §3.3-3.7, §6; tooling-spec §3.1):
   `y @ v` (BLAS blocks by batch size, and the FP8 KV rounding turns last-bit differences into
   visible ones).
 * `residual(layer, X)` — the hyper-connection state [T, n_hc, D] after the layer (observe only).
+* `linear_input(layer, name, x)` — the input rows of a layer's 2-D projection whose GGUF tensor is
+  `name` (e.g. "blk.3.attn_q_a.weight", "blk.3.attn_output_b.weight", "blk.3.ffn_down_shexp.weight"),
+  called right before the product, in forward order, observe only: x is [T, in] (the HC mixers,
+  attention q/kv/output, compressors, indexer, router, shared expert); for the grouped
+  "attn_output_a" it is [T·G, in/G], group g of token t in row t·G + g. Routed experts are not
+  reported here (see `routed_inputs`). The engine makes these calls only when
+  `wants_linear_inputs()` is True (default False), so hooks that do not ask cost nothing.
 * `begin(pos0, tokens)` — start of a forward call: first absolute position and the token ids [T].
 """
 
@@ -62,9 +70,17 @@ class Hooks:
     def residual(self, layer: int, X: np.ndarray) -> None:
         pass
 
+    def linear_input(self, layer: int, name: str, x: np.ndarray) -> None:
+        pass
+
     def wants_routed_inputs(self) -> bool:
         """True when a subclass overrides `routed_inputs` (the engine then gathers down_inputs)."""
         return type(self).routed_inputs is not Hooks.routed_inputs
+
+    def wants_linear_inputs(self) -> bool:
+        """Override to return True to receive `linear_input` calls (off by default: one call per
+        projection per layer is not free)."""
+        return False
 
 
 class HookList(Hooks):
@@ -94,5 +110,13 @@ class HookList(Hooks):
         for h in self.hooks:
             h.residual(layer, X)
 
+    def linear_input(self, layer, name, x):
+        for h in self.hooks:
+            if h.wants_linear_inputs():
+                h.linear_input(layer, name, x)
+
     def wants_routed_inputs(self) -> bool:
         return any(h.wants_routed_inputs() for h in self.hooks)
+
+    def wants_linear_inputs(self) -> bool:
+        return any(h.wants_linear_inputs() for h in self.hooks)

@@ -147,6 +147,9 @@ class RoutedAccumulator:
         return im
 
 
+_SHARED_GATE_UP = ("." + LayerTensor.FFN_GATE_SHEXP.value, "." + LayerTensor.FFN_UP_SHEXP.value)
+
+
 class ImatrixHooks(Hooks):
     """Feeds a RoutedAccumulator (observation only: the forward pass is never changed)."""
 
@@ -165,8 +168,9 @@ class ImatrixHooks(Hooks):
         self.acc.add_routed(layer, x, expert_ids, down_inputs)
 
     def linear_input(self, layer, name, x):
-        # Called by engines that report the inputs of regular projections (see HOOKS_REQUEST.md).
-        if self.acc.all_tensors:
+        # The engine reports every 2-D layer projection (ds4.engine.hooks); the shared expert's
+        # gate/up are already summed from the routed x in add_routed, so they are skipped here.
+        if self.acc.all_tensors and not name.endswith(_SHARED_GATE_UP):
             self.acc.add_dense(name, x)
 
     def wants_linear_inputs(self) -> bool:
