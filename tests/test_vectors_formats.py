@@ -112,3 +112,17 @@ def test_cli_bad_vector_dir_is_one_line_error(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "malformed JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_vector_prompts_render_to_the_api_prompt_token_counts():
+    # The capture's usage.prompt_tokens is an oracle for the rendering (BOS, <｜User｜>, prompt,
+    # <｜Assistant｜>, </think>; no system prompt): ours must give the same count for all five.
+    from ds4.engine.tokenizer import Tokenizer
+    from ds4.test_vectors.runtime import render_nothink
+    tok = Tokenizer.from_tokenizer_json()
+    vs = F.load_vector_dir(VEC_DIR)
+    for c in vs.cases:
+        usage = F.read_official(VEC_DIR / "official" / f"{c.id}.official.json")["usage"]
+        ids = render_nothink(tok, c.prompt)
+        assert len(ids) == usage["prompt_tokens"], c.id
+        assert ids[0] == tok.bos_id and ids[-2:] == [tok.assistant_id, tok.think_close_id]
