@@ -58,6 +58,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-mul", type=_step_mul, default=1.0, help="exponential step factor (> 1)")
     p.add_argument("--gen-tokens", "--tokens", "-n", type=_positive_int, default=128)
     p.add_argument("--prefill-chunk", type=_positive_int, default=None, help="engine prefill chunk (default: engine's)")
+    p.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for the numba kernels")
     p.add_argument("--csv", default=None, help="output CSV (default: stdout)")
     p.add_argument("--label", default=None, help="legend label stored in the CSV header")
     p.add_argument("--no-warmup", action="store_true",
@@ -180,10 +181,17 @@ def cmd_run(argv: list[str]) -> int:
     except (ToolError, ValueError) as e:
         return _fail(str(e))
     throttle = power.install(args.power)
+    if args.threads:
+        import numba
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+        meta_threads = str(numba.get_num_threads())
+    else:
+        meta_threads = "default"
     if hasattr(model, "warm"):
         model.warm()  # keep one-time weight conversion out of the first timed prefill
     meta = {"model": str(model_path), "backend": backend, "machine": machine_description(), "git": git_revision(),
-            "gen_tokens": str(args.gen_tokens), "power": str(args.power), "loadavg_at_start": _loadavg()}
+            "gen_tokens": str(args.gen_tokens), "power": str(args.power), "loadavg_at_start": _loadavg(),
+            "threads": meta_threads}
     if args.label:
         meta["label"] = args.label
     fronts = list(frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul))

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from ds4.speed_bench.csvio import COLUMNS, BenchCsvError, BenchRow, BenchRun, parse_csv, read_csv, write_csv
+from ds4.speed_bench.csvio import COLUMNS, BenchCsvError, BenchRow, BenchRun, read_csv, write_csv
 from ds4.speed_bench.frontier import argmax_excluding, frontiers
 from ds4.speed_bench.plot import compare_runs, format_comparison, title_from_name
 
