@@ -27,6 +27,7 @@ from ds4.engine.chat import (
     chat_append_assistant_prefix,
     encode_chat_prompt,
 )
+from ds4.engine import power
 from ds4.engine.generate import Utf8Stream, generate, logprob_steps
 from ds4.engine.sampling import (
     DEFAULT_MIN_P,
@@ -37,6 +38,7 @@ from ds4.engine.sampling import (
 )
 from ds4.gguf_tools.constants import BOS_TEXT
 from ds4.paths import default_model
+from ds4.steering import apply as steering
 
 DEFAULT_CTX = 32768
 DEFAULT_TOKENS = 50000
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=_ranged(int, 1, 4096, "--threads"), default=None, help="CPU threads (default: all)")
     p.add_argument("--no-rounding-sim", action="store_true",
                    help="turn off the official FP8 KV / FP4 indexer rounding (compare with transformers)")
+    power.add_power_argument(p)
+    steering.add_arguments(p)
     return p
 
 
@@ -171,19 +175,34 @@ def _gpu_session_class():
         return None, "this build has CUDA kernels but no CUDA engine session yet"
 
 
-def open_session(model, ctx: int, backend: str | None):
-    """A session on the chosen backend (default: CUDA when it can run, else CPU)."""
+def open_session(model, ctx: int, backend: str | None, hooks=None):
+    """A session on the chosen backend (default: CUDA when it can run, else CPU), with the engine
+    hooks (steering) and the --power throttle between layers when one is installed."""
+    session = None
     if backend in (None, "cuda"):
         cls, why = _gpu_session_class()
         if cls is not None:
-            return cls(model, ctx=ctx)
-        if backend == "cuda":
+            session = cls(model, ctx=ctx) if hooks is None else cls(model, ctx=ctx, hooks=hooks)
+        elif backend == "cuda":
             raise CliError(f"--backend cuda: {why}; use --backend cpu")
-    from ds4.engine.session import Session
+    if session is None:
+        from ds4.engine.session import Session
+
+        try:
+            session = Session(model, ctx=ctx, hooks=hooks)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+    power.attach(session)
+    return session
+
+
+def steering_hooks(args, model):
+    """Hooks for --dir-steering-* (None without a file or with every scale 0)."""
+    from ds4.steering.format import SteeringFileError
 
     try:
-        return Session(model, ctx=ctx)
-    except ValueError as e:
+        return steering.hooks_from_args(args, model.config)
+    except (SteeringFileError, ValueError) as e:
         raise CliError(str(e)) from None
 
 
@@ -424,7 +443,7 @@ def run_one_shot(args, model, text: str) -> int:
     mode = resolve_think(args.think, args.ctx)
     ids = prompt_tokens(tok, text, args.system, mode, args.raw)
     budget = _budget(args, args.ctx, len(ids))
-    session = open_session(model, args.ctx, args.backend)
+    session = open_session(model, args.ctx, args.backend, args.hooks)
     if args.dump_logits:
         with PrefillProgress(session):
             logits = session.sync(ids)
@@ -481,12 +500,13 @@ def run_repl(args, model) -> int:
         return [tok.bos_id] + (max_ids if mode == ThinkMode.MAX else []) + system_ids
 
     turns: list[int] = []  # everything after the head: user turns, answers, EOS
-    session = open_session(model, ctx, args.backend)
+    session = open_session(model, ctx, args.backend, args.hooks)
     sampler = _sampler(args)
     print("ds4 interactive: /help for commands, /quit to leave", file=sys.stderr)
     while True:
         try:
             line = input("ds4> ")
+            power.pause()  # time spent waiting for the user is not busy time
         except EOFError:
             print(file=sys.stderr)
             break
@@ -521,7 +541,7 @@ def run_repl(args, model) -> int:
                     print("ds4: /ctx needs a positive number", file=sys.stderr)
                     continue
                 ctx = new_ctx
-                session = open_session(model, ctx, args.backend)
+                session = open_session(model, ctx, args.backend, args.hooks)
                 if mode == ThinkMode.MAX and ctx < THINK_MAX_MIN_CONTEXT:
                     mode = ThinkMode.HIGH
                 print(f"ds4: context {ctx}", file=sys.stderr)
@@ -582,6 +602,8 @@ def _run(argv) -> int:
     if args.inspect:
         inspect(model, _model_path(args), sys.stdout)
         return 0
+    args.hooks = steering_hooks(args, model)
+    power.install(args.power)
     if (args.dump_logprobs or args.dump_logits) and text is None:
         raise CliError("--dump-logprobs/--dump-logits need -p TEXT or --prompt-file FILE")
     if text is not None:
