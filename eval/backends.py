@@ -66,8 +66,10 @@ class EngineTimeline:
         if hooks is not None:       # steering edits sublayer outputs: the CPU engine's hooks
             if backend == "cuda":
                 raise BackendError("directional steering needs --backend cpu")
+            from ds4.engine import power
             from ds4.engine.session import Session
             self.session = Session(model, ctx=ctx, hooks=hooks)
+            power.attach(self.session)      # --power: throttle between layers (open_session does too)
             return
         try:
             self.session = open_session(model, ctx, backend)
@@ -142,6 +144,8 @@ class LocalBackend:
             control.checkpoint()
 
         control.checkpoint()
+        from ds4.engine import power
+        power.pause()       # grading and UI time between cases is not the engine's busy time
         logits = self.timeline.prefill(prompt, on_prefill)
         sink.started()
         sampler = Sampler(temperature=settings.temperature, top_k=0, top_p=settings.top_p,

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at this many remaining tokens, force </think> (default 512, or "
                    "tokens/4 if smaller)")
     s.add_argument("--soft-limit-think-close-rank", type=int, default=3, metavar="K")
+    from ds4.engine import power
+    power.add_power_argument(s)
     o = p.add_argument_group("output")
     o.add_argument("--plain", action="store_true", help="plain streamed log instead of the TUI")
     o.add_argument("--pause-ms", type=int, default=350, help="TUI pause after each graded case")
@@ -224,6 +226,8 @@ def make_backend(args):
     if args.base_url:
         if args.dir_steering_file or args.dir_steering_attn or args.dir_steering_ffn:
             raise UsageError("--dir-steering-* apply to the local engine, not --base-url")
+        if args.power < 100:
+            raise UsageError("--power throttles the local engine, not --base-url")
         return OpenAIBackend(args.base_url, args.api_model, args.api_key,
                              parse_extra_body(args.extra_body))
     backend = LocalBackend(args.model or str(default_model()), args.backend)
@@ -264,6 +268,8 @@ def run_eval(args) -> int:
     if run.ctx:
         print(f"ds4-eval: context {run.ctx} tokens (largest prompt "
               f"{max(run.prompt_tokens.values())} + budget {settings.tokens})", file=sys.stderr)
+    from ds4.engine import power
+    throttle = power.install(args.power)   # the local session throttles between layers
     backend.prepare(run.ctx)
     kv_bytes = getattr(backend, "kv_bytes", lambda: 0)()
     if kv_bytes:
@@ -300,6 +306,9 @@ def run_eval(args) -> int:
     runtime = run.control.run_seconds(run.started)
     sys.stdout.write("\n" + render_report(run.results, runtime))
     sys.stdout.flush()
+    if throttle is not None:
+        print(f"ds4-eval: --power {args.power}: busy fraction {throttle.busy_fraction:.2f} "
+              f"({throttle.busy_s:.1f} s busy, {throttle.slept_s:.1f} s slept)", file=sys.stderr)
     if args.report_json:
         write_json_atomic(args.report_json, report_dict(run.results, runtime, {
             "model": backend.model_name, "backend": backend.name, "ctx": run.ctx,

@@ -132,8 +132,13 @@ class RunControl:
 
     def checkpoint(self) -> None:
         with self._lock:
+            waited = False
             while self.paused and not self.stop_requested and self.switch_to is None:
                 self._lock.wait(0.2)
+                waited = True
+            if waited:          # a user pause is not busy time for the --power throttle
+                from ds4.engine import power
+                power.pause()
             if self.stop_requested:
                 raise CaseInterrupted("stop")
             if self.switch_to is not None:

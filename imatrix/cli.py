@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--heatmap", default=None, metavar="PNG", help="also write a heat-map of expert usage")
     c.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="engine backend (default cpu)")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no statistics")
+    from ds4.engine import power
+    power.add_power_argument(c)
 
     b = sub.add_parser("build-dataset", help="render a JSONL of chat records into calibration text",
                        description="Render chat records ({messages, tools?, mode?}) with the engine's chat renderer "
@@ -197,6 +199,8 @@ def cmd_collect(args) -> int:
     if args.ctx == 0 or args.chunk == 0:
         raise UsageError("--ctx and --chunk must be > 0")
     model = _load_model(args.model, args.backend)
+    from ds4.engine import power
+    throttle = power.install(args.power)  # collect() attaches it to its session
     t0 = time.perf_counter()
     result = collect(model, prompts, ctx=args.ctx, max_tokens=args.max_tokens, chunk=args.chunk,
                      all_tensors=args.all_tensors, progress=not args.quiet)
@@ -212,6 +216,9 @@ def cmd_collect(args) -> int:
     state = "interrupted; partial file" if result.interrupted else "done"
     print(f"{state}: {result.prompts} prompts, {result.tokens} tokens in {elapsed:.1f} s ({rate:.1f} tok/s) "
           f"→ {args.output} ({size} bytes)", file=sys.stderr)
+    if throttle is not None:
+        print(f"--power {args.power}: busy fraction {throttle.busy_fraction:.2f} ({throttle.busy_s:.1f} s busy, "
+              f"{throttle.slept_s:.1f} s slept)", file=sys.stderr)
     if args.heatmap:
         from ds4.imatrix.stats import plot_heatmap
 

@@ -305,6 +305,9 @@ def collect(model, prompts: list[Prompt], *, ctx: int = 32768, max_tokens: int =
 
     session = Session(model, ctx=max(ctx, 2), prefill_chunk=min(chunk, max(ctx, 2)), hooks=hooks,
                       progress=on_chunk)
+    from ds4.engine import power
+    power.attach(session)  # --power: throttle between layers (a no-op unless one is installed)
+    hooks = session.hooks  # prefill_fresh re-assigns these for every prompt
 
     def on_sigint(signum, frame):
         if stop.is_set():
