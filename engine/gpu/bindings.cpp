@@ -19,11 +19,21 @@ using namespace ds4gpu;
 namespace {
 
 cudaStream_t g_stream = nullptr;
-bool g_capturing = false;
+bool g_capturing_flag = false;
+
+bool g_stream_external = false;  // set_stream() was called (its handle may be 0, the legacy stream)
 
 cudaStream_t stream() {
-  if (!g_stream) DS4_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  if (!g_stream && !g_stream_external) DS4_CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   return g_stream;
+}
+
+// True during our own capture or one begun by someone else on our stream (torch.cuda.graph).
+bool capturing() {
+  if (g_capturing_flag) return true;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if ((g_stream || g_stream_external) && cudaStreamIsCapturing(g_stream, &st) == cudaSuccess) return st == cudaStreamCaptureStatusActive;
+  return false;
 }
 
 std::string mib(size_t n) {
@@ -45,7 +55,7 @@ std::string mib(size_t n) {
 }
 
 void* device_alloc(size_t n, const std::string& what) {
-  if (g_capturing) throw std::runtime_error("cannot allocate device memory (" + what + ") during graph capture");
+  if (capturing()) throw std::runtime_error("cannot allocate device memory (" + what + ") during graph capture");
   void* p = nullptr;
   if (cudaMalloc(&p, n ? n : 1) != cudaSuccess) raise_oom(what, n);
   return p;
@@ -61,7 +71,7 @@ struct Scratch {
   size_t used = 0;
   void reserve(size_t n) {
     if (n <= cap) return;
-    if (g_capturing)
+    if (capturing())
       throw std::runtime_error("scratch too small during graph capture: call reserve_scratch(" + std::to_string(n) +
                                ") or run the op once before capturing");
     if (base) {
@@ -192,10 +202,11 @@ std::shared_ptr<Tensor> upload(const std::string& name, int qtype, std::vector<i
 struct Array {
   std::vector<int64_t> shape;
   bool is_int = false;
+  bool owns = true;  // false for views of memory owned elsewhere (torch tensors)
   void* ptr = nullptr;
   size_t nbytes = 0;
   ~Array() {
-    if (ptr) cudaFree(ptr);
+    if (ptr && owns) cudaFree(ptr);
   }
   int64_t size() const {
     int64_t n = 1;
@@ -230,6 +241,17 @@ void array_copy_from(Array& a, py::array arr) {
   if (!(arr.flags() & py::array::c_style)) throw std::invalid_argument("array must be C-contiguous");
   DS4_CHECK(cudaStreamSynchronize(stream()));
   DS4_CHECK(cudaMemcpy(a.ptr, arr.data(), a.nbytes, cudaMemcpyHostToDevice));
+}
+
+// A view of device memory owned by someone else (e.g. torch.Tensor.data_ptr()); never freed here.
+std::shared_ptr<Array> array_view(uintptr_t ptr, std::vector<int64_t> shape, bool is_int) {
+  auto a = std::make_shared<Array>();
+  a->shape = shape;
+  a->is_int = is_int;
+  a->owns = false;
+  a->nbytes = (size_t)a->size() * 4;
+  a->ptr = (void*)ptr;
+  return a;
 }
 
 std::shared_ptr<Array> array_from_numpy(py::array arr) {
@@ -321,15 +343,15 @@ struct Graph {
 };
 
 void capture_begin() {
-  if (g_capturing) throw std::runtime_error("a capture is already running");
+  if (capturing()) throw std::runtime_error("a capture is already running");
   DS4_CHECK(cudaStreamSynchronize(stream()));
   DS4_CHECK(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal));
-  g_capturing = true;
+  g_capturing_flag = true;
 }
 
 std::shared_ptr<Graph> capture_end() {
-  if (!g_capturing) throw std::runtime_error("no capture is running");
-  g_capturing = false;
+  if (!g_capturing_flag) throw std::runtime_error("no capture is running");
+  g_capturing_flag = false;
   auto g = std::make_shared<Graph>();
   DS4_CHECK(cudaStreamEndCapture(stream(), &g->graph));
   DS4_CHECK(cudaGraphInstantiate(&g->exec, g->graph, 0));
@@ -408,6 +430,8 @@ PYBIND11_MODULE(_ext, m) {
       });
   py::class_<Array, std::shared_ptr<Array>>(m, "Array")
       .def_static("from_numpy", &array_from_numpy, py::arg("a"))
+      .def_static("view", &array_view, py::arg("ptr"), py::arg("shape"), py::arg("int32") = false,
+                  "A non-owning view of device memory (e.g. a torch tensor's data_ptr()).")
       .def_static("empty", [](std::vector<int64_t> shape, bool is_int) { return make_array(shape, is_int); },
                   py::arg("shape"), py::arg("int32") = false)
       .def_readonly("shape", &Array::shape)
@@ -428,6 +452,11 @@ PYBIND11_MODULE(_ext, m) {
   m.def("capture_begin", &capture_begin);
   m.def("capture_end", &capture_end);
   m.def("synchronize", []() { DS4_CHECK(cudaStreamSynchronize(stream())); });
+  m.def("set_stream", [](uintptr_t s) {
+          g_stream = (cudaStream_t)s;
+          g_stream_external = true;
+        }, py::arg("stream"),
+        "Launch every later op on this CUDA stream handle (e.g. torch.cuda.current_stream().cuda_stream).");
   m.def("copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = size_t(1) << 31, py::arg("iters") = 20);
   m.def("device_info", &device_info);
   m.def("device_count", []() {

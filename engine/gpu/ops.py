@@ -1,0 +1,116 @@
+"""Torch twins of the forward's numeric primitives (model-spec §3.1), for the CUDA engine.
+
+Each function mirrors the numpy one in ds4.engine.numerics / ds4.engine.rope operation for
+operation (frexp-based power-of-two scales, round-half-even minifloat rounding), so the GPU
+session and the CPU engine round KV and indexer values the same way. They run on any torch
+device; the tests hold them to the numpy versions on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+F32 = torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+def _pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    m, e = torch.frexp(v)
+    e = torch.where(m == 0.5, e - 1, e)
+    return torch.ldexp(torch.ones_like(v), e)
+
+
+def _round_minifloat(x: torch.Tensor, mant_bits: int, min_exp: int) -> torch.Tensor:
+    ax = x.abs()
+    _, e = torch.frexp(torch.where(ax > 0, ax, torch.ones_like(ax)))
+    e = torch.clamp(e - 1, min=min_exp)
+    step = torch.ldexp(torch.ones_like(ax), e - mant_bits)
+    return torch.round(x / step) * step
+
+
+def fp8_kv_round(x: torch.Tensor, n_nope: int) -> torch.Tensor:
+    lead = x.shape[:-1]
+    blocks = x[..., :n_nope].reshape(*lead, n_nope // 64, 64)
+    amax = torch.clamp(blocks.abs().amax(dim=-1, keepdim=True), min=1e-4)
+    scale = _pow2_ceil(amax / 448.0)
+    q = torch.clamp(blocks / scale, -448.0, 448.0)
+    head = (_round_minifloat(q, 3, -6) * scale).reshape(*lead, n_nope)
+    return torch.cat([head, x[..., n_nope:]], dim=-1)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*lead, n)
+        h *= 2
+    return x * (1.0 / n ** 0.5)
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    lead, n = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, n // 32, 32)
+    amax = torch.clamp(blocks.abs().amax(dim=-1, keepdim=True), min=6.0 * 2.0 ** -126)
+    scale = _pow2_ceil(amax / 6.0)
+    q = torch.clamp(blocks / scale, -6.0, 6.0)
+    return (_round_minifloat(q, 1, 0) * scale).reshape(*lead, n)
+
+
+def indexer_qat(x: torch.Tensor) -> torch.Tensor:
+    return fp4_round(hadamard(x))
+
+
+def cos_sin(freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = positions.to(F32)[:, None] * freq[None, :]
+    return torch.cos(ang), torch.sin(ang)
+
+
+def apply_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+               inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the last rope_dim dims; x [T, ..., hd], cos/sin [T, rope_dim/2]."""
+    extra = (1,) * (x.dim() - 2)
+    c = cos.reshape(cos.shape[0], *extra, cos.shape[1])
+    s = sin.reshape(sin.shape[0], *extra, sin.shape[1])
+    if inverse:
+        s = -s
+    n_nope = x.shape[-1] - rope_dim
+    tail = x[..., n_nope:]
+    x0, x1 = tail[..., 0::2], tail[..., 1::2]
+    rot = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).reshape(*tail.shape)
+    return torch.cat([x[..., :n_nope], rot], dim=-1)
+
+
+def hc_weights(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
+    """mHC pre/post/comb from mix [T, (2+n)·n] (model-spec §3.3 steps 3-6)."""
+    T = mix.shape[0]
+    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mix[:, 2 * n:].reshape(T, n, n) * scale[2] + base[2 * n:].reshape(n, n)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=2, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def stream_sum(wts: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Σ_i wts[:, i] · X[:, i] for X [T, n, D]."""
+    return torch.einsum("tn,tnd->td", wts, X)
+
+
+def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[b] = post_b · y + Σ_a comb[a, b] · X[a]."""
+    return post[:, :, None] * y[:, None, :] + torch.einsum("tab,tad->tbd", comb, X)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    g = torch.clamp(g, max=limit)
+    return g * torch.sigmoid(g) * torch.clamp(u, -limit, limit)

@@ -1,0 +1,708 @@
+"""The CUDA engine: DeepSeek V4 with the whole forward pass on the device, behind the Session API.
+
+    from ds4.engine.gpu.session import Session
+    s = Session(model, ctx=8192)          # uploads the quantized weights once (ds4.engine.gpu)
+    logits = s.sync(prompt_ids)           # chunked prefill on the GPU
+    logits = s.decode(tok)                # one CUDA-graph replay per token
+    toks = s.greedy(64)                   # argmax on the device; only token ids cross to the host
+
+Same API and state layout as ds4.engine.session.Session (runtime-spec §6.1): tokens, logits,
+sync/prefill/decode, kv_bytes, snapshot/restore producing the same DSV4 payload (the state is
+copied to the host in the CPU layout). Hooks (steering) are not supported here.
+
+Design. The model math of model-spec §3-4 is written once in torch over device tensors
+(ds4.engine.gpu.ops); weight products go through the resident-weight kernels of the extension
+(fused dequant matvec for B ≤ 8, routed MoE) on CUDA, or through float32 matmuls on the CPU
+(the same code then runs without a GPU, which is how its logic is tested against the numpy
+engine). Two paths share the sublayers:
+- `_chunk` (prefill, any T): dynamic shapes, the raw window from ring + chunk, compressors
+  pooled window-by-window from the frontier, the indexer's top-k per query (stable, lowest index
+  first), as ds4.engine.forward does;
+- `_step` (decode, T = 1): static shapes only (positions are a device tensor; ring rows, visible
+  compressed rows and the emission of a compressed row are masks and `where`s), so the whole
+  token is captured once in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+
+from ds4.engine.forward import KVState
+from ds4.engine.rope import inv_freq
+from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, kv_bytes_per_token
+from ds4.engine.session import Session as CpuSession
+from ds4.gguf_tools import constants as C
+
+from . import ops
+
+L = C.LayerTensor
+F32 = torch.float32
+ROUTE_DENOM_MIN = 6.1035e-5
+EXT_TYPES = {1: 8, 8: 32, 10: 256, 12: 256, 16: 256}  # qtype -> ne0 multiple the kernels need
+MOE_PIECE = 64  # tokens per routed-MoE launch in prefill (bounds the extension's scratch)
+
+
+def default_device() -> torch.device:
+    from ds4.engine import gpu
+
+    if torch.cuda.is_available() and gpu.available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class Weights:
+    """Weights on the device: extension tensors for the matrices it can multiply, torch otherwise."""
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.ext = None
+        if device.type == "cuda":
+            from ds4.engine import gpu
+
+            self.ext = gpu.load()
+            self.ext.reserve_scratch(64 << 20)
+        self._mats: dict[str, object] = {}
+        self._vecs: dict[str, torch.Tensor] = {}
+
+    # ---- storage ---------------------------------------------------------------------------
+    def vec(self, name: str) -> torch.Tensor:
+        t = self._vecs.get(name)
+        if t is None:
+            t = torch.from_numpy(np.ascontiguousarray(self.model.w(name), np.float32)).to(self.device)
+            self._vecs[name] = t
+        return t
+
+    def ids(self, name: str) -> torch.Tensor:
+        t = self._vecs.get(name)
+        if t is None:
+            t = torch.from_numpy(self.model.ids(name)).to(self.device)
+            self._vecs[name] = t
+        return t
+
+    def embedding(self) -> torch.Tensor:
+        t = self._vecs.get(C.TOKEN_EMBD)
+        if t is None:
+            f = self.model.file
+            if self.ext is not None and f is not None and int(f.info(C.TOKEN_EMBD).qtype) == 1:
+                raw = f.raw(C.TOKEN_EMBD).reshape(-1).view(np.float16)
+                t = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device).view(*self.model.shape(C.TOKEN_EMBD))
+            else:
+                t = torch.from_numpy(self.model.w(C.TOKEN_EMBD)).to(self.device)
+            self._vecs[C.TOKEN_EMBD] = t
+        return t
+
+    def mat(self, name: str):
+        m = self._mats.get(name)
+        if m is None:
+            f = self.model.file
+            info = f.info(name) if (self.ext is not None and f is not None) else None
+            qt = int(info.qtype) if info is not None else -1
+            routed_f16 = "_exps." in name and qt == 1  # the MoE kernels take quantized experts only
+            if info is not None and qt in EXT_TYPES and info.ne[0] % EXT_TYPES[qt] == 0 and not routed_f16:
+                m = self.ext.upload(name, qt, [int(n) for n in info.ne], f.raw(name).reshape(-1))
+            else:
+                m = torch.from_numpy(np.ascontiguousarray(self.model.w(name), np.float32)).to(self.device)
+            self._mats[name] = m
+        return m
+
+    def nbytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self._vecs.values())
+        for m in self._mats.values():
+            n += m.numel() * 4 if isinstance(m, torch.Tensor) else int(m.nbytes)
+        return n
+
+    # ---- products ----------------------------------------------------------------------------
+    def _arr(self, t: torch.Tensor):
+        return self.ext.Array.view(t.data_ptr(), list(t.shape), t.dtype == torch.int32)
+
+    def _sync_stream(self) -> None:
+        self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def mm(self, name: str, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """x [T, groups·in] → [T, out] for a 2-D weight W[out, in] (groups: block-diagonal rows)."""
+        w = self.mat(name)
+        x = x.contiguous()
+        if isinstance(w, torch.Tensor):
+            if groups == 1:
+                return x @ w.T
+            T = x.shape[0]
+            wg = w.reshape(groups, w.shape[0] // groups, w.shape[1])
+            return torch.einsum("tgi,goi->tgo", x.reshape(T, groups, -1), wg).reshape(T, -1)
+        self._sync_stream()
+        T = x.shape[0]
+        y = torch.empty((T, w.nrows), dtype=F32, device=self.device)
+        for i in range(0, T, 8):
+            xs, ys = x[i:i + 8], y[i:i + 8]
+            self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
+        return y
+
+    def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
+        names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
+        gate, up, down = (self.mat(n) for n in names)
+        T = b.shape[0]
+        if not isinstance(gate, torch.Tensor) and not isinstance(down, torch.Tensor):
+            self._sync_stream()
+            ids32 = ids.to(torch.int32).contiguous()
+            wts = wts.contiguous()
+            b = b.contiguous()
+            y = torch.empty_like(b)
+            for i in range(0, T, MOE_PIECE):
+                j = min(T, i + MOE_PIECE)
+                self.ext.moe(gate, up, down, self._arr(b[i:j]), self._arr(ids32[i:j]), self._arr(wts[i:j]),
+                             self._arr(y[i:j]), float(limit))
+            return y
+        # float32 fallback (F16/F32 experts): gathered expert matrices, no host sync (capturable)
+        g, u, d = (self._dense3(n, m) for n, m in zip(names, (gate, up, down)))
+        h = ops.swiglu(torch.einsum("tkfd,td->tkf", g[ids], b), torch.einsum("tkfd,td->tkf", u[ids], b), limit)
+        return torch.einsum("tkdf,tkf->td", d[ids], h * wts[..., None])
+
+    def _dense3(self, name: str, m) -> torch.Tensor:
+        if isinstance(m, torch.Tensor):
+            return m
+        key = name + "#dense"
+        t = self._vecs.get(key)
+        if t is None:
+            t = torch.from_numpy(self.model.w(name)).to(self.device)
+            self._vecs[key] = t
+        return t
+
+
+class Session:
+    def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 2048, hooks=None, impl: str | None = None,
+                 progress=None, device: str | torch.device | None = None, graphs: bool | None = None,
+                 weights: Weights | None = None):
+        if hooks is not None:
+            raise SessionError("the CUDA engine has no hooks; use the CPU backend for steering")
+        if ctx < 2:
+            raise SessionError(f"context must be at least 2 tokens, got {ctx}")
+        self.model = model
+        self.cfg = model.config
+        self.ctx = int(ctx)
+        self.prefill_chunk = int(min(prefill_chunk, ctx))
+        self.hooks = None
+        self.progress = progress
+        self.device = torch.device(device) if device is not None else default_device()
+        self.graphs = (self.device.type == "cuda" and os.environ.get("DS4_GPU_GRAPHS", "1") != "0") \
+            if graphs is None else graphs
+        self.W = weights if weights is not None else Weights(model, self.device)  # share uploads between sessions
+        cfg = self.cfg
+        self._freq = {c: torch.from_numpy(inv_freq(cfg, c)).to(self.device) for c in (False, True)}
+        self.raw_window = min(cfg.sliding_window, self.ctx)
+        self.raw_cap = self.raw_window
+        self._alloc_state()
+        self._tokens: list[int] = []
+        self._logits: torch.Tensor | None = None
+        self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._next = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graph = None
+        self._graph_logits: torch.Tensor | None = None
+        self.load_weights()
+
+    # ---- setup -------------------------------------------------------------------------------
+    def load_weights(self) -> None:
+        """Upload every weight now (keeps uploads out of timings)."""
+        cfg, W = self.cfg, self.W
+        W.embedding()
+        for name in (C.OUTPUT, C.OUTPUT_HC_FN):
+            W.mat(name)
+        for name in (C.OUTPUT_NORM, C.OUTPUT_HC_SCALE, C.OUTPUT_HC_BASE):
+            W.vec(name)
+        for li in range(cfg.n_layer):
+            for t in L:
+                name = C.blk(li, t)
+                if not self.model.has(name):
+                    continue
+                if t == L.FFN_GATE_TID2EID:
+                    W.ids(name)
+                elif len(self.model.shape(name)) == 1 or t in (L.COMP_APE, L.IDX_COMP_APE):
+                    W.vec(name)
+                else:
+                    W.mat(name)
+
+    def _alloc_state(self) -> None:
+        cfg, dev = self.cfg, self.device
+        self.layers = []
+        for i in range(cfg.n_layer):
+            r = cfg.ratio(i)
+            st = {"raw": torch.zeros((self.raw_cap, cfg.head_dim), dtype=F32, device=dev)}
+            if r:
+                rows, w = self.ctx // r + 2, cfg.compressor_width(i)
+                fr = (2 * r if r == 4 else r, w)
+                st["comp"] = torch.zeros((rows, cfg.head_dim), dtype=F32, device=dev)
+                st["comp_kv"] = torch.zeros(fr, dtype=F32, device=dev)
+                st["comp_score"] = torch.full(fr, -math.inf, dtype=F32, device=dev)
+            if r == 4:
+                rows = self.ctx // 4 + 2
+                st["idx"] = torch.zeros((rows, cfg.indexer_dim), dtype=F32, device=dev)
+                st["idx_kv"] = torch.zeros((8, 2 * cfg.indexer_dim), dtype=F32, device=dev)
+                st["idx_score"] = torch.full((8, 2 * cfg.indexer_dim), -math.inf, dtype=F32, device=dev)
+            self.layers.append(st)
+
+    def _reset_state(self) -> None:
+        for st in self.layers:
+            for k, t in st.items():
+                t.fill_(-math.inf if k.endswith("score") else 0.0)
+
+    # ---- timeline ----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    @property
+    def pos(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        return None if self._logits is None else self._logits.float().cpu().numpy()
+
+    @logits.setter
+    def logits(self, value) -> None:
+        self._logits = None if value is None else torch.as_tensor(np.asarray(value, np.float32)).to(self.device)
+
+    def invalidate(self) -> None:
+        self._reset_state()
+        self._tokens = []
+        self._logits = None
+
+    def common_prefix(self, tokens) -> int:
+        n = 0
+        for a, b in zip(self._tokens, tokens):
+            if a != int(b):
+                break
+            n += 1
+        return n
+
+    def sync(self, tokens) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        if not tokens or len(tokens) >= self.ctx:
+            raise SessionError(f"prompt exceeds context ({len(tokens)} tokens, ctx {self.ctx})")
+        common = self.common_prefix(tokens)
+        if common < len(self._tokens):
+            self.invalidate()
+        elif common == len(tokens) and self._logits is not None:
+            return self.logits
+        self.prefill(tokens[len(self._tokens):])
+        return self.logits
+
+    def decode(self, token: int) -> np.ndarray:
+        self._decode_device(int(token))
+        return self.logits
+
+    def prefill(self, tokens, all_logits: bool = False) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return np.zeros((0, self.cfg.vocab_size), np.float32) if all_logits else self.logits
+        if self.pos + len(tokens) > self.ctx:
+            raise SessionError(f"prompt exceeds context ({self.pos + len(tokens)} tokens, ctx {self.ctx})")
+        self._check_ids(tokens)
+        outs = []
+        if len(tokens) < RESUME_PREFILL_MIN and self.pos > 0:
+            for t in tokens:
+                self._decode_device(t)
+                outs.append(self._logits[None])
+        else:
+            done, total = 0, len(tokens)
+            while done < total:
+                n = min(self.prefill_chunk - self.pos % self.prefill_chunk, total - done)
+                outs.append(self._run_chunk(tokens[done:done + n], all_logits))
+                done += n
+                if self.progress is not None:
+                    self.progress(done, total)
+        if all_logits:
+            return torch.cat(outs).float().cpu().numpy()
+        return self.logits
+
+    def _check_ids(self, tokens) -> None:
+        if min(tokens) < 0 or max(tokens) >= self.cfg.vocab_size:
+            raise SessionError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
+
+    def _run_chunk(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
+        try:
+            with torch.no_grad():
+                out = self._chunk(torch.tensor(tokens, dtype=torch.long, device=self.device), self.pos, all_logits)
+        except BaseException:
+            self.invalidate()
+            raise
+        self._tokens.extend(tokens)
+        self._logits = out[-1].clone()
+        return out
+
+    def _decode_device(self, token: int) -> torch.Tensor:
+        if self.pos + 1 > self.ctx:
+            raise SessionError(f"context full ({self.ctx} tokens)")
+        self._check_ids([token])
+        self._tok.fill_(token)
+        self._step_from_buffers()
+        self._tokens.append(token)
+        return self._logits
+
+    def _step_from_buffers(self) -> None:
+        """One decode step reading the token from self._tok at position self.pos (device-only)."""
+        self._pos.fill_(self.pos)
+        try:
+            with torch.no_grad():
+                if not self.graphs:
+                    self._logits = self._step(self._tok, self._pos)
+                    self._next.copy_(torch.argmax(self._logits).view(1))
+                elif self._graph is None:
+                    self._capture()
+                else:
+                    self._graph.replay()
+                    self._logits = self._graph_logits
+        except BaseException:
+            self.invalidate()
+            raise
+
+    def _capture(self) -> None:
+        """Run the first decode eagerly (it is a real step), then capture the next one's graph."""
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            logits = self._step(self._tok, self._pos)
+            self._next.copy_(torch.argmax(logits).view(1))
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        self._logits = logits.clone()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = self._step(self._tok, self._pos)
+            self._next.copy_(torch.argmax(out).view(1))
+        self._graph, self._graph_logits = g, out
+
+    def greedy(self, n: int) -> list[int]:
+        """Decode n tokens greedily from the current logits; argmax stays on the device."""
+        if self._logits is None:
+            raise SessionError("greedy needs a prompt first")
+        if self.pos + n > self.ctx:
+            raise SessionError(f"context full ({self.ctx} tokens)")
+        out = torch.empty(n, dtype=torch.long, device=self.device)
+        self._next.copy_(torch.argmax(self._logits).view(1))
+        for i in range(n):
+            out[i:i + 1].copy_(self._next)
+            self._tok.copy_(self._next)
+            self._step_from_buffers()
+            self._tokens.append(-1)  # filled below (host learns the ids once, at the end)
+        ids = out.cpu().tolist()
+        self._tokens[len(self._tokens) - n:] = ids
+        return ids
+
+    # ---- memory ------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * 4 for st in self.layers for t in st.values())
+
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token(self.cfg)
+
+    # ---- payload (the CPU engine's format, via a host copy of the state) -----------------------
+    def _cpu_session(self) -> CpuSession:
+        s = CpuSession(self.model, ctx=self.ctx, prefill_chunk=self.prefill_chunk)
+        return s
+
+    def snapshot(self) -> bytes:
+        s = self._cpu_session()
+        n = self.pos
+        s.state.n_tokens = n
+        for i, (ls, st) in enumerate(zip(s.state.layers, self.layers)):
+            ls.raw[:] = st["raw"].cpu().numpy()
+            if ls.ratio:
+                ls.n_comp = n // ls.ratio
+                ls.comp[:ls.n_comp] = st["comp"][:ls.n_comp].cpu().numpy()
+                ls.comp_kv[:] = st["comp_kv"].cpu().numpy()
+                ls.comp_score[:] = st["comp_score"].cpu().numpy()
+            if ls.ratio == 4:
+                ls.n_idx = n // 4
+                ls.idx[:ls.n_idx] = st["idx"][:ls.n_idx].cpu().numpy()
+                ls.idx_kv[:] = st["idx_kv"].cpu().numpy()
+                ls.idx_score[:] = st["idx_score"].cpu().numpy()
+        s._tokens = list(self._tokens)
+        s.logits = self.logits
+        return s.snapshot()
+
+    def restore(self, payload: bytes) -> None:
+        s = self._cpu_session()
+        try:
+            s.restore(payload)
+        except SessionError:
+            self.invalidate()
+            raise
+        for ls, st in zip(s.state.layers, self.layers):
+            st["raw"].copy_(torch.from_numpy(ls.raw))
+            if ls.ratio:
+                st["comp"].zero_()
+                st["comp"][:ls.n_comp].copy_(torch.from_numpy(ls.comp[:ls.n_comp]))
+                st["comp_kv"].copy_(torch.from_numpy(ls.comp_kv))
+                st["comp_score"].copy_(torch.from_numpy(ls.comp_score))
+            if ls.ratio == 4:
+                st["idx"].zero_()
+                st["idx"][:ls.n_idx].copy_(torch.from_numpy(ls.idx[:ls.n_idx]))
+                st["idx_kv"].copy_(torch.from_numpy(ls.idx_kv))
+                st["idx_score"].copy_(torch.from_numpy(ls.idx_score))
+        self._tokens = s.tokens
+        self.logits = s.logits
+
+    # ---- the forward pass ----------------------------------------------------------------------
+    def _chunk(self, tok: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
+        T = tok.shape[0]
+        pos = torch.arange(pos0, pos0 + T, device=self.device)
+        X = self._layers(tok, pos, lambda li, a, c: self._attn_chunk(li, a, c, pos0))
+        if not all_logits:
+            X = X[-1:]
+        return self._head(X)
+
+    def _step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        X = self._layers(tok, pos, lambda li, a, c: self._attn_step(li, a, c, pos))
+        return self._head(X)[0]
+
+    def _layers(self, tok, pos, attn) -> torch.Tensor:
+        cfg, W = self.cfg, self.W
+        e = W.embedding()[tok].to(F32)
+        X = e[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
+        for li in range(cfg.n_layer):
+            u, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE)
+            a = ops.rms_norm(u, W.vec(C.blk(li, L.ATTN_NORM)), cfg.rms_eps)
+            c = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_A), a), W.vec(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
+            X = ops.hc_post(X, attn(li, a, c), post, comb)
+            v, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE)
+            b = ops.rms_norm(v, W.vec(C.blk(li, L.FFN_NORM)), cfg.rms_eps)
+            X = ops.hc_post(X, self._moe(li, b, tok), post, comb)
+        return X
+
+    def _hc_pre(self, li, X, fn, scale, base):
+        cfg, W = self.cfg, self.W
+        T, n, D = X.shape
+        mix = W.mm(C.blk(li, fn), ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
+        pre, post, comb = ops.hc_weights(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
+                                         cfg.sinkhorn_iters, cfg.hc_eps)
+        return ops.stream_sum(pre, X), post, comb
+
+    def _head(self, X: torch.Tensor) -> torch.Tensor:
+        cfg, W = self.cfg, self.W
+        T, n, D = X.shape
+        mix = W.mm(C.OUTPUT_HC_FN, ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
+        wts = torch.sigmoid(mix * W.vec(C.OUTPUT_HC_SCALE)[0] + W.vec(C.OUTPUT_HC_BASE)) + cfg.hc_eps
+        h = ops.stream_sum(wts, X)
+        return W.mm(C.OUTPUT, ops.rms_norm(h, W.vec(C.OUTPUT_NORM), cfg.rms_eps))
+
+    def _moe(self, li: int, b: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        cfg, W = self.cfg, self.W
+        limit = float(cfg.swiglu_clamp[li])
+        s = torch.sqrt(torch.nn.functional.softplus(W.mm(C.blk(li, L.FFN_GATE_INP), b)))
+        if cfg.is_hash_layer(li):
+            ids = W.ids(C.blk(li, L.FFN_GATE_TID2EID))[tok]
+        else:
+            bias = C.blk(li, L.EXP_PROBS_B)
+            biased = s + W.vec(bias) if self.model.has(bias) else s
+            ids = torch.topk(biased, cfg.n_expert_used, dim=-1).indices
+        w = torch.gather(s, 1, ids)
+        w = w / torch.clamp(w.sum(dim=1, keepdim=True), min=ROUTE_DENOM_MIN) * cfg.routed_scale
+        out = W.moe(li, b, ids, w, limit)
+        sh = ops.swiglu(W.mm(C.blk(li, L.FFN_GATE_SHEXP), b), W.mm(C.blk(li, L.FFN_UP_SHEXP), b), limit)
+        return out + W.mm(C.blk(li, L.FFN_DOWN_SHEXP), sh)
+
+    # -- attention pieces shared by both paths
+    def _qkv(self, li, a, c, pos):
+        cfg, W = self.cfg, self.W
+        T, H, d = a.shape[0], cfg.n_head, cfg.head_dim
+        cos, sin = ops.cos_sin(self._freq[cfg.ratio(li) != 0], pos)
+        q = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
+        q = ops.apply_tail(q, cos, sin, cfg.rope_dim)
+        kv = ops.rms_norm(W.mm(C.blk(li, L.ATTN_KV), a), W.vec(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
+        kv = ops.apply_tail(kv, cos, sin, cfg.rope_dim)
+        if cfg.fp8_kv:
+            kv = ops.fp8_kv_round(kv, cfg.n_nope)
+        return q, kv, cos, sin
+
+    def _finish_rows(self, li, pooled, row_pos, indexer: bool):
+        cfg = self.cfg
+        norm = self.W.vec(C.blk(li, L.IDX_COMP_NORM if indexer else L.COMP_NORM))
+        rows = ops.rms_norm(pooled, norm, cfg.rms_eps)
+        cos, sin = ops.cos_sin(self._freq[True], row_pos)
+        rows = ops.apply_tail(rows, cos, sin, cfg.rope_dim)
+        if indexer:
+            return ops.indexer_qat(rows) if cfg.indexer_qat else rows
+        return ops.fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
+
+    def _comp_inputs(self, li, a, pos, indexer: bool):
+        W, r = self.W, self.cfg.ratio(li)
+        names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE) if indexer else (L.COMP_KV, L.COMP_GATE, L.COMP_APE)
+        kv = W.mm(C.blk(li, names[0]), a)
+        score = W.mm(C.blk(li, names[1]), a) + W.vec(C.blk(li, names[2]))[pos % r]
+        return kv, score
+
+    def _attend(self, li, q, keys, mask, cos, sin):
+        """q [T, H, d], keys [T or 1, N, d], mask [T, N] → grouped output projection [T, D]."""
+        cfg, W = self.cfg, self.W
+        T, H, d = q.shape
+        sinks = W.vec(C.blk(li, L.ATTN_SINKS))
+        s = torch.einsum("thd,tnd->thn", q, keys.expand(T, -1, -1)) * (1.0 / math.sqrt(d))
+        s = torch.where(mask[:, None, :], s, torch.full_like(s, -math.inf))
+        m = torch.maximum(s.amax(dim=-1), sinks[None, :])
+        e = torch.exp(s - m[..., None])
+        denom = e.sum(dim=-1) + torch.exp(sinks[None, :] - m)
+        o = torch.einsum("thn,tnd->thd", e / denom[..., None], keys.expand(T, -1, -1))
+        o = ops.apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
+        low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(T, H * d), groups=cfg.o_groups)
+        return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
+
+    def _index_q(self, li, a, c, pos):
+        cfg, W = self.cfg, self.W
+        T, Hi, di = a.shape[0], cfg.indexer_heads, cfg.indexer_dim
+        q = W.mm(C.blk(li, L.IDX_Q_B), c).reshape(T, Hi, di)
+        cos, sin = ops.cos_sin(self._freq[True], pos)
+        q = ops.apply_tail(q, cos, sin, cfg.rope_dim)
+        if cfg.indexer_qat:
+            q = ops.indexer_qat(q)
+        w = W.mm(C.blk(li, L.IDX_PROJ), a) * (1.0 / math.sqrt(di * Hi))
+        return q, w
+
+    # -- prefill (dynamic shapes)
+    def _attn_chunk(self, li, a, c, pos0):
+        cfg, st = self.cfg, self.layers[li]
+        T = a.shape[0]
+        r = cfg.ratio(li)
+        pos = torch.arange(pos0, pos0 + T, device=self.device)
+        q, kv, cos, sin = self._qkv(li, a, c, pos)
+        Wn, cap = self.raw_window, self.raw_cap
+        old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=self.device)
+        keys = torch.cat([st["raw"][old % cap], kv])
+        key_pos = torch.cat([old, pos])
+        keep = pos[-min(T, cap):]
+        st["raw"][keep % cap] = kv[T - len(keep):]
+        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - Wn)
+        if r:
+            n_comp = self._compress_chunk(li, a, pos0, indexer=False)
+            if r == 4:
+                self._compress_chunk(li, a, pos0, indexer=True)
+            n_vis = (pos + 1) // r
+            comp_mask = torch.arange(n_comp, device=self.device)[None, :] < n_vis[:, None]
+            if r == 4 and n_comp and int(n_vis[-1]) > cfg.indexer_top_k:
+                comp_mask = self._indexer_mask_chunk(li, a, c, pos, n_comp, n_vis, comp_mask)
+            keys = torch.cat([keys, st["comp"][:n_comp]])
+            mask = torch.cat([mask, comp_mask], dim=1)
+        return self._attend(li, q, keys[None], mask, cos, sin)
+
+    def _indexer_mask_chunk(self, li, a, c, pos, n, n_vis, visible):
+        cfg, st = self.cfg, self.layers[li]
+        sel = n_vis > cfg.indexer_top_k
+        rows = torch.nonzero(sel).reshape(-1)
+        q, w = self._index_q(li, a[rows], c[rows], pos[rows])
+        dots = torch.einsum("thd,cd->thc", q, st["idx"][:n])
+        scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
+        scores = torch.where(visible[rows], scores, torch.full_like(scores, -math.inf))
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :cfg.indexer_top_k]
+        narrowed = torch.zeros((len(rows), n), dtype=torch.bool, device=self.device)
+        narrowed.scatter_(1, chosen, True)
+        visible = visible.clone()
+        visible[rows] = narrowed
+        return visible
+
+    def _compress_chunk(self, li, a, pos0, indexer: bool) -> int:
+        """Stream T tokens into a compressor frontier; append finished rows; return the row count."""
+        st, r = self.layers[li], self.cfg.ratio(li)
+        if indexer:
+            r = 4
+        T = a.shape[0]
+        pos = torch.arange(pos0, pos0 + T, device=self.device)
+        kv, sc = self._comp_inputs(li, a, pos, indexer)
+        s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+            (st["comp_kv"], st["comp_score"], st["comp"])
+        width = kv.shape[1]
+        d = width // 2 if r == 4 else width
+        off = pos0 % r
+        n_rows = pos0 // r
+        live = slice(r, r + off) if r == 4 else slice(0, off)
+        seq_kv, seq_sc = torch.cat([s_kv[live], kv]), torch.cat([s_sc[live], sc])
+        n_full = (off + T) // r
+        rem = off + T - n_full * r
+        if n_full:
+            win_kv = seq_kv[:n_full * r].reshape(n_full, r, width)
+            win_sc = seq_sc[:n_full * r].reshape(n_full, r, width)
+            if r == 4:
+                prev_kv = torch.cat([s_kv[None, :4, :d], win_kv[:-1, :, :d]])
+                prev_sc = torch.cat([s_sc[None, :4, :d], win_sc[:-1, :, :d]])
+                cand_kv = torch.cat([prev_kv, win_kv[:, :, d:]], dim=1)
+                cand_sc = torch.cat([prev_sc, win_sc[:, :, d:]], dim=1)
+            else:
+                cand_kv, cand_sc = win_kv, win_sc
+            pooled = (cand_kv * torch.softmax(cand_sc, dim=1)).sum(dim=1)
+            if n_rows + n_full > rows.shape[0] - 1:
+                raise SessionError("compressed rows exceed the context the session was built for")
+            row_pos = (n_rows + torch.arange(n_full, device=self.device)) * r
+            rows[n_rows:n_rows + n_full] = self._finish_rows(li, pooled, row_pos, indexer)
+        new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
+        if r == 4:
+            if n_full:
+                new_kv[:4], new_sc[:4] = win_kv[-1], win_sc[-1]
+            else:
+                new_kv[:4], new_sc[:4] = s_kv[:4], s_sc[:4]
+            new_kv[4:4 + rem], new_sc[4:4 + rem] = seq_kv[n_full * 4:], seq_sc[n_full * 4:]
+        else:
+            new_kv[:rem], new_sc[:rem] = seq_kv[n_full * r:], seq_sc[n_full * r:]
+        s_kv.copy_(new_kv)
+        s_sc.copy_(new_sc)
+        return n_rows + n_full
+
+    # -- decode (static shapes: capturable)
+    def _attn_step(self, li, a, c, pos):
+        cfg, st = self.cfg, self.layers[li]
+        r = cfg.ratio(li)
+        q, kv, cos, sin = self._qkv(li, a, c, pos)
+        cap = self.raw_cap
+        st["raw"].index_copy_(0, pos % cap, kv)
+        j = torch.arange(cap, device=self.device)
+        key_pos = pos - torch.remainder(pos - j, cap)
+        keys, mask = st["raw"], key_pos >= 0
+        if r:
+            self._compress_step(li, a, pos, indexer=False)
+            if r == 4:
+                self._compress_step(li, a, pos, indexer=True)
+            n_vis = (pos + 1) // r
+            comp = st["comp"]
+            ids = torch.arange(comp.shape[0], device=self.device)
+            if r == 4 and comp.shape[0] > cfg.indexer_top_k:
+                q_i, w_i = self._index_q(li, a, c, pos)
+                dots = torch.einsum("hd,cd->hc", q_i[0], st["idx"])
+                scores = (w_i[0][:, None] * torch.clamp(dots, min=0.0)).sum(dim=0)
+                key = torch.where(ids < n_vis, scores.double() - ids.double() * 1e-300,
+                                  torch.full_like(scores, -math.inf, dtype=torch.float64))
+                ids = torch.topk(key, cfg.indexer_top_k).indices
+                comp = comp[ids]
+            keys = torch.cat([keys, comp])
+            mask = torch.cat([mask, ids < n_vis])
+        return self._attend(li, q, keys[None], mask[None], cos, sin)
+
+    def _compress_step(self, li, a, pos, indexer: bool) -> None:
+        st, r = self.layers[li], self.cfg.ratio(li)
+        if indexer:
+            r = 4
+        kv, sc = self._comp_inputs(li, a, pos, indexer)
+        s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+            (st["comp_kv"], st["comp_score"], st["comp"])
+        width = kv.shape[1]
+        d = width // 2 if r == 4 else width
+        slot = (r + pos % r) if r == 4 else pos % r
+        s_kv.index_copy_(0, slot, kv)
+        s_sc.index_copy_(0, slot, sc)
+        emit = (pos + 1) % r == 0  # [1]
+        if r == 4:
+            cand_kv = torch.cat([s_kv[:4, :d], s_kv[4:, d:]])
+            cand_sc = torch.cat([s_sc[:4, :d], s_sc[4:, d:]])
+        else:
+            cand_kv, cand_sc = s_kv, s_sc
+        pooled = (cand_kv * torch.softmax(cand_sc, dim=0)).sum(dim=0, keepdim=True)
+        i = (pos + 1) // r - 1
+        row = self._finish_rows(li, torch.nan_to_num(pooled), torch.clamp(i, min=0) * r, indexer)
+        dummy = rows.shape[0] - 1
+        rows.index_copy_(0, torch.where(emit, i, torch.full_like(i, dummy)), torch.where(emit[:, None], row, 0.0))
+        if r == 4:
+            new_kv = torch.cat([s_kv[4:], torch.zeros_like(s_kv[4:])])
+            new_sc = torch.cat([s_sc[4:], torch.full_like(s_sc[4:], -math.inf)])
+        else:
+            new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
+        s_kv.copy_(torch.where(emit, new_kv, s_kv))
+        s_sc.copy_(torch.where(emit, new_sc, s_sc))
