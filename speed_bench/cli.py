@@ -65,6 +65,8 @@ def run_parser() -> argparse.ArgumentParser:
                    help="skip the untimed warm-up (numba compiles its kernels on first use; without the "
                         "warm-up the first row measures compilation too)")
     power.add_power_argument(p)
+    from ds4.steering import apply as steering
+    steering.add_arguments(p)
     return p
 
 
@@ -161,6 +163,26 @@ def _loadavg() -> str:
         return "unknown"
 
 
+def open_bench_session(model, ctx: int, backend: str, prefill_chunk: int | None, hooks=None):
+    """`open_session` (throttled by --power when installed) with the steering hooks, if any, run first."""
+    from ds4.engine.hooks import HookList
+    from ds4.test_vectors.runtime import ToolError, open_session
+    if hooks is not None and backend != "cpu":
+        raise ToolError("directional steering needs --backend cpu (the CUDA engine has no hooks)")
+    session = open_session(model, ctx, backend, prefill_chunk)
+    if hooks is not None:
+        session.hooks = hooks if session.hooks is None else HookList(hooks, session.hooks)
+    return session
+
+
+def _steering_meta(args) -> str | None:
+    """The steering flags as one CSV header value (None without steering)."""
+    if not args.dir_steering_file:
+        return None
+    return (f"files={','.join(args.dir_steering_file)} attn={args.dir_steering_attn or 'default'} "
+            f"ffn={args.dir_steering_ffn or 'default'}")
+
+
 def cmd_run(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     if args.ctx_start > args.ctx_max:
@@ -168,7 +190,8 @@ def cmd_run(argv: list[str]) -> int:
     ctx_alloc = args.ctx_alloc or args.ctx_max + args.gen_tokens + 1
     if ctx_alloc <= args.ctx_max + args.gen_tokens:
         return _fail("--ctx-alloc must be > ctx-max + gen-tokens")
-    from ds4.test_vectors.runtime import ToolError, check_backend, eos_id, load_model, open_session
+    from ds4.steering import apply as steering
+    from ds4.test_vectors.runtime import ToolError, check_backend, eos_id, load_model
 
     from .frontier import frontiers, sweep
     model_path = Path(args.model) if args.model else paths.default_model()
@@ -177,7 +200,8 @@ def cmd_run(argv: list[str]) -> int:
         text = read_prompt_text(args)
         model = load_model(model_path)
         tokens = prompt_tokens(args, model, text)
-        session = open_session(model, ctx_alloc, backend, args.prefill_chunk)
+        hooks = steering.hooks_from_args(args, model.config)  # SteeringFileError is a ValueError
+        session = open_bench_session(model, ctx_alloc, backend, args.prefill_chunk, hooks)
     except (ToolError, ValueError) as e:
         return _fail(str(e))
     throttle = power.install(args.power)
@@ -194,12 +218,14 @@ def cmd_run(argv: list[str]) -> int:
             "threads": meta_threads}
     if args.label:
         meta["label"] = args.label
+    if _steering_meta(args):
+        meta["steering"] = _steering_meta(args)
     fronts = list(frontiers(args.ctx_start, args.ctx_max, args.step_incr, args.step_mul))
     if not args.no_warmup:
         # A throwaway session past the sliding window and a ratio-128 compression boundary, in
         # chunks and token by token, so every kernel is compiled before the first timed row.
         n = min(args.ctx_start, 300, len(tokens) - 1)
-        warm = open_session(model, n + 3, backend, args.prefill_chunk)
+        warm = open_bench_session(model, n + 3, backend, args.prefill_chunk, hooks)
         logits = warm.sync(tokens[:n])
         for _ in range(2):
             logits = warm.decode(int(np.argmax(logits)))
