@@ -195,6 +195,8 @@ def cmd_run(argv: list[str]) -> int:
 
     from .frontier import frontiers, sweep
     model_path = Path(args.model) if args.model else paths.default_model()
+    # Installed before any session opens, so every session is throttled between layers too.
+    throttle = power.install(args.power)
     try:
         backend = check_backend(args.backend)
         text = read_prompt_text(args)
@@ -204,7 +206,6 @@ def cmd_run(argv: list[str]) -> int:
         session = open_bench_session(model, ctx_alloc, backend, args.prefill_chunk, hooks)
     except (ToolError, ValueError) as e:
         return _fail(str(e))
-    throttle = power.install(args.power)
     if args.threads:
         import numba
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
