@@ -35,6 +35,10 @@ test-slow: venv
 bench: venv
 	$(PY) -m ds4.engine.bench_tokenizer
 
+.PHONY: bench-engine
+bench-engine: venv
+	$(PY) -m ds4.engine.bench
+
 .PHONY: bench-quants
 bench-quants: venv
 	$(PY) -m ds4.gguf_tools.quants.bench
