@@ -28,7 +28,7 @@ class ModelError(ValueError):
 
 class Model:
     def __init__(self, config: Config, tensors: Mapping[str, Any], file: Any = None, path: str | None = None,
-                 fused_quant: bool = False):
+                 fused_quant: bool = True):
         self.config = config
         self.fused_quant = fused_quant
         self.file = file
@@ -41,12 +41,13 @@ class Model:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, *, fp8_kv: bool = True, indexer_qat: bool = True,
-             fused_quant: bool = False) -> "Model":
+             fused_quant: bool = True) -> "Model":
         """Open a DS4 GGUF. The file stays mapped; no weight is copied until first use.
 
-        With `fused_quant` quantized tensors (Q8_0, Q4_K, Q2_K, IQ2_XXS) are multiplied
-        straight from their blocks by `ds4.gguf_tools.quants.matmul`; otherwise they are
-        dequantized once to float32 like F16 tensors (default: faster on CPU, more memory)."""
+        With `fused_quant` (default) quantized tensors (Q8_0, Q4_K, Q2_K, IQ2_XXS) are multiplied
+        straight from their blocks by `ds4.gguf_tools.quants.matmul` (fused decode + fixed-order
+        dot, batch-invariant; no float32 copy). `fused_quant=False` dequantizes them once to
+        float32 like F16 tensors: faster prefill on CPU, about 4-16x the memory for them."""
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelError(f"model file not found: {path}")

@@ -196,7 +196,7 @@ def test_fused_q8_0_matches_dequantized_and_stays_batch_invariant(tmp_path, toke
                          "ffn_up_exps.weight", "ffn_down_exps.weight"))}
     path = write_model_gguf(tmp_path / "q8.gguf", cfg, tensors, q8)
     fused = Model.load(path, fp8_kv=False, indexer_qat=False, fused_quant=True)
-    plain = Model.load(path, fp8_kv=False, indexer_qat=False)
+    plain = Model.load(path, fp8_kv=False, indexer_qat=False, fused_quant=False)
     assert all(fused.quantized(n) == C.QuantType.Q8_0 for n in q8) and plain.quantized(next(iter(q8))) is None
     a = Session(fused, ctx=128).prefill(tokens[:40], all_logits=True)
     b = Session(plain, ctx=128).prefill(tokens[:40], all_logits=True)

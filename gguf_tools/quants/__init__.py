@@ -101,7 +101,9 @@ def dequantize(qtype: QuantType, raw: np.ndarray, ncols: int) -> np.ndarray:
 
 
 def matmul(qtype: QuantType, raw: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """Y[n, r] = dequant(raw)[r] . X[n] for a small batch X [n, cols], without dequantizing the matrix."""
+    """Y[n, r] = dequant(raw)[r] . X[n] for a batch X [n, cols], without dequantizing the matrix.
+
+    Quant types run `fused.matmul`: each output summed in one fixed order whatever n is."""
     qtype = QuantType(qtype)
     X = np.ascontiguousarray(X, dtype=np.float32)
     if X.ndim != 2:
@@ -112,7 +114,9 @@ def matmul(qtype: QuantType, raw: np.ndarray, X: np.ndarray) -> np.ndarray:
         raise ValueError(f"matmul expects raw of shape [rows, row_bytes], got {raw.shape}")
     if qtype in (QuantType.F32, QuantType.F16, QuantType.BF16):
         return (X @ dequantize(qtype, raw, ncols).T).astype(np.float32)
-    return module_for(qtype).matmul(raw, X)
+    from .fused import matmul as fused_matmul  # one fixed summation order per output: batch-invariant
+
+    return fused_matmul(qtype, raw, X)
 
 
 def matvec(qtype: QuantType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
