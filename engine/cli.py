@@ -368,6 +368,11 @@ def inspect(model, path: Path, out) -> None:
         for info in tensors.values():
             kinds[info.type_name] = kinds.get(info.type_name, 0) + 1
         out.write(f"  tensors          {len(tensors)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")\n")
+    from ds4.engine.session import kv_bytes_per_token
+
+    raw = cfg.n_layer * cfg.sliding_window * cfg.head_dim * 4
+    out.write(f"  kv per token     {kv_bytes_per_token(cfg):.1f} bytes (compressed rows, f32), "
+              f"plus a raw window of {raw / 2**20:.2f} MiB\n")
 
 
 # ---------------------------------------------------------------------------------------------
