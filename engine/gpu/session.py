@@ -201,7 +201,38 @@ class Session:
         self._next = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graph = None
         self._graph_logits: torch.Tensor | None = None
+        # torch.compile fuses the elementwise chains of the decode step (Sinkhorn, roundings, RoPE)
+        # into a few kernels each; DS4_GPU_COMPILE=0 turns it off, and any compile error does too.
+        self._compile = self.device.type == "cuda" and os.environ.get("DS4_GPU_COMPILE", "1") != "0"
+        self._compiled: dict[str, object] = {}
+        self._in_step = False
         self.load_weights()
+
+    def _f(self, name: str):
+        """ops.<name>, compiled when running the decode step on CUDA."""
+        fn = getattr(ops, name)
+        if not (self._compile and self._in_step):
+            return fn
+        c = self._compiled.get(name)
+        if c is None:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+            compiled = torch.compile(fn, dynamic=False)
+
+            def c(*args, _compiled=compiled, _fn=fn, **kw):
+                if not self._compile:
+                    return _fn(*args, **kw)
+                try:
+                    return _compiled(*args, **kw)
+                except Exception as e:  # noqa: BLE001 - fall back to eager ops for good
+                    import warnings
+
+                    warnings.warn(f"torch.compile failed ({type(e).__name__}: {e}); decode runs eager ops")
+                    self._compile = False
+                    return _fn(*args, **kw)
+            self._compiled[name] = c
+        return c
 
     # ---- setup -------------------------------------------------------------------------------
     def load_weights(self) -> None:
@@ -455,8 +486,12 @@ class Session:
         return self._head(X)
 
     def _step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        X = self._layers(tok, pos, lambda li, a, c: self._attn_step(li, a, c, pos))
-        return self._head(X)[0]
+        self._in_step = True
+        try:
+            X = self._layers(tok, pos, lambda li, a, c: self._attn_step(li, a, c, pos))
+            return self._head(X)[0]
+        finally:
+            self._in_step = False
 
     def _layers(self, tok, pos, attn) -> torch.Tensor:
         cfg, W = self.cfg, self.W
@@ -476,7 +511,7 @@ class Session:
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         mix = W.mm(C.blk(li, fn), ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
-        pre, post, comb = ops.hc_weights(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
+        pre, post, comb = self._f("hc_weights")(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
                                          cfg.sinkhorn_iters, cfg.hc_eps)
         return ops.stream_sum(pre, X), post, comb
 
@@ -510,11 +545,11 @@ class Session:
         T, H, d = a.shape[0], cfg.n_head, cfg.head_dim
         cos, sin = ops.cos_sin(self._freq[cfg.ratio(li) != 0], pos)
         q = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
-        q = ops.apply_tail(q, cos, sin, cfg.rope_dim)
+        q = self._f("apply_tail")(q, cos, sin, cfg.rope_dim)
         kv = ops.rms_norm(W.mm(C.blk(li, L.ATTN_KV), a), W.vec(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
-        kv = ops.apply_tail(kv, cos, sin, cfg.rope_dim)
+        kv = self._f("apply_tail")(kv, cos, sin, cfg.rope_dim)
         if cfg.fp8_kv:
-            kv = ops.fp8_kv_round(kv, cfg.n_nope)
+            kv = self._f("fp8_kv_round")(kv, cfg.n_nope)
         return q, kv, cos, sin
 
     def _finish_rows(self, li, pooled, row_pos, indexer: bool):
@@ -522,10 +557,10 @@ class Session:
         norm = self.W.vec(C.blk(li, L.IDX_COMP_NORM if indexer else L.COMP_NORM))
         rows = ops.rms_norm(pooled, norm, cfg.rms_eps)
         cos, sin = ops.cos_sin(self._freq[True], row_pos)
-        rows = ops.apply_tail(rows, cos, sin, cfg.rope_dim)
+        rows = self._f("apply_tail")(rows, cos, sin, cfg.rope_dim)
         if indexer:
-            return ops.indexer_qat(rows) if cfg.indexer_qat else rows
-        return ops.fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
+            return self._f("indexer_qat")(rows) if cfg.indexer_qat else rows
+        return self._f("fp8_kv_round")(rows, cfg.n_nope) if cfg.fp8_kv else rows
 
     def _comp_inputs(self, li, a, pos, indexer: bool):
         W, r = self.W, self.cfg.ratio(li)
@@ -545,7 +580,7 @@ class Session:
         e = torch.exp(s - m[..., None])
         denom = e.sum(dim=-1) + torch.exp(sinks[None, :] - m)
         o = torch.einsum("thn,tnd->thd", e / denom[..., None], keys.expand(T, -1, -1))
-        o = ops.apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
+        o = self._f("apply_tail")(o, cos, sin, cfg.rope_dim, inverse=True)
         low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(T, H * d), groups=cfg.o_groups)
         return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
 
@@ -554,9 +589,9 @@ class Session:
         T, Hi, di = a.shape[0], cfg.indexer_heads, cfg.indexer_dim
         q = W.mm(C.blk(li, L.IDX_Q_B), c).reshape(T, Hi, di)
         cos, sin = ops.cos_sin(self._freq[True], pos)
-        q = ops.apply_tail(q, cos, sin, cfg.rope_dim)
+        q = self._f("apply_tail")(q, cos, sin, cfg.rope_dim)
         if cfg.indexer_qat:
-            q = ops.indexer_qat(q)
+            q = self._f("indexer_qat")(q)
         w = W.mm(C.blk(li, L.IDX_PROJ), a) * (1.0 / math.sqrt(di * Hi))
         return q, w
 
