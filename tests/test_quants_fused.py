@@ -10,12 +10,9 @@ the same model multiplied by its dequantized weights, and the logit error grows 
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
-from ds4.engine.config import preset
 from ds4.engine.model import Model
 from ds4.engine.session import Session
 from ds4.gguf_tools.constants import QuantType
@@ -23,6 +20,7 @@ from ds4.gguf_tools.quants import QUANTIZED, dequantize, fused, matmul, quantize
 from ds4.gguf_tools.synth import synth_checkpoint
 
 from conftest import quantize_cli
+from quant_models_util import reduced_config
 
 
 def _blocks(qtype: QuantType, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -79,13 +77,6 @@ def test_fused_rejects_wrong_shapes():
 
 
 # ---------------------------------------------------------------- quantized models in the engine
-
-def reduced_config():
-    """`small` narrowed to hidden 256 and 4 layers (window, window, ratio 4, ratio 128): every
-    matrix the mixes quantize has rows of a multiple of 256, so Q4_K/Q2_K/IQ2_XXS all apply."""
-    return dataclasses.replace(preset("small"), n_layer=4, n_embd=256, compress_ratios=(0, 0, 4, 128),
-                               swiglu_clamp=(10.0,) * 4, name="ds4-reduced")
-
 
 @pytest.fixture(scope="module")
 def quantized_models(tmp_path_factory):
