@@ -43,6 +43,10 @@ bench-engine: venv
 bench-quants: venv
 	$(PY) -m ds4.gguf_tools.quants.bench
 
+.PHONY: bench-convert
+bench-convert: venv
+	$(PY) -m ds4.gguf_tools.quants.bench_convert
+
 cuda: venv
 	$(PIP) install -q pybind11
 	CUDA_ARCH=$(CUDA_ARCH) $(PY) engine/gpu/build.py

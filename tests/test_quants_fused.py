@@ -132,3 +132,25 @@ def test_fused_decode_equals_prefill_and_dequantized_model(quantized_models):
     ref = Session(plain, ctx=128).prefill(TOKENS[:40], all_logits=True)
     rel = np.abs(prefill - ref).max(axis=1) / np.abs(ref).max(axis=1)
     assert rel.max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_small_quantized_models_kl_and_top1_order(tmp_path_factory, data_dir):
+    """`small` (real vocabulary, hidden 512) converted q8_0 / q4 / q2, 256 tokens of real text."""
+    from ds4.engine.config import preset
+
+    root = tmp_path_factory.mktemp("small_quant")
+    hf = synth_checkpoint(preset("small"), root / "hf", seed=0)
+    paths = {}
+    for label, flags in [("f16", ["--type", "f16"]), ("q8_0", ["--type", "q8_0"]),
+                         ("q4", ["--type", "q8_0", "--mix", "q4"]), ("q2", ["--type", "q8_0", "--mix", "q2"])]:
+        paths[label] = root / f"{label}.gguf"
+        quantize_cli("convert", str(hf), str(paths[label]), *flags, "--quiet")
+    base_model = Model.load(paths["f16"])
+    text = (data_dir / "speed-bench" / "promessi_sposi.txt").read_text(encoding="utf-8")[:8000]
+    tokens = base_model.tokenizer.encode(text)[:256]
+    base = Session(base_model, ctx=256).prefill(tokens, all_logits=True)
+    stats = {label: kl_and_top1(base, Session(Model.load(paths[label]), ctx=256).prefill(tokens, all_logits=True))
+             for label in ("q8_0", "q4", "q2")}
+    assert 0 < stats["q8_0"][0] < stats["q4"][0] < stats["q2"][0]
+    assert stats["q8_0"][1] >= stats["q4"][1] >= stats["q2"][1]

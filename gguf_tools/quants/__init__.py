@@ -1,9 +1,9 @@
 """Quantization kernels for the four ggml block types ds4 uses (tooling-spec §2, model-spec §2.6).
 
 One module per type (`q8_0`, `q4_k`, `q2_k`, `iq2_xxs`), each with its block layout as a numpy
-structured dtype, `quantize(x, importance=None)`, `dequantize(raw)`, a numpy reference beside the
-numba fast path, and a fused `matmul` that works on the blocks directly. Output bytes are identical
-to ggml's `ggml_quantize_chunk`.
+structured dtype, `quantize(x, importance=None)`, `dequantize(raw)` and a numpy reference beside the
+numba fast path. Output bytes are identical to ggml's `ggml_quantize_chunk`. `fused` multiplies
+straight from the blocks of any of the four types (the engine's quantized matmul).
 
 This module dispatches on `QuantType`:
 

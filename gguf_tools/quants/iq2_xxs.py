@@ -348,24 +348,6 @@ def _dequantize_rows(raw, out, grid_bytes, ksigns):
             _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K], grid_bytes, ksigns)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_rows(raw, X, out, grid_bytes, ksigns):
-    nb = raw.shape[1] // BLOCK_BYTES
-    n = X.shape[0]
-    for r in prange(raw.shape[0]):
-        buf = np.empty(QK_K, dtype=np.float32)
-        acc = np.zeros(n, dtype=np.float64)
-        for b in range(nb):
-            _decode_block(raw[r], b * BLOCK_BYTES, buf, grid_bytes, ksigns)
-            for t in range(n):
-                sacc = F32(0.0)
-                for i in range(QK_K):
-                    sacc += buf[i] * X[t, b * QK_K + i]
-                acc[t] += sacc
-        for t in range(n):
-            out[t, r] = acc[t]
-
-
 GRID_DECODE = GRID_BYTES[(GRID_Q.astype(np.int32) - 1) // 2]  # [256, 8] decoder magnitudes
 
 
@@ -389,9 +371,3 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
     out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK_K), dtype=np.float32)
     _dequantize_rows(flat, out, GRID_DECODE, KSIGNS)
     return out.reshape(*raw.shape[:-1], out.shape[-1])
-
-
-def matmul(raw: np.ndarray, X: np.ndarray) -> np.ndarray:
-    out = np.empty((X.shape[0], raw.shape[0]), dtype=np.float32)
-    _matmul_rows(raw, X, out, GRID_DECODE, KSIGNS)
-    return out

@@ -200,24 +200,6 @@ def _dequantize_rows(raw, out):
             _decode_block(raw[r], b * BLOCK_BYTES, out[r, b * QK_K : (b + 1) * QK_K])
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_rows(raw, X, out):
-    nb = raw.shape[1] // BLOCK_BYTES
-    n = X.shape[0]
-    for r in prange(raw.shape[0]):
-        buf = np.empty(QK_K, dtype=np.float32)
-        acc = np.zeros(n, dtype=np.float64)
-        for b in range(nb):
-            _decode_block(raw[r], b * BLOCK_BYTES, buf)
-            for t in range(n):
-                sacc = F32(0.0)
-                for i in range(QK_K):
-                    sacc += buf[i] * X[t, b * QK_K + i]
-                acc[t] += sacc
-        for t in range(n):
-            out[t, r] = acc[t]
-
-
 # ---------------------------------------------------------------- public
 
 
@@ -238,9 +220,3 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
     out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK_K), dtype=np.float32)
     _dequantize_rows(flat, out)
     return out.reshape(*raw.shape[:-1], out.shape[-1])
-
-
-def matmul(raw: np.ndarray, X: np.ndarray) -> np.ndarray:
-    out = np.empty((X.shape[0], raw.shape[0]), dtype=np.float32)
-    _matmul_rows(raw, X, out)
-    return out

@@ -95,26 +95,6 @@ def _dequantize_rows(raw, out):
                 out[r, b * QK + j] = d * _code(raw, r, o, j)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _matmul_rows(raw, X, out):
-    """out[n, r] = sum_c dequant(raw[r])[c] * X[n, c], straight from the blocks."""
-    rows = raw.shape[0]
-    nb = raw.shape[1] // BLOCK_BYTES
-    n = X.shape[0]
-    for r in prange(rows):
-        acc = np.zeros(n, dtype=np.float64)
-        for b in range(nb):
-            o = b * BLOCK_BYTES
-            d = _block_scale(raw, r, o)
-            for t in range(n):
-                s = F32(0.0)
-                for j in range(QK):
-                    s += _code(raw, r, o, j) * X[t, b * QK + j]
-                acc[t] += d * s
-        for t in range(n):
-            out[t, r] = acc[t]
-
-
 # ---------------------------------------------------------------- public
 
 
@@ -133,9 +113,3 @@ def dequantize(raw: np.ndarray) -> np.ndarray:
     out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK), dtype=np.float32)
     _dequantize_rows(flat, out)
     return out.reshape(*raw.shape[:-1], out.shape[-1])
-
-
-def matmul(raw: np.ndarray, X: np.ndarray) -> np.ndarray:
-    out = np.empty((X.shape[0], raw.shape[0]), dtype=np.float32)
-    _matmul_rows(raw, X, out)
-    return out
