@@ -7,7 +7,8 @@ transformers on the same weights, measured in one run (issue 3's benchmark).
 For each preset the random checkpoint (`ds4-quantize synth`, seed 0) is converted once to an F16
 GGUF (models/ds4-<preset>.gguf, as `make setup` does for tiny); the peers read the same weights:
 
-* ours: `Session` on that GGUF (official numerics on, weights converted to float32 at first use);
+* ours: `Session` on that GGUF (official numerics on unless --no-rounding-sim, weights converted to
+  float32 at first use);
 * llama.cpp (llama-cpp-python): a copy with llama.cpp-compatible metadata
   (`ds4.engine.llamacpp_gguf`), default F16 KV cache, its own CPU kernels;
 * transformers: `DeepseekV4ForCausalLM` in float32 from the same checkpoint
@@ -112,14 +113,14 @@ def best_of(timed, repeats: int) -> dict:
     return {"prefill_s": min(pre), "decode_s": min(dec), "tokens": out, "prefill_runs_s": pre, "decode_runs_s": dec}
 
 
-def run_ours(path: str, ids: list[int], n_decode: int, threads: int, repeats: int) -> dict:
+def run_ours(path: str, ids: list[int], n_decode: int, threads: int, repeats: int, sim: bool = True) -> dict:
     import numba
 
     from ds4.engine.model import Model
     from ds4.engine.session import Session
 
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    model = Model.load(path)
+    model = Model.load(path, fp8_kv=sim, indexer_qat=sim)
     ctx = len(ids) + n_decode + 8
     warm = Session(model, ctx=ctx)
     logits = warm.sync(ids[:WARM_TOKENS])
@@ -198,16 +199,20 @@ WORKERS = {"ours": run_ours, "llama.cpp": run_llamacpp, "transformers": run_tran
 
 def worker_main(args) -> int:
     ids = json.loads(Path(args.ids).read_text())
-    r = WORKERS[args.worker](args.model, ids, args.decode, args.threads, args.repeats)
+    extra = {"sim": not args.no_rounding_sim} if args.worker == "ours" else {}
+    r = WORKERS[args.worker](args.model, ids, args.decode, args.threads, args.repeats, **extra)
     r.update(prefill_tps=len(ids) / r["prefill_s"], decode_tps=args.decode / r["decode_s"] if args.decode else 0.0,
              peak_rss_mib=_peak_rss_mib())
     print("BENCH " + json.dumps(r))
     return 0
 
 
-def measure(peer: str, model: Path, ids_file: Path, n_decode: int, threads: int, repeats: int) -> dict:
+def measure(peer: str, model: Path, ids_file: Path, n_decode: int, threads: int, repeats: int,
+            no_sim: bool = False) -> dict:
     cmd = [sys.executable, "-m", "ds4.engine.bench", "--worker", peer, "--model", str(model), "--ids", str(ids_file),
            "--decode", str(n_decode), "--threads", str(threads), "--repeats", str(repeats)]
+    if no_sim:
+        cmd.append("--no-rounding-sim")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("BENCH ")]
@@ -256,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the fastest is reported")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
     p.add_argument("--models-dir", default=str(REPO / "models"), help="where checkpoints and GGUFs are built")
+    p.add_argument("--no-rounding-sim", action="store_true",
+                   help="run ours without the official FP8 KV / FP4 indexer roundings (as the peers run)")
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
     p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -290,7 +297,7 @@ def main(argv=None) -> int:
             ours = None
             for peer in peers:
                 print(f"{preset}: {peer} ...", file=sys.stderr, flush=True)
-                r = measure(peer, files[peer], ids_file, args.decode, args.threads, args.repeats)
+                r = measure(peer, files[peer], ids_file, args.decode, args.threads, args.repeats, args.no_rounding_sim)
                 r.update(preset=preset, peer=peer)
                 if peer == "ours" and "error" not in r:
                     ours = r
