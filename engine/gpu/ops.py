@@ -114,3 +114,20 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     g = torch.clamp(g, max=limit)
     return g * torch.sigmoid(g) * torch.clamp(u, -limit, limit)
+
+
+def quantize_hilo(x: torch.Tensor) -> torch.Tensor:
+    """The activation the extension's quantized kernels see (repack.cu quantize_x_kernel), in float32.
+
+    Per 32 columns: s = amax / 127, hi = rint(x / s), lo = clamp(rint((x / s - hi) · 254), ±127),
+    x' = s / 254 · (254 · hi + lo). Used to emulate the kernels' arithmetic on the CPU.
+    """
+    lead, n = x.shape[:-1], x.shape[-1]
+    b = x.reshape(*lead, n // 32, 32)
+    s = b.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    t = b / safe
+    hi = torch.round(t)
+    lo = torch.clamp(torch.round((t - hi) * 254.0), -127.0, 127.0)
+    out = (safe / 254.0) * (254.0 * hi + lo)
+    return torch.where(s > 0, out, torch.zeros_like(out)).reshape(*lead, n)

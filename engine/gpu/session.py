@@ -57,8 +57,11 @@ def default_device() -> torch.device:
 class Weights:
     """Weights on the device: extension tensors for the matrices it can multiply, torch otherwise."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, emulate_kernels: bool = False):
         self.model, self.device = model, device
+        # CPU only: round activations as the extension's quantized kernels do (ops.quantize_hilo), so
+        # the CPU twin reproduces the GPU's arithmetic up to summation order
+        self.emulate = emulate_kernels and device.type == "cpu"
         self.ext = None
         if device.type == "cuda":
             from ds4.engine import gpu
@@ -127,6 +130,8 @@ class Weights:
         w = self.mat(name)
         x = x.contiguous()
         if isinstance(w, torch.Tensor):
+            if self.emulate and self._quantized(name):
+                x = ops.quantize_hilo(x)
             if groups == 1:
                 return x @ w.T
             T = x.shape[0]
@@ -157,8 +162,17 @@ class Weights:
             return y
         # float32 fallback (F16/F32 experts): gathered expert matrices, no host sync (capturable)
         g, u, d = (self._dense3(n, m) for n, m in zip(names, (gate, up, down)))
+        if self.emulate and self._quantized(names[0]):
+            b = ops.quantize_hilo(b)
         h = ops.swiglu(torch.einsum("tkfd,td->tkf", g[ids], b), torch.einsum("tkfd,td->tkf", u[ids], b), limit)
-        return torch.einsum("tkdf,tkf->td", d[ids], h * wts[..., None])
+        h = h * wts[..., None]
+        if self.emulate and self._quantized(names[2]):
+            h = ops.quantize_hilo(h)
+        return torch.einsum("tkdf,tkf->td", d[ids], h)
+
+    def _quantized(self, name: str) -> bool:
+        f = self.model.file
+        return f is not None and int(f.info(name).qtype) in EXT_TYPES and int(f.info(name).qtype) != 1
 
     def _dense3(self, name: str, m) -> torch.Tensor:
         if isinstance(m, torch.Tensor):
@@ -184,6 +198,7 @@ class Session:
         self.ctx = int(ctx)
         self.prefill_chunk = int(min(prefill_chunk, ctx))
         self.hooks = None
+        self.route_hook = None  # (layer, ids [T, k], biased scores [T, E]) -> ids; eager paths only
         self.progress = progress
         self.device = torch.device(device) if device is not None else default_device()
         self.graphs = (self.device.type == "cuda" and os.environ.get("DS4_GPU_GRAPHS", "1") != "0") \
@@ -533,6 +548,8 @@ class Session:
             bias = C.blk(li, L.EXP_PROBS_B)
             biased = s + W.vec(bias) if self.model.has(bias) else s
             ids = torch.topk(biased, cfg.n_expert_used, dim=-1).indices
+            if self.route_hook is not None:  # diagnostics (eager only): see or replace the routing
+                ids = self.route_hook(li, ids, biased)
         w = torch.gather(s, 1, ids)
         w = w / torch.clamp(w.sum(dim=1, keepdim=True), min=ROUTE_DENOM_MIN) * cfg.routed_scale
         out = W.moe(li, b, ids, w, limit)
