@@ -1,9 +1,9 @@
 """A loaded DeepSeek V4 model: config, the GGUF file, weights by GGUF tensor name, tokenizer.
 
 Weights stay in the file's mmap. `Model.w(name)` returns a float32 array: F32 tensors are zero-copy
-views; F16/BF16 and quantized tensors are converted once on first use and cached (the CPU engine
-multiplies in float32). `Model.matmul(name, x)` is the one place the forward pass multiplies by a
-weight, so fused quantized kernels can replace the dequantize-and-cache path tensor by tensor.
+views; F16/BF16 tensors (and quantized ones when asked for) are converted once on first use and
+cached. Quantized tensors (Q8_0, Q4_K, Q2_K, IQ2_XXS) are by default never converted: the kernels
+multiply them straight from their blocks (`Model.quantized(name)`, `ds4.gguf_tools.quants.fused`).
 
 `Model.from_tensors(config, tensors)` builds a model from an in-memory mapping of GGUF names to
 arrays (tests, oracle comparisons) without any file.
