@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._numeric import F32, GROUP_MAX_EPS, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, nearest_int
+from ._rows import dequantize_blocks, empty_blocks, float_rows
 
 BLOCK_BYTES = 66
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
@@ -356,18 +357,12 @@ GRID_DECODE = GRID_BYTES[(GRID_Q.astype(np.int32) - 1) // 2]  # [256, 8] decoder
 
 def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """Rows [rows, cols] -> raw blocks. Without `importance`, uses `synthetic_importance(x)`."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"IQ2_XXS needs a [rows, cols] array with cols % {QK_K} == 0, got {x.shape}")
+    x = float_rows(x, QK_K, "IQ2_XXS")
     qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
-    out = np.empty((x.shape[0], x.shape[1] // QK_K * BLOCK_BYTES), dtype=np.uint8)
+    out = empty_blocks(x, QK_K, BLOCK_BYTES)
     _quantize_rows(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS)
     return out
 
 
 def dequantize(raw: np.ndarray) -> np.ndarray:
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    flat = raw.reshape(-1, raw.shape[-1])
-    out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK_K), dtype=np.float32)
-    _dequantize_rows(flat, out, GRID_DECODE, KSIGNS)
-    return out.reshape(*raw.shape[:-1], out.shape[-1])
+    return dequantize_blocks(_dequantize_rows, raw, QK_K, BLOCK_BYTES, GRID_DECODE, KSIGNS)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2, make_qkx2_mad, make_qkx3, make_qp, nearest_int
+from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2, make_qkx3, make_qp, nearest_int
+from ._rows import dequantize_blocks, empty_blocks, float_rows, importance_arg
 
 BLOCK_BYTES = 144
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (128,))])
@@ -204,19 +205,12 @@ def _dequantize_rows(raw, out):
 
 
 def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK_K:
-        raise ValueError(f"Q4_K needs a [rows, cols] array with cols % {QK_K} == 0, got {x.shape}")
-    out = np.empty((x.shape[0], x.shape[1] // QK_K * BLOCK_BYTES), dtype=np.uint8)
-    weighted = importance is not None
-    qw = np.ascontiguousarray(importance, dtype=np.float32) if weighted else np.zeros(x.shape[1], np.float32)
+    x = float_rows(x, QK_K, "Q4_K")
+    out = empty_blocks(x, QK_K, BLOCK_BYTES)
+    weighted, qw = importance_arg(importance, x.shape[1])
     _quantize_rows(x, qw, weighted, out)
     return out
 
 
 def dequantize(raw: np.ndarray) -> np.ndarray:
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    flat = raw.reshape(-1, raw.shape[-1])
-    out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK_K), dtype=np.float32)
-    _dequantize_rows(flat, out)
-    return out.reshape(*raw.shape[:-1], out.shape[-1])
+    return dequantize_blocks(_dequantize_rows, raw, QK_K, BLOCK_BYTES)

@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._numeric import F32, fp16_bits_to_fp32, fp32_to_fp16_bits, roundf
+from ._rows import dequantize_blocks, empty_blocks, float_rows
 
 QK = 32
 BLOCK_BYTES = 34
@@ -99,17 +100,11 @@ def _dequantize_rows(raw, out):
 
 
 def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % QK:
-        raise ValueError(f"Q8_0 needs a [rows, cols] array with cols % {QK} == 0, got {x.shape}")
-    out = np.empty((x.shape[0], x.shape[1] // QK * BLOCK_BYTES), dtype=np.uint8)
+    x = float_rows(x, QK, "Q8_0")
+    out = empty_blocks(x, QK, BLOCK_BYTES)
     _quantize_rows(x, out)
     return out
 
 
 def dequantize(raw: np.ndarray) -> np.ndarray:
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    flat = raw.reshape(-1, raw.shape[-1])
-    out = np.empty((flat.shape[0], flat.shape[1] // BLOCK_BYTES * QK), dtype=np.float32)
-    _dequantize_rows(flat, out)
-    return out.reshape(*raw.shape[:-1], out.shape[-1])
+    return dequantize_blocks(_dequantize_rows, raw, QK, BLOCK_BYTES)
