@@ -63,6 +63,10 @@ class Key(str, enum.Enum):
     TOKENIZER_PRE = "tokenizer.ggml.pre"
     BOS_ID = "tokenizer.ggml.bos_token_id"
     EOS_ID = "tokenizer.ggml.eos_token_id"
+    # split GGUFs (llama.cpp gguf-split): every part carries these; only part 0 the rest
+    SPLIT_NO = "split.no"  # u16, 0-based
+    SPLIT_COUNT = "split.count"  # u16
+    SPLIT_TENSORS_COUNT = "split.tensors.count"  # i32, tensors in all parts together
 
 
 class QuantType(enum.IntEnum):

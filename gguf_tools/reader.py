@@ -8,6 +8,11 @@ type that config implies (`layout.tensor_layout`).
 Every problem with a file raises `GGUFError` with a one-line message naming the file (and the
 tensor or key) and what was expected. Command-line tools print that line and exit with code 2.
 
+Split files (llama.cpp gguf-split: `NAME-00001-of-0000N.gguf`, keys `split.no`, `split.count`,
+`split.tensors.count`) are opened from their first part: the other parts are found by name, each
+is mapped, and their tensors join the first part's, so `tensors`, `raw`, `array` and `mapping` see
+one model. Opening a later part directly is an error naming the first.
+
 The parser is our own (not `gguf.GGUFReader`) so that hostile or broken headers are checked before
 anything is allocated: each count and length is bounded by the bytes that remain in the file.
 """
@@ -17,8 +22,9 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +67,9 @@ class TensorInfo:
     name: str
     qtype: QuantType | int  # QuantType for the types ds4 knows; the raw ggml code otherwise
     ne: tuple[int, ...]  # GGUF order, fastest dimension first
-    offset: int  # absolute byte offset of the tensor data in the file
+    offset: int  # absolute byte offset of the tensor data in the file (its part, for a split file)
     nbytes: int
+    part: int = 0  # index of the split part holding the data (0 for a single file)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -157,6 +164,20 @@ class _Cursor:
         return [self.value(sub, key, depth + 1) for _ in range(count)]
 
 
+SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_path(prefix: str | os.PathLike, index: int, count: int) -> Path:
+    """The file of part `index` (0-based) of `count`: PREFIX-00001-of-0000N.gguf, as llama.cpp names them."""
+    return Path(f"{os.fspath(prefix)}-{index + 1:05d}-of-{count:05d}.gguf")
+
+
+def split_prefix(path: str | os.PathLike) -> str | None:
+    """PREFIX of a split part's file name, or None when the name is not NAME-0000i-of-0000N.gguf."""
+    m = SPLIT_NAME.match(os.fspath(path))
+    return m.group("prefix") if m else None
+
+
 def _type_sizes(code: int) -> tuple[int, int] | None:
     try:
         return GGML_QUANT_SIZES[GGMLQuantizationType(code)]
@@ -167,7 +188,7 @@ def _type_sizes(code: int) -> tuple[int, int] | None:
 class GGUFFile:
     """A parsed GGUF file. Tensor data stay in the page cache; views are read-only and zero-copy."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, _part: bool = False):
         self.path = Path(path)
         try:
             fd = open(self.path, "rb")
@@ -187,6 +208,9 @@ class GGUFFile:
         self.metadata_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._parse()
+        self.parts: list[GGUFFile] = [self]
+        if not _part:
+            self._open_parts()
 
     # ---- parsing ---------------------------------------------------------------------------------
     def _parse(self) -> None:
@@ -261,7 +285,43 @@ class GGUFFile:
                 qtype = code
             self.tensors[name] = TensorInfo(name, qtype, ne, start, nbytes)
 
+    def _open_parts(self) -> None:
+        """Join the tensors of the other parts of a split file (this must be its first part)."""
+        key_no, key_count, key_total = Key.SPLIT_NO.value, Key.SPLIT_COUNT.value, Key.SPLIT_TENSORS_COUNT.value
+        if key_count not in self.metadata:
+            return
+        count, no = self.metadata[key_count], self.metadata.get(key_no, 0)
+        if not isinstance(count, int) or not isinstance(no, int) or count < 1 or not 0 <= no < count:
+            raise GGUFError(f"{self.path}: malformed split keys ({key_no}={no!r}, {key_count}={count!r})")
+        prefix = split_prefix(self.path)
+        if no != 0:
+            first = split_path(prefix, 0, count).name if prefix else "its part 00001"
+            raise GGUFError(f"{self.path}: part {no + 1} of {count} of a split GGUF; open the first part ({first})")
+        if count > 1 and prefix is None:
+            raise GGUFError(f"{self.path}: first of {count} split parts, but the name does not follow "
+                            "NAME-00001-of-NNNNN.gguf, so the other parts cannot be found")
+        for i in range(1, count):
+            p = split_path(prefix, i, count)
+            if not p.is_file():
+                raise GGUFError(f"{self.path}: split part {p.name} ({i + 1} of {count}) is missing")
+            part = GGUFFile(p, _part=True)
+            if part.metadata.get(key_no) != i or part.metadata.get(key_count) != count:
+                raise GGUFError(f"{p}: split keys say part {part.metadata.get(key_no)!r} of "
+                                f"{part.metadata.get(key_count)!r}, expected {i} of {count}")
+            for name, t in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"{p}: tensor '{name}' appears in two split parts")
+                self.tensors[name] = replace(t, part=i)
+            self.parts.append(part)
+        total = self.metadata.get(key_total)
+        if total is not None and total != len(self.tensors):
+            raise GGUFError(f"{self.path}: {key_total} is {total}, the {count} parts hold {len(self.tensors)} tensors")
+
     # ---- access ----------------------------------------------------------------------------------
+    def mapping(self, name: str) -> mmap.mmap:
+        """The read-only mapping of the file (split part) holding tensor `name`; its `offset` is into it."""
+        return self.parts[self.info(name).part]._mm
+
     def info(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
@@ -271,7 +331,7 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes, zero-copy, shaped (rows..., row_bytes) with rows = reversed ne[1:]."""
         t = self.info(name)
-        flat = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        flat = np.frombuffer(self.mapping(name), dtype=np.uint8, count=t.nbytes, offset=t.offset)
         rows = tuple(reversed(t.ne[1:]))
         return flat.reshape(rows + (t.nbytes // max(1, math.prod(rows)),))
 
@@ -282,12 +342,13 @@ class GGUFFile:
         float32 array (quant types through `ds4.gguf_tools.quants.dequantize`).
         """
         t = self.info(name)
+        mm = self.mapping(name)
         direct = {QuantType.F32: np.float32, QuantType.F16: np.float16, QuantType.I32: np.int32}
         if t.qtype in direct:
             dt = np.dtype(direct[t.qtype]).newbyteorder("<")
-            return np.frombuffer(self._mm, dtype=dt, count=math.prod(t.ne), offset=t.offset).reshape(t.shape)
+            return np.frombuffer(mm, dtype=dt, count=math.prod(t.ne), offset=t.offset).reshape(t.shape)
         if t.qtype == QuantType.BF16:
-            bits = np.frombuffer(self._mm, dtype="<u2", count=math.prod(t.ne), offset=t.offset)
+            bits = np.frombuffer(mm, dtype="<u2", count=math.prod(t.ne), offset=t.offset)
             return (bits.astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
         if t.qtype in (QuantType.Q8_0, QuantType.Q2_K, QuantType.Q4_K, QuantType.IQ2_XXS):
             from ds4.gguf_tools import quants
@@ -309,11 +370,12 @@ class GGUFFile:
         return self.metadata.get(Key.ARCHITECTURE.value)
 
     def close(self) -> None:
-        """Release the mapping. Views handed out earlier must not be used afterwards."""
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # numpy views still alive: the mapping goes when they do
+        """Release the mapping(s). Views handed out earlier must not be used afterwards."""
+        for part in getattr(self, "parts", [self]):
+            try:
+                part._mm.close()
+            except BufferError:
+                pass  # numpy views still alive: the mapping goes when they do
 
     def __enter__(self) -> "GGUFFile":
         return self

@@ -16,12 +16,22 @@ Per type (model-spec §2.6):
   signs come in even-parity patterns so the mean is 0; only d is set;
 - F16: large matrices draw from a 256-entry table of normal quantiles (fast), small ones
   (HC mixes, ape) and all F32/I32 tensors use the HF synth's values for the same seed.
+
+`split_max_bytes` writes the model as llama.cpp's gguf-split does (`--split-max-size`): parts
+`NAME-00001-of-0000N.gguf`, tensors in file order, a new part whenever the next tensor (padded to
+the alignment) would take the current part's tensor data past the limit (a tensor larger than the
+limit gets a part of its own); part 1 holds all metadata, every part `split.no` (u16, 0-based),
+`split.count` (u16) and `split.tensors.count` (i32). The later parts also carry
+`general.architecture`, which the gguf package writes into every file (loaders ignore it there).
+All parts are written under temporary names and renamed together at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -29,10 +39,12 @@ from typing import Iterator
 import numpy as np
 
 from ds4.engine.config import Config
-from ds4.gguf_tools.constants import BLOCK, OUTPUT, TOKEN_EMBD, LayerTensor as T, QuantType
+from ds4.gguf_tools.constants import BLOCK, DEFAULT_ALIGNMENT, OUTPUT, TOKEN_EMBD, Key, LayerTensor as T, QuantType
 from ds4.gguf_tools.layout import Kind, layout_by_name
 from ds4.gguf_tools.plan import Policy, plan
-from ds4.gguf_tools.writer import TensorPlan, ds4_metadata, encode, write_gguf
+from ds4.gguf_tools.reader import split_path
+from ds4.gguf_tools.writer import TensorPlan, Typed, ds4_metadata, encode, write_gguf
+from gguf.constants import GGUFValueType
 
 Q = QuantType
 CHUNK_BYTES = 64 << 20  # bytes generated per piece (streaming: memory stays near this)
@@ -145,8 +157,10 @@ def tensor_bytes(cfg: Config, p: TensorPlan, slot, seed: int) -> Iterator[np.nda
 
 
 def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", base: str = "q8_0", seed: int = 0,
-               tokenizer: str | None = None, progress: bool = True) -> list[TensorPlan]:
-    """Write a random DS4 GGUF of `cfg`'s shape with the published type layout (base q8_0 + mix)."""
+               tokenizer: str | None = None, progress: bool = True,
+               split_max_bytes: int | None = None) -> list[TensorPlan]:
+    """Write a random DS4 GGUF of `cfg`'s shape with the published type layout (base q8_0 + mix);
+    with `split_max_bytes`, as split parts next to `out` (see `split_outputs` for their names)."""
     from ds4.gguf_tools.quantize import tokenizer_tables
 
     layout = layout_by_name(cfg)
@@ -155,5 +169,59 @@ def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", b
     if len(tokens) != cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tokens)} tokens, the preset's vocab_size is {cfg.vocab_size}")
     meta = ds4_metadata(cfg, tokens, merges, name=f"ds4-synth-{cfg.name}-{mix or base}")
-    write_gguf(Path(out), meta, plans, lambda p: tensor_bytes(cfg, p, layout[p.name], seed), progress=progress)
+    produce = lambda p: tensor_bytes(cfg, p, layout[p.name], seed)  # noqa: E731
+    if split_max_bytes is None:
+        write_gguf(Path(out), meta, plans, produce, progress=progress)
+    else:
+        write_split(out, meta, plans, produce, split_max_bytes, progress=progress)
     return plans
+
+
+def split_plans(plans: list[TensorPlan], max_bytes: int, alignment: int = DEFAULT_ALIGNMENT) -> list[list[TensorPlan]]:
+    """Tensors per part, llama.cpp gguf-split's rule: a new part when the part's padded tensor
+    bytes would pass `max_bytes` with the next tensor (never an empty part)."""
+    if max_bytes < 1:
+        raise ValueError("split size must be positive")
+    parts: list[list[TensorPlan]] = [[]]
+    size = 0
+    for p in plans:
+        n = -(-p.nbytes // alignment) * alignment
+        if parts[-1] and size + n > max_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(p)
+        size += n
+    return parts
+
+
+def split_outputs(out: str | os.PathLike, count: int) -> list[Path]:
+    """Part files for OUT (a trailing .gguf is dropped): OUT-00001-of-0000N.gguf, ..."""
+    prefix = os.fspath(out)
+    if prefix.endswith(".gguf"):
+        prefix = prefix[:-5]
+    return [split_path(prefix, i, count) for i in range(count)]
+
+
+def write_split(out: str | os.PathLike, meta: dict, plans: list[TensorPlan], produce, max_bytes: int, *,
+                progress: bool = False) -> list[Path]:
+    """Write `plans` as split GGUF parts (module doc); returns the part paths."""
+    groups = split_plans(plans, max_bytes)
+    n = len(groups)
+    if n > 0xFFFF:
+        raise ValueError(f"{n} parts do not fit split.count (u16); raise the split size")
+    paths = split_outputs(out, n)
+    tmp_dir = paths[0].parent / f".{paths[0].name}.parts-tmp-{os.getpid()}"
+    tmp_dir.mkdir()
+    try:
+        for i, (group, path) in enumerate(zip(groups, paths)):
+            keys = {Key.SPLIT_NO.value: Typed(i, GGUFValueType.UINT16),
+                    Key.SPLIT_COUNT.value: Typed(n, GGUFValueType.UINT16),
+                    Key.SPLIT_TENSORS_COUNT.value: Typed(len(plans), GGUFValueType.INT32)}
+            part_meta = {**meta, **keys} if i == 0 else keys
+            write_gguf(tmp_dir / path.name, part_meta, group, produce, progress=progress)
+        for path in paths:
+            os.replace(tmp_dir / path.name, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp_dir)
+    return paths
