@@ -241,10 +241,12 @@ def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
     if not out.parent.is_dir():
         raise UsageError(f"{out.parent}: no such directory")
     if split is not None and not args.overwrite:
+        import glob
+
         from ds4.gguf_tools.reader import split_prefix
 
         stem = out.name[:-5] if out.name.endswith(".gguf") else out.name
-        clash = sorted(p.name for p in out.parent.glob(f"{glob_escape(stem)}-*-of-*.gguf") if split_prefix(p))
+        clash = sorted(p.name for p in out.parent.glob(f"{glob.escape(stem)}-*-of-*.gguf") if split_prefix(p))
         if clash:
             raise UsageError(f"{out.parent / clash[0]} exists (use --overwrite to replace it)")
     plans = synth_gguf(cfg, out, mix=None if args.mix == "none" else args.mix, base=args.type, seed=args.seed, tokenizer=args.tokenizer,
@@ -259,10 +261,6 @@ def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
     print(f"wrote {out}: '{args.preset}' random GGUF ({args.type} + mix {args.mix}), {len(plans)} tensors, "
           f"{total / 2**30:.2f} GiB in {dt:.1f} s ({total / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
     return 0
-
-
-def glob_escape(text: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
 def parse_split_size(text: str) -> int:
