@@ -14,13 +14,8 @@ import time
 from pathlib import Path
 
 from ds4 import paths
+from ds4.cli_util import EXIT_USAGE, UsageError, add_model_argument, check_output_folder, count, load_model
 from ds4.imatrix import format as fmt
-
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    """A user mistake: one line on stderr, exit code 2."""
 
 
 def default_dataset() -> Path:
@@ -37,16 +32,6 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds4-imatrix",
@@ -59,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "layer and routed expert, the sum of squared gate/up and down inputs and the "
                                    "number of routed tokens. Ctrl+C writes what was collected so far (marked "
                                    "partial).")
-    c.add_argument("-m", "--model", default=None, help="DS4 GGUF (default: $DS4_MODEL or models/ds4-tiny.gguf)")
+    add_model_argument(c)
     src = c.add_mutually_exclusive_group()
     src.add_argument("--dataset", default=None,
                      help="JSONL(.gz) chat records, or rendered marker text (default: the shared calibration set "
@@ -70,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force the output format instead of choosing it by file name")
     c.add_argument("--modes", type=_modes, default=("nothink", "think"),
                    help="think variants to use from JSONL records (default nothink,think)")
-    c.add_argument("--max-prompts", type=_positive, default=0, help="stop after N prompts (0 = all)")
-    c.add_argument("--max-tokens", type=_positive, default=0, help="stop after N tokens in total (0 = unlimited)")
-    c.add_argument("--ctx", type=_positive, default=32768, help="truncate each prompt to N tokens (default 32768)")
-    c.add_argument("--chunk", type=_positive, default=2048, help="prefill batch size (default 2048)")
+    c.add_argument("--max-prompts", type=count, default=0, help="stop after N prompts (0 = all)")
+    c.add_argument("--max-tokens", type=count, default=0, help="stop after N tokens in total (0 = unlimited)")
+    c.add_argument("--ctx", type=count, default=32768, help="truncate each prompt to N tokens (default 32768)")
+    c.add_argument("--chunk", type=count, default=2048, help="prefill batch size (default 2048)")
     c.add_argument("--all-tensors", action="store_true",
                    help="also collect shared-expert (and, where the engine reports them, attention) inputs")
     c.add_argument("--heatmap", default=None, metavar="PNG", help="also write a heat-map of expert usage")
@@ -100,17 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Capture held-out routed inputs of one layer through the engine, quantize each "
                                    "expert of a routed tensor with ds4's default importance (column energy of W) "
                                    "and with the imatrix, and report Σ‖(W−Ŵ)x‖² / Σ‖Wx‖² for both.")
-    q.add_argument("-m", "--model", default=None)
+    add_model_argument(q)
     q.add_argument("--imatrix", required=True, help="imatrix file (.dat or GGUF)")
     qsrc = q.add_mutually_exclusive_group()
     qsrc.add_argument("--dataset", default=None, help="held-out prompts (JSONL records or marker text)")
     qsrc.add_argument("--rendered", default=None)
-    q.add_argument("--skip-prompts", type=_positive, default=0, help="skip the first N prompts (held out = unseen)")
-    q.add_argument("--max-tokens", type=_positive, default=2048)
-    q.add_argument("--layer", type=_positive, default=3)
+    q.add_argument("--skip-prompts", type=count, default=0, help="skip the first N prompts (held out = unseen)")
+    q.add_argument("--max-tokens", type=count, default=2048)
+    q.add_argument("--layer", type=count, default=3)
     q.add_argument("--kind", choices=["gate", "up", "down"], default="gate")
     q.add_argument("--type", default="iq2_xxs", choices=["iq2_xxs", "q2_k", "q4_k", "q8_0"])
-    q.add_argument("--max-experts", type=_positive, default=0)
+    q.add_argument("--max-experts", type=count, default=0)
 
     v = sub.add_parser("convert", help="convert between legacy .dat and GGUF imatrix")
     v.add_argument("input")
@@ -169,21 +154,11 @@ def cmd_build_dataset(args) -> int:
     return 0
 
 
-def _check_output(path: str | None) -> None:
-    """Fail before hours of work, not after: the output's folder must exist and be writable."""
-    import os
-
-    if path:
-        folder = Path(path).resolve().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise UsageError(f"{path}: folder {folder} does not exist or is not writable")
-
-
 def cmd_collect(args) -> int:
     from ds4.imatrix.collect import collect, load_prompts
 
-    _check_output(args.output)
-    _check_output(args.heatmap)
+    check_output_folder(args.output)
+    check_output_folder(args.heatmap)
 
     source = args.rendered or args.dataset or str(default_dataset())
     try:
@@ -227,15 +202,9 @@ def cmd_collect(args) -> int:
 
 
 def _load_model(path: str | None, backend: str):
-    from ds4.engine.model import Model, ModelError
-
-    path = path or str(paths.default_model())
     if backend != "cpu":
         raise UsageError("only --backend cpu collects an imatrix in this version")
-    try:
-        return Model.load(path)
-    except (ModelError, OSError, ValueError) as e:
-        raise UsageError(f"cannot load model: {e}") from None
+    return load_model(path)
 
 
 def cmd_quant_error(args) -> int:

@@ -17,24 +17,14 @@ import sys
 from pathlib import Path
 
 from ds4 import paths
+from ds4.cli_util import add_data_dir_argument, add_model_argument, fail, positive_int
 from ds4.engine import power
 from ds4.test_vectors.formats import write_text_atomic
 from ds4.test_vectors.runtime import ToolError, load_model
 
 
 def _fail(msg: str) -> int:
-    print(f"ds4-quality: error: {msg}", file=sys.stderr)
-    return 2
-
-
-def _pos(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+    return fail("ds4-quality", msg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,26 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("collect", help="write greedy continuations of the quality prompts from a local model")
-    c.add_argument("-m", "--model", default=None)
+    add_model_argument(c)
     c.add_argument("--prompts", default=None, help="prompts.jsonl (default: <data-dir>/quality/prompts.jsonl)")
     c.add_argument("--out", required=True, help="output directory (manifest.tsv, prompts/, continuations/)")
-    c.add_argument("--count", type=_pos, default=100)
-    c.add_argument("--max-tokens", type=_pos, default=24)
-    c.add_argument("--ctx", type=_pos, default=4096)
+    c.add_argument("--count", type=positive_int, default=100)
+    c.add_argument("--max-tokens", type=positive_int, default=24)
+    c.add_argument("--ctx", type=positive_int, default=4096)
     c.add_argument("--base-url", default=None,
                    help="collect from an OpenAI-compatible endpoint instead of a local model "
                         "(e.g. https://api.deepseek.com or a ds4-server's http://host:port/v1)")
     c.add_argument("--api-model", default="deepseek-v4-flash", help="model name sent to the endpoint")
-    c.add_argument("--attempts", type=_pos, default=6, help="tries per prompt (pauses 1 s × 1.7^k between)")
+    c.add_argument("--attempts", type=positive_int, default=6, help="tries per prompt (pauses 1 s × 1.7^k between)")
     c.add_argument("--api-key-env", default="DEEPSEEK_API_KEY",
                    help="environment variable holding the bearer key (default DEEPSEEK_API_KEY; unset = none)")
 
     s = sub.add_parser("score", help="per-token NLL, first-token match, greedy prefix length (§4.3)")
-    s.add_argument("-m", "--model", default=None)
+    add_model_argument(s)
     s.add_argument("--manifest", required=True, help="manifest.tsv of a continuation set")
     s.add_argument("-o", "--out", required=True, help="output TSV")
-    s.add_argument("--ctx", type=_pos, default=4096)
-    s.add_argument("--count", type=_pos, default=None, help="score only the first N cases")
+    s.add_argument("--ctx", type=positive_int, default=4096)
+    s.add_argument("--count", type=positive_int, default=None, help="score only the first N cases")
 
     d = sub.add_parser("diff", help="compare two score TSVs (§4.4)")
     d.add_argument("old")
@@ -71,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kld", help="KL divergence of TEST from BASE over a text (llama.cpp-style report)")
     k.add_argument("models", nargs="*", help="BASE.gguf [TEST.gguf], or TEST.gguf with --base-logits")
     k.add_argument("--text", default=None, help="text file (default: promessi_sposi.txt from the data dir)")
-    k.add_argument("--ctx", type=_pos, default=512, help="tokens per chunk (default 512)")
-    k.add_argument("--chunks", type=_pos, default=4, help="number of chunks (default 4)")
+    k.add_argument("--ctx", type=positive_int, default=512, help="tokens per chunk (default 512)")
+    k.add_argument("--chunks", type=positive_int, default=4, help="number of chunks (default 4)")
     k.add_argument("--score-from", type=int, default=None,
                    help="first scored position of each chunk (default ctx/2: the first half is context)")
     k.add_argument("--save-logits", default=None, metavar="FILE", help="store the base log-probs for later")
@@ -91,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     for sp in (c, s, k):
         sp.add_argument("--backend", choices=("cpu", "cuda"), default=None,
                         help="engine backend (default: cuda when it can run, else cpu)")
-        sp.add_argument("--data-dir", default=None)
+        add_data_dir_argument(sp)
         power.add_power_argument(sp)
     return p
 

@@ -14,19 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from ds4 import paths
+from ds4.cli_util import add_data_dir_argument, add_model_argument, fail, positive_int
 from ds4.engine import power
 
 from .csvio import BenchCsvError, BenchRun, format_csv, git_revision, machine_description, read_csv, write_csv
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _step_mul(text: str) -> float:
@@ -48,17 +39,17 @@ def run_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="raw text, plain BPE (default: promessi_sposi.txt from the data dir)")
     src.add_argument("--chat-prompt-file", help="text rendered as BOS + system + <｜User｜> text <｜Assistant｜></think>")
     p.add_argument("-sys", "--system", default="You are a helpful assistant.", help="system prompt (chat mode)")
-    p.add_argument("-m", "--model", default=None, help="GGUF model (default: $DS4_MODEL or models/ds4-tiny.gguf)")
+    add_model_argument(p)
     p.add_argument("--backend", choices=("cpu", "cuda"), default=None, help="engine backend (default: cuda if built)")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--ctx-start", type=_positive_int, default=2048)
-    p.add_argument("--ctx-max", type=_positive_int, default=32768)
-    p.add_argument("--ctx-alloc", type=_positive_int, default=None, help="session size (default ctx-max + gen + 1)")
-    p.add_argument("--step-incr", type=_positive_int, default=2048, help="linear step (when --step-mul is 1)")
+    add_data_dir_argument(p)
+    p.add_argument("--ctx-start", type=positive_int, default=2048)
+    p.add_argument("--ctx-max", type=positive_int, default=32768)
+    p.add_argument("--ctx-alloc", type=positive_int, default=None, help="session size (default ctx-max + gen + 1)")
+    p.add_argument("--step-incr", type=positive_int, default=2048, help="linear step (when --step-mul is 1)")
     p.add_argument("--step-mul", type=_step_mul, default=1.0, help="exponential step factor (> 1)")
-    p.add_argument("--gen-tokens", "--tokens", "-n", type=_positive_int, default=128)
-    p.add_argument("--prefill-chunk", type=_positive_int, default=None, help="engine prefill chunk (default: engine's)")
-    p.add_argument("-t", "--threads", type=_positive_int, default=None, help="CPU threads for the numba kernels")
+    p.add_argument("--gen-tokens", "--tokens", "-n", type=positive_int, default=128)
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, help="engine prefill chunk (default: engine's)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads for the numba kernels")
     p.add_argument("--csv", default=None, help="output CSV (default: stdout)")
     p.add_argument("--label", default=None, help="legend label stored in the CSV header")
     p.add_argument("--no-warmup", action="store_true",
@@ -75,8 +66,8 @@ def plot_parser() -> argparse.ArgumentParser:
     p.add_argument("csv", nargs="+", help="ds4-bench CSV files (several are overlaid)")
     p.add_argument("-o", "--out", default=None, help="output .svg or .png (default: <first-csv-stem>_ts.svg)")
     p.add_argument("--title", default=None)
-    p.add_argument("--width", type=_positive_int, default=960)
-    p.add_argument("--height", type=_positive_int, default=540)
+    p.add_argument("--width", type=positive_int, default=960)
+    p.add_argument("--height", type=positive_int, default=540)
     return p
 
 
@@ -89,8 +80,7 @@ def compare_parser() -> argparse.ArgumentParser:
 
 
 def _fail(msg: str) -> int:
-    print(f"ds4-bench: error: {msg}", file=sys.stderr)
-    return 2
+    return fail("ds4-bench", msg)
 
 
 def cmd_plot(argv: list[str]) -> int:

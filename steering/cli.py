@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4 import paths
+from ds4.cli_util import EXIT_USAGE, UsageError, add_model_argument, check_output_folder, count, load_model
 from ds4.steering import apply as steer_apply
 from ds4.steering.build import COMPONENT_KIND, DEFAULT_SYSTEM, direction_from_activations, read_prompt_file
 from ds4.steering.format import (
@@ -24,29 +25,8 @@ from ds4.steering.format import (
     write_control_vector, write_f32,
 )
 
-EXIT_USAGE = 2
-
-
-class UsageError(Exception):
-    pass
-
-
 def _data(name: str) -> str:
     return str(paths.data_dir() / "steering" / name)
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="DS4 GGUF (default: $DS4_MODEL or models/ds4-tiny.gguf)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run both prompt sets (one prompt per line, '#' comments) rendered as chat, capture "
                                    "the chosen sublayer output of every layer at the last prompt token, and write "
                                    "normalize(mean(positive) − mean(negative)) per layer.")
-    _add_model(b)
+    add_model_argument(b)
     b.add_argument("--positive", default=_data("succinct.txt"), help="target prompts (default: shared succinct.txt)")
     b.add_argument("--negative", default=_data("verbose.txt"), help="contrast prompts (default: shared verbose.txt)")
     b.add_argument("-o", "--output", required=True, help="raw layers×hidden float32 file (+ .json sidecar)")
@@ -69,35 +49,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--component", choices=sorted(COMPONENT_KIND), default="ffn_out")
     b.add_argument("--think", action="store_true", help="capture after <think> (default: after </think>)")
     b.add_argument("--system", default=DEFAULT_SYSTEM, help=f"system prompt (default: {DEFAULT_SYSTEM!r})")
-    b.add_argument("--ctx", type=_count, default=512)
+    b.add_argument("--ctx", type=count, default=512)
     b.add_argument("--pair-normalize", action="store_true", help="mean of normalized pair differences")
     b.add_argument("--no-orthogonalize", action="store_true",
                    help="keep the component along the negative set's mean")
-    b.add_argument("--max-prompts", type=_count, default=0, help="use the first N pairs (0 = all)")
+    b.add_argument("--max-prompts", type=count, default=0, help="use the first N pairs (0 = all)")
     b.add_argument("-q", "--quiet", action="store_true")
 
     s = sub.add_parser("sweep", help="generate at several scales and report response length per scale")
-    _add_model(s)
+    add_model_argument(s)
     s.add_argument("--direction", required=True, help="direction file (.f32 or control-vector GGUF)")
     s.add_argument("--prompts", default=_data("eval_prompts.txt"), help="default: shared eval_prompts.txt")
     s.add_argument("--scales", default="-2,-1,-0.5,0,0.5,1,2", help="comma list of FFN scales; write --scales=-1,0,1 when the list starts with a minus")
-    s.add_argument("--tokens", type=_count, default=160, help="tokens to generate per run (default 160)")
-    s.add_argument("--ctx", type=_count, default=4096)
+    s.add_argument("--tokens", type=count, default=160, help="tokens to generate per run (default 160)")
+    s.add_argument("--ctx", type=count, default=4096)
     s.add_argument("--attn-scale", type=steer_apply._scale, default=0.0)
     s.add_argument("--think", action="store_true", help="thinking mode (default: no thinking)")
     s.add_argument("--system", default="", help="system prompt (default none)")
     s.add_argument("--metric", choices=["tokens", "words", "chars"], default="tokens")
-    s.add_argument("--max-prompts", type=_count, default=0)
+    s.add_argument("--max-prompts", type=count, default=0)
     s.add_argument("--csv", default=None, help="write prompt, scale, metric, text rows")
     s.add_argument("--chart", default=None, metavar="PNG", help="write a chart of the metric against the scale")
     s.add_argument("--show-text", action="store_true", help="print every generation")
     s.add_argument("-q", "--quiet", action="store_true")
 
     g = sub.add_parser("generate", help="one greedy generation with steering (a quick look)")
-    _add_model(g)
+    add_model_argument(g)
     g.add_argument("-p", "--prompt", required=True)
-    g.add_argument("-n", "--tokens", type=_count, default=64)
-    g.add_argument("--ctx", type=_count, default=4096)
+    g.add_argument("-n", "--tokens", type=count, default=64)
+    g.add_argument("--ctx", type=count, default=4096)
     g.add_argument("--think", action="store_true")
     g.add_argument("--system", default="")
     steer_apply.add_arguments(g)
@@ -111,16 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_model(path: str | None):
-    from ds4.engine.model import Model, ModelError
-
-    path = path or str(paths.default_model())
-    try:
-        return Model.load(path)
-    except (ModelError, OSError, ValueError) as e:
-        raise UsageError(f"cannot load model: {e}") from None
-
-
 def _prompts(path: str, limit: int = 0) -> list[str]:
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such file")
@@ -130,20 +100,11 @@ def _prompts(path: str, limit: int = 0) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def _check_output(path: str | None) -> None:
-    import os
-
-    if path:
-        folder = Path(path).resolve().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise UsageError(f"{path}: folder {folder} does not exist or is not writable")
-
-
 def cmd_build(args) -> int:
     from tqdm import tqdm
 
     for out in (args.output, args.gguf):
-        _check_output(out)
+        check_output_folder(out)
 
     from ds4.steering.run import capture_last_rows
 
@@ -152,7 +113,7 @@ def cmd_build(args) -> int:
     if args.max_prompts:
         n = min(n, args.max_prompts)
     good, bad = good[:n], bad[:n]
-    model = _load_model(args.model)
+    model = load_model(args.model)
     t0 = time.perf_counter()
     with tqdm(total=2 * n, unit="prompt", disable=args.quiet, desc="build", dynamic_ncols=True) as bar:
         kw = dict(system=args.system, thinking=args.think, ctx=args.ctx, progress=bar)
@@ -188,8 +149,8 @@ def cmd_sweep(args) -> int:
         raise UsageError(str(e)) from None
     prompts = _prompts(args.prompts, args.max_prompts)
     for out in (args.csv, args.chart):
-        _check_output(out)
-    model = _load_model(args.model)
+        check_output_folder(out)
+    model = load_model(args.model)
     cfg = model.config
     ds = load_directions(args.direction, cfg.n_layer, cfg.n_embd)
 
@@ -214,7 +175,7 @@ def cmd_generate(args) -> int:
     from ds4.steering.build import render_prompt
     from ds4.steering.run import generate_greedy
 
-    model = _load_model(args.model)
+    model = load_model(args.model)
     hooks = steer_apply.hooks_from_args(args, model.config)
     ids = model.tokenizer.encode_chat(render_prompt(args.prompt, args.system, args.think))
     gen = generate_greedy(model, ids, args.tokens, hooks, args.ctx)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ds4 import paths
+from ds4.cli_util import add_data_dir_argument, add_model_argument, fail
 from ds4.engine import power
 
 from .compare import DEFAULT_TOLERANCE, DEFAULT_TOP_K
@@ -27,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds4-vectors",
         description="Check a DS4 GGUF against logprob test vectors (tooling-spec §5), or capture vectors "
                     "from a local model with --capture.")
-    p.add_argument("-m", "--model", default=None, help="GGUF model (default: $DS4_MODEL or models/ds4-tiny.gguf)")
+    add_model_argument(p)
     p.add_argument("--vectors", default=None,
                    help="vector directory with manifest.json (default: <data-dir>/test-vectors)")
-    p.add_argument("--data-dir", default=None, help="shared data directory (default: $DS4_DATA_DIR or ../shared/data)")
+    add_data_dir_argument(p)
     p.add_argument("--only", action="append", default=[], metavar="ID", help="check/capture only this case (repeatable)")
     p.add_argument("--include-skipped", action="store_true",
                    help="also check long_memory_archive (skipped upstream: API and official graph disagree)")
@@ -49,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(msg: str) -> int:
-    print(f"ds4-vectors: error: {msg}", file=sys.stderr)
-    return 2
+    return fail("ds4-vectors", msg)
 
 
 def main(argv: list[str] | None = None) -> int:
