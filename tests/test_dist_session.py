@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from ds4.engine.dist.comm import wire_bytes  # noqa: E402
 from ds4.engine.dist.launch import TraceCall, run  # noqa: E402
 from ds4.engine.gpu.session import Session as TorchSession  # noqa: E402
 from ds4.engine.model import Model  # noqa: E402
@@ -58,9 +59,10 @@ def ref_exact(small_f16):
     return reference(small_f16, numerics=False)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_forward_equals_the_unsharded_engines(small_f16, ref_exact, world):
-    r = run(TraceCall(PROMPT, DECODES, GREEDY), world, small_f16, ctx=CTX, fp8_kv=False, indexer_qat=False)
+@pytest.mark.parametrize("world,combine", [(2, "auto"), (4, "allreduce")])
+def test_sharded_forward_equals_the_unsharded_engines(small_f16, ref_exact, world, combine):
+    r = run(TraceCall(PROMPT, DECODES, GREEDY), world, small_f16, ctx=CTX, fp8_kv=False, indexer_qat=False,
+            combine=combine)
     assert r["consistent"]  # every rank ends with bitwise the same tokens, logits and KV state
     for name in ("torch", "numpy"):
         ref = ref_exact[name]
@@ -74,7 +76,9 @@ def test_sharded_forward_equals_the_unsharded_engines(small_f16, ref_exact, worl
     assert r["prefill_comm"]["payload_bytes"] == per_token * len(PROMPT)
     assert r["comm"]["calls"] == cfg.n_layer * (1 + DECODES + GREEDY)
     assert r["comm"]["payload_bytes"] == per_token * (len(PROMPT) + DECODES + GREEDY)
-    assert r["comm"]["wire_bytes"] == pytest.approx(r["comm"]["payload_bytes"] * 2 * (world - 1) / world)
+    row = cfg.n_embd * 4
+    want = cfg.n_layer * (wire_bytes(combine, row * len(PROMPT), world) + (DECODES + GREEDY) * wire_bytes(combine, row, world))
+    assert r["comm"]["wire_bytes"] == pytest.approx(want)
     stats = r["stats"]
     assert [s["experts"] for s in stats] == [(i * 32 // world, (i + 1) * 32 // world) for i in range(world)]
     total = stats[0]["expert_bytes_read"] * world

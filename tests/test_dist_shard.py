@@ -120,5 +120,7 @@ def test_wire_bytes_of_the_ring_algorithms():
     assert wire_bytes("allreduce", 1000, 4) == pytest.approx(1500)
     assert wire_bytes("rs_ag", 1000, 2) == pytest.approx(1000)
     assert wire_bytes("allgather", 1000, 4) == pytest.approx(3000)
+    assert wire_bytes("auto", 1000, 4) == pytest.approx(3000)  # small payload: one all-gather
+    assert wire_bytes("auto", 1 << 20, 4) == pytest.approx(1.5 * (1 << 20))  # large: all-reduce
     with pytest.raises(ValueError):
         wire_bytes("alltoall", 1, 2)

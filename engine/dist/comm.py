@@ -6,13 +6,19 @@ contributions y_r [T, D] (zero rows for tokens none of its experts serve) and th
 Σ_r y_r. Three ways to form that sum on every rank, all giving identical bits on every rank (each
 rank ends with the same reduced values, so the replicated state never drifts apart):
 
-- `allreduce` (default): one collective; a ring moves 2(N-1)/N · S bytes per rank (S = T·D·4).
+- `allreduce`: one collective; a ring moves 2(N-1)/N · S bytes per rank (S = T·D·4).
 - `rs_ag`: reduce-scatter then all-gather of the flattened [T·D] (padded to a multiple of N); the
   same bytes as a ring all-reduce, in two collectives (two latencies at batch 1). It pays only
   when work can run on the scattered shard between the two (sequence-parallel tails), which the
   replicated attention here cannot use.
 - `allgather`: all-gather the N partials and sum them locally in rank order: one collective but
   (N-1) · S bytes per rank, so it can only win where latency, not volume, decides (batch 1).
+
+`auto` (the default) picks all-gather for payloads up to AUTO_GATHER_BYTES and all-reduce above:
+measured with gloo (README.md), one all-gather beats the all-reduce at batch 1 (a ring all-gather is
+N-1 steps, a ring all-reduce 2(N-1), and at these sizes every step is latency), and the all-reduce
+wins from about T = 64 rows on (it sends 2(N-1)/N · S instead of (N-1) · S). The choice depends
+only on T, so every rank makes the same one.
 
 `bench_combine` times the three on the current process group (ds4-dist --bench-comm).
 """
@@ -26,7 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-STRATEGIES = ("allreduce", "rs_ag", "allgather")
+STRATEGIES = ("auto", "allreduce", "rs_ag", "allgather")
+MEASURED = STRATEGIES[1:]  # what bench_combine times
+AUTO_GATHER_BYTES = 256 << 10  # auto: all-gather up to this payload (decode, small batches), all-reduce above
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the *_tensor names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -36,6 +44,8 @@ def wire_bytes(strategy: str, payload: int, world: int) -> float:
     """Bytes one rank sends for one combine of `payload` bytes (ring algorithms)."""
     if world <= 1:
         return 0.0
+    if strategy == "auto":
+        strategy = "allgather" if payload <= AUTO_GATHER_BYTES else "allreduce"
     if strategy in ("allreduce", "rs_ag"):
         return 2.0 * (world - 1) / world * payload
     if strategy == "allgather":
@@ -59,7 +69,7 @@ class CommStats:
 class Combiner:
     """y_r → Σ_r y_r on every rank of `group`, by `strategy`; counts calls and bytes."""
 
-    def __init__(self, group=None, strategy: str = "allreduce", world: int | None = None):
+    def __init__(self, group=None, strategy: str = "auto", world: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown combine strategy '{strategy}' (choose {', '.join(STRATEGIES)})")
         self.group = group
@@ -71,12 +81,15 @@ class Combiner:
         if self.world == 1:
             return y
         n = y.numel() * y.element_size()
+        strategy = self.strategy
+        if strategy == "auto":
+            strategy = "allgather" if n <= AUTO_GATHER_BYTES else "allreduce"
         t0 = time.perf_counter()
-        if self.strategy == "allreduce":
+        if strategy == "allreduce":
             y = y.contiguous()
             dist.all_reduce(y, group=self.group)
             out = y
-        elif self.strategy == "rs_ag":
+        elif strategy == "rs_ag":
             out = self._rs_ag(y)
         else:
             flat = y.contiguous().reshape(-1)
@@ -87,7 +100,7 @@ class Combiner:
         s.seconds += time.perf_counter() - t0
         s.calls += 1
         s.payload_bytes += n
-        s.wire_bytes += wire_bytes(self.strategy, n, self.world)
+        s.wire_bytes += wire_bytes(strategy, n, self.world)
         s.per_tokens[y.shape[0]] = s.per_tokens.get(y.shape[0], 0) + 1
         return out
 
@@ -116,7 +129,7 @@ def bench_combine(rows=(1, 8, 64, 512, 2048), dims=(4096, 7168), iters: int = 20
     for D in dims:
         for T in rows:
             y = torch.full((T, D), float(dist.get_rank() + 1), device=device)
-            for strategy in STRATEGIES:
+            for strategy in MEASURED:
                 c = Combiner(group, strategy, world)
                 for _ in range(warmup):
                     c.combine(y.clone())

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .comm import STRATEGIES
+from .comm import MEASURED, STRATEGIES
 
 
 def free_port() -> int:
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", help="DS4 GGUF (for a split file: its first part, NAME-00001-of-0000N.gguf)")
     p.add_argument("--nproc", "--gpus", type=_positive, default=2, help="number of ranks (one per GPU on CUDA)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: gloo ranks; cuda: NCCL, one GPU each")
-    p.add_argument("--combine", choices=STRATEGIES, default="allreduce", help="how partial MoE outputs are summed")
+    p.add_argument("--combine", choices=STRATEGIES, default="auto",
+                   help="how partial MoE outputs are summed (auto: all-gather for small payloads, else all-reduce)")
     p.add_argument("-c", "--ctx", type=_positive, default=4096, help="context size in tokens")
     p.add_argument("--prefill-chunk", type=_positive, default=2048)
     p.add_argument("--no-graphs", action="store_true", help="CUDA: decode without CUDA graphs")
@@ -224,11 +225,11 @@ def _check(args) -> None:
 
 
 def _print_comm_table(rows: list[dict]) -> None:
-    print(f"{'D':>6} {'T':>6} {'bytes':>10} " + " ".join(f"{s:>12}" for s in STRATEGIES) + "   (us per combine)")
+    print(f"{'D':>6} {'T':>6} {'bytes':>10} " + " ".join(f"{s:>12}" for s in MEASURED) + "   (us per combine)")
     keyed = {(r["D"], r["T"], r["strategy"]): r for r in rows}
     for D, T in sorted({(r["D"], r["T"]) for r in rows}):
-        us = [keyed[(D, T, s)]["us"] for s in STRATEGIES]
-        best = STRATEGIES[min(range(len(us)), key=us.__getitem__)]
+        us = [keyed[(D, T, s)]["us"] for s in MEASURED]
+        best = MEASURED[min(range(len(us)), key=us.__getitem__)]
         print(f"{D:>6} {T:>6} {T * D * 4:>10} " + " ".join(f"{u:>12.1f}" for u in us) + f"   best {best}")
 
 

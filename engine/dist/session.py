@@ -213,7 +213,7 @@ def init_distributed(device: str = "cpu") -> tuple[int, int, torch.device]:
 
 
 def open_session(model_path: str, *, ctx: int = 4096, prefill_chunk: int = 2048, device: str = "cpu",
-                 combine: str = "allreduce", graphs: bool | None = None, fp8_kv: bool = True,
+                 combine: str = "auto", graphs: bool | None = None, fp8_kv: bool = True,
                  indexer_qat: bool = True) -> DistSession | None:
     """Collective: every rank loads its share and builds its replica. Rank 0 gets the DistSession;
     the other ranks serve rank 0's calls here and get None once it closes the session."""
