@@ -4,7 +4,9 @@
 otherwise it is built once per session in a temp directory with the real CLI:
 `ds4-quantize synth --preset tiny --seed 0` then `ds4-quantize convert --type f16`.
 `small_gguf` does the same for the `small` preset (about 500 MB); only tests marked
-`@pytest.mark.slow` should request it.
+`@pytest.mark.slow` should request it. `tiny_model` is the engine Model of `tiny_gguf`, loaded once
+per test module. `eval_model` is the default model (`make setup`'s, or $DS4_MODEL) when it exists,
+else a random `tiny` written once per session (ds4_tool_util.write_random_tiny).
 """
 
 from __future__ import annotations
@@ -60,3 +62,20 @@ def small_gguf(tmp_path_factory) -> Path:
     if built.exists():
         return built
     return build_model("small", tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_gguf):
+    from ds4.engine.model import Model
+
+    return Model.load(tiny_gguf)
+
+
+@pytest.fixture(scope="session")
+def eval_model(tmp_path_factory) -> Path:
+    from ds4_tool_util import write_random_tiny
+
+    default = paths.default_model()
+    if default.is_file():
+        return default
+    return write_random_tiny(tmp_path_factory.mktemp("evalmodel") / "tiny.gguf")

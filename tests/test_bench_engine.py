@@ -10,12 +10,6 @@ import pytest
 from ds4 import paths
 from ds4.engine import power
 from ds4.speed_bench.csvio import COLUMNS, read_csv
-from ds4_tool_util import tiny_model_path
-
-
-@pytest.fixture(scope="module")
-def tiny(request, tmp_path_factory):
-    return tiny_model_path(request, tmp_path_factory)
 
 
 def bench_cli(*args):
@@ -23,9 +17,9 @@ def bench_cli(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_sweep_csv_schema_and_monotone_frontiers(tiny, tmp_path):
+def test_sweep_csv_schema_and_monotone_frontiers(tiny_gguf, tmp_path):
     out = tmp_path / "tiny.csv"
-    r = bench_cli("-m", tiny, "--backend", "cpu", "--ctx-start", 16, "--ctx-max", 70, "--step-incr", 24,
+    r = bench_cli("-m", tiny_gguf, "--backend", "cpu", "--ctx-start", 16, "--ctx-max", 70, "--step-incr", 24,
                   "--gen-tokens", 3, "--prefill-chunk", 16, "--csv", out, "--label", "tiny cpu")
     assert r.returncode == 0, r.stderr
     text = out.read_text()
@@ -44,7 +38,7 @@ def test_sweep_csv_schema_and_monotone_frontiers(tiny, tmp_path):
     # the snapshot is the DSV4 payload: its size at a frontier matches a fresh session's snapshot
     from ds4.engine.model import Model
     from ds4.engine.session import Session
-    m = Model.load(tiny)
+    m = Model.load(tiny_gguf)
     tokens = m.tokenizer.encode((paths.data_dir() / "speed-bench" / "promessi_sposi.txt").read_text()[:2000])
     s = Session(m, ctx=70 + 3 + 1, prefill_chunk=16)
     s.sync(tokens[:40])
@@ -54,15 +48,15 @@ def test_sweep_csv_schema_and_monotone_frontiers(tiny, tmp_path):
     assert r.returncode == 0 and (tmp_path / "tiny.svg").read_text().lstrip().startswith("<?xml")
 
 
-def test_bench_user_errors(tiny, tmp_path):
-    r = bench_cli("-m", tiny, "--ctx-start", 64, "--ctx-max", 32)
+def test_bench_user_errors(tiny_gguf, tmp_path):
+    r = bench_cli("-m", tiny_gguf, "--ctx-start", 64, "--ctx-max", 32)
     assert r.returncode == 2 and "--ctx-start" in r.stderr and "Traceback" not in r.stderr
-    r = bench_cli("-m", tiny, "--ctx-start", 8, "--ctx-max", 100, "--prompt-file", tmp_path / "missing.txt")
+    r = bench_cli("-m", tiny_gguf, "--ctx-start", 8, "--ctx-max", 100, "--prompt-file", tmp_path / "missing.txt")
     assert r.returncode == 2 and "missing.txt" in r.stderr and r.stderr.count("\n") == 1
     (tmp_path / "short.txt").write_text("too short")
-    r = bench_cli("-m", tiny, "--ctx-start", 8, "--ctx-max", 100, "--prompt-file", tmp_path / "short.txt")
+    r = bench_cli("-m", tiny_gguf, "--ctx-start", 8, "--ctx-max", 100, "--prompt-file", tmp_path / "short.txt")
     assert r.returncode == 2 and "fewer than --ctx-max" in r.stderr
-    r = bench_cli("-m", tiny, "--power", 0)
+    r = bench_cli("-m", tiny_gguf, "--power", 0)
     assert r.returncode == 2 and "--power" in r.stderr
 
 
@@ -79,9 +73,9 @@ def _greedy(model, prompt, n):
     return out
 
 
-def test_power_halves_busy_fraction_and_keeps_output(tiny):
+def test_power_halves_busy_fraction_and_keeps_output(tiny_gguf):
     from ds4.engine.model import Model
-    m = Model.load(tiny)
+    m = Model.load(tiny_gguf)
     prompt = m.tokenizer.encode("La nebbia agli irti colli piovigginando sale")
     try:
         power.install(None)

@@ -16,18 +16,11 @@ from ds4.engine.generate import Utf8Stream, generate, log_softmax_at, logprob_st
 from ds4.engine.sampling import Sampler
 
 
-@pytest.fixture(scope="module")
-def model(tiny_gguf):
-    from ds4.engine.model import Model
-
-    return Model.load(tiny_gguf)
-
-
 @pytest.fixture()
-def session(model):
+def session(tiny_model):
     from ds4.engine.session import Session
 
-    return Session(model, ctx=128)
+    return Session(tiny_model, ctx=128)
 
 
 class Scripted:
@@ -51,14 +44,14 @@ def test_utf8_stream_holds_partial_sequences():
     assert s.push(b"\xe2\x82") == "" and s.flush() == "\ufffd"
 
 
-def test_generate_greedy_matches_manual_loop(model, session):
-    tok = model.tokenizer
+def test_generate_greedy_matches_manual_loop(tiny_model, session):
+    tok = tiny_model.tokenizer
     prompt = encode_chat_prompt(tok, "", "Hello", ThinkMode.NONE)
     seen = []
     gen = generate(session, prompt, 5, Sampler(temperature=0), on_token=seen.append, eos_id=tok.eos_id)
     from ds4.engine.session import Session
 
-    ref = Session(model, ctx=128)
+    ref = Session(tiny_model, ctx=128)
     logits = ref.sync(prompt)
     manual = []
     for _ in range(5):
@@ -74,8 +67,8 @@ def test_generate_greedy_matches_manual_loop(model, session):
     assert session.tokens == prompt + manual[:-1]
 
 
-def test_generate_stops_at_eos_without_evaluating_it(model, session):
-    tok = model.tokenizer
+def test_generate_stops_at_eos_without_evaluating_it(tiny_model, session):
+    tok = tiny_model.tokenizer
     prompt = [tok.bos_id, tok.user_id] + tok.encode("x") + [tok.assistant_id, tok.think_close_id]
     sampler = Scripted([100, 200, tok.eos_id, 300])
     gen = generate(session, prompt, 10, sampler, eos_id=tok.eos_id)
@@ -84,13 +77,13 @@ def test_generate_stops_at_eos_without_evaluating_it(model, session):
     assert len(sampler.seen) == 3 and sampler.ids == [300]
 
 
-def test_generate_zero_budget(model, session):
+def test_generate_zero_budget(tiny_model, session):
     gen = generate(session, [0, 5, 6], 0, Sampler(temperature=0), eos_id=1)
     assert gen.tokens == [] and gen.finish_reason == "length"
 
 
-def test_logprob_steps(model, session):
-    tok = model.tokenizer
+def test_logprob_steps(tiny_model, session):
+    tok = tiny_model.tokenizer
     prompt = encode_chat_prompt(tok, "", "Hi", ThinkMode.NONE)
     steps = logprob_steps(session, prompt, 3, 4, tok.eos_id)
     assert 1 <= len(steps) <= 3
@@ -121,8 +114,8 @@ def test_json_token_text():
     assert json_token_text(b"\xe2\x82") == '"\\u00e2\\u0082"'  # invalid UTF-8: bytes >= 0x80 as \u00XX
 
 
-def test_printer_hides_think_tags(model):
-    tok = model.tokenizer
+def test_printer_hides_think_tags(tiny_model):
+    tok = tiny_model.tokenizer
     out = io.StringIO()
     p = Printer(tok, thinking=True, out=out, color=True)
     for t in tok.encode("reason") + [tok.think_close_id] + tok.encode("answer é"):
@@ -156,7 +149,7 @@ class InterruptAfter(Scripted):
         return super().sample(logits)
 
 
-def test_generate_interrupted_keeps_tokens(model, session):
+def test_generate_interrupted_keeps_tokens(tiny_model, session):
     gen = generate(session, [0, 5, 6, 7], 10, InterruptAfter([11, 12]), eos_id=1)
     assert gen.tokens == [11, 12] and gen.finish_reason == "interrupted"
     # the session is consistent: it continues from prompt + kept tokens

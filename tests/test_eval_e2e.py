@@ -13,22 +13,17 @@ import pytest
 from ds4.eval.grading import grade
 from ds4.eval.questions import load_questions
 from ds4.eval.trace import read_trace
-from test_eval_util import BIN, QUESTIONS, eval_model_path, run_cli
+from ds4_tool_util import BIN, QUESTIONS, run_cli
 
 REPORT_HEADER = "#   state    prompt      gen    total given    correct  test"
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return eval_model_path(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def two_question_run(model, tmp_path_factory):
+def two_question_run(eval_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
     trace, report = out / "run.trace", out / "report.json"
     t0 = time.monotonic()
-    done = run_cli("-m", str(model), "--plain", "--questions", "2", "--tokens", "32",
+    done = run_cli("-m", str(eval_model), "--plain", "--questions", "2", "--tokens", "32",
                    "--seed", "7", "--trace", str(trace), "--report-json", str(report))
     wall = time.monotonic() - t0
     print(f"\ntwo-question end-to-end run: {wall:.1f} s wall")
@@ -101,7 +96,7 @@ def test_regrade_reads_back_the_run(two_question_run):
     assert "regraded 2 cases" in done.stdout and "changed=0 unknown=0 parse_errors=0" in done.stdout
 
 
-def test_nothink_greedy_matches_engine_oracle(model):
+def test_nothink_greedy_matches_engine_oracle(eval_model):
     """In process: the runner's greedy no-think output is the engine's own argmax decode."""
     import numpy as np
 
@@ -112,7 +107,7 @@ def test_nothink_greedy_matches_engine_oracle(model):
     from ds4.eval.runner import EvalRun, GenSettings
 
     q = load_questions(QUESTIONS)[2]
-    backend = LocalBackend(str(model))
+    backend = LocalBackend(str(eval_model))
     settings = GenSettings(tokens=12, think="none", temperature=0, seed=1, soft_budget=6,
                            hard_budget=3)
     run = EvalRun([q], backend, settings)
@@ -135,17 +130,17 @@ def test_nothink_greedy_matches_engine_oracle(model):
     assert result.state in ("PASSED", "FAILED")
 
 
-def test_context_over_one_million_is_refused(model):
-    done = run_cli("-m", str(model), "--plain", "--questions", "1", "--tokens", "1000000",
+def test_context_over_one_million_is_refused(eval_model):
+    done = run_cli("-m", str(eval_model), "--plain", "--questions", "1", "--tokens", "1000000",
                    "--hard-limit-reply-budget", "10")
     assert done.returncode == 2
     assert "exceeds 1000000 tokens" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_ctrl_c_prints_report_and_keeps_trace_valid(model, tmp_path):
+def test_ctrl_c_prints_report_and_keeps_trace_valid(eval_model, tmp_path):
     trace = tmp_path / "int.trace"
     proc = subprocess.Popen(
-        [str(BIN / "ds4-eval"), "-m", str(model), "--plain", "--questions", "3", "--tokens",
+        [str(BIN / "ds4-eval"), "-m", str(eval_model), "--plain", "--questions", "3", "--tokens",
          "5000", "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     head = ""
     while "[1/3]" not in head:           # the first case has started (header printed)
@@ -163,7 +158,7 @@ def test_ctrl_c_prints_report_and_keeps_trace_valid(model, tmp_path):
     assert trace.read_text().rstrip().endswith("total: %d" % len(cases))
 
 
-def test_directional_steering_changes_the_local_run(model, tmp_path):
+def test_directional_steering_changes_the_local_run(eval_model, tmp_path):
     """--dir-steering-* reach the engine through hooks: a strong FFN direction changes the greedy
     output, a zero scale does not read the file and changes nothing."""
     import numpy as np
@@ -172,7 +167,7 @@ def test_directional_steering_changes_the_local_run(model, tmp_path):
     from ds4.eval.cli import build_parser, make_backend, size_context
     from ds4.eval.runner import EvalRun, GenSettings
 
-    cfg = Model.load(model).config
+    cfg = Model.load(eval_model).config
     direction = np.random.default_rng(0).standard_normal((cfg.n_layer, cfg.n_embd))
     direction /= np.linalg.norm(direction, axis=1, keepdims=True)
     path = tmp_path / "dir.f32"
@@ -182,7 +177,7 @@ def test_directional_steering_changes_the_local_run(model, tmp_path):
     for extra in ([], ["--dir-steering-file", str(path), "--dir-steering-ffn", "0"],
                   ["--dir-steering-file", str(path), "--dir-steering-ffn", "-2",
                    "--dir-steering-attn", "-2"]):
-        args = build_parser().parse_args(["-m", str(model), "--backend", "cpu", *extra])
+        args = build_parser().parse_args(["-m", str(eval_model), "--backend", "cpu", *extra])
         backend = make_backend(args)
         settings = GenSettings(tokens=10, think="none", temperature=0, soft_budget=4,
                                hard_budget=2)

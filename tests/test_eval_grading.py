@@ -10,7 +10,7 @@ from ds4.eval.grading import EXTRACTORS, extract, grade, head_normalize_line_spe
     is_correct, parse_line_set, visible_text
 from ds4.eval.questions import QuestionsError, load_questions, parse_only, select_questions
 from ds4.eval.selftest import CASES, n_expectations, run_self_test
-from test_eval_util import QUESTIONS, run_cli
+from ds4_tool_util import QUESTIONS, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -10,22 +10,17 @@ import numpy as np
 import pytest
 
 from ds4.eval.trace import read_trace
-from test_eval_util import eval_model_path, run_cli
+from ds4_tool_util import run_cli
 
 ARGS = ("--plain", "--questions", "2", "--tokens", "24", "--temp", "0", "--nothink", "--seed", "1")
 BUSY = re.compile(r"ds4-eval: --power (\d+): busy fraction ([0-9.]+) \(([0-9.]+) s busy, ([0-9.]+) s slept\)")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return eval_model_path(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def direction(model, tmp_path_factory):
+def direction(eval_model, tmp_path_factory):
     """A unit-row layers×hidden float32 direction for this model (steering opens its own session)."""
     from ds4.engine.model import Model
-    cfg = Model.load(model).config
+    cfg = Model.load(eval_model).config
     v = np.random.default_rng(5).standard_normal((cfg.n_layer, cfg.n_embd)).astype(np.float32)
     v /= np.linalg.norm(v, axis=1, keepdims=True)
     path = tmp_path_factory.mktemp("dir") / "dir.f32"
@@ -44,11 +39,11 @@ def _run(model, trace, *extra):
 
 
 @pytest.mark.parametrize("steer", [False, True], ids=["plain", "steered"])
-def test_power_keeps_greedy_output_and_halves_busy_time(model, direction, tmp_path, steer):
+def test_power_keeps_greedy_output_and_halves_busy_time(eval_model, direction, tmp_path, steer):
     # steered: the local backend opens its own hooked Session, which must be throttled too
     extra = ("--dir-steering-file", str(direction), "--dir-steering-ffn", "-5") if steer else ()
-    full, ref, wall_full = _run(model, tmp_path / "full.trace", *extra)
-    half, got, wall_half = _run(model, tmp_path / "half.trace", *extra, "--power", "50")
+    full, ref, wall_full = _run(eval_model, tmp_path / "full.trace", *extra)
+    half, got, wall_half = _run(eval_model, tmp_path / "half.trace", *extra, "--power", "50")
     assert got == ref  # same verdicts, picks, token counts and texts
     assert all(n > 0 for _, _, n, _ in got)
     assert "busy fraction" not in full.stderr  # reported only when throttled
@@ -62,9 +57,9 @@ def test_power_keeps_greedy_output_and_halves_busy_time(model, direction, tmp_pa
     assert wall_half > wall_full + 0.3 * slept, (wall_full, wall_half, slept)
 
 
-def test_power_user_errors(model):
+def test_power_user_errors(eval_model):
     for bad in ("0", "101", "x"):
-        done = run_cli("-m", str(model), *ARGS, "--power", bad)
+        done = run_cli("-m", str(eval_model), *ARGS, "--power", bad)
         assert done.returncode == 2 and "--power" in done.stderr and "Traceback" not in done.stderr
     done = run_cli("--base-url", "http://127.0.0.1:9/v1", *ARGS, "--power", "50")
     assert done.returncode == 2 and "--power" in done.stderr and done.stderr.count("\n") == 1

@@ -14,12 +14,12 @@ from ds4.eval.questions import load_questions
 from ds4.eval.runner import EvalRun, GenSettings
 from ds4.eval.trace import TraceWriter, read_trace
 from ds4.eval.tui import EvalApp, StreamBuffer
-from test_eval_util import QUESTIONS, eval_model_path
+from ds4_tool_util import QUESTIONS
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory):
-    return LocalBackend(str(eval_model_path(tmp_path_factory)))
+def backend(eval_model):
+    return LocalBackend(str(eval_model))
 
 
 def _run(backend, trace_path, tokens=400, n=4):

@@ -125,7 +125,7 @@ def test_inputs_rebuild_the_sublayer_outputs(model, tokens):
 def test_imatrix_collect_all_tensors_cli(tmp_path):
     import gguf
 
-    from imatrix_steering_util import write_random_tiny
+    from ds4_tool_util import write_random_tiny
 
     path = write_random_tiny(tmp_path / "tiny.gguf")
     cfg = Model.load(path).config

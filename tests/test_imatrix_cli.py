@@ -4,16 +4,13 @@ partial file."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import gguf
 import numpy as np
-import pytest
 
 from ds4.imatrix import format as F
 
@@ -23,26 +20,19 @@ TEXT = "\n".join(f"\n===== DS4_IMATRIX_PROMPT p{i} test nothink src =====\n"
                  for i in range(6))
 
 
-@pytest.fixture(scope="module")
-def tiny_path(request, tmp_path_factory):
-    from imatrix_steering_util import tiny_gguf_path
-
-    return tiny_gguf_path(request, tmp_path_factory)
-
-
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "ds4.imatrix.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=300, **kw)
 
 
-def test_collect_writes_both_formats(tiny_path, tmp_path):
+def test_collect_writes_both_formats(tiny_gguf, tmp_path):
     from ds4.engine.model import Model
 
-    cfg = Model.load(tiny_path).config
+    cfg = Model.load(tiny_gguf).config
     src = tmp_path / "calib.txt"
     src.write_text(TEXT)
     out = tmp_path / "im.gguf"
-    r = _cli("collect", "-m", tiny_path, "--rendered", src, "-o", out, "--max-tokens", 150, "--chunk", 32,
+    r = _cli("collect", "-m", tiny_gguf, "--rendered", src, "-o", out, "--max-tokens", 150, "--chunk", 32,
              "--heatmap", tmp_path / "heat.png")
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stderr and "150 tokens" in r.stderr
@@ -61,7 +51,7 @@ def test_collect_writes_both_formats(tiny_path, tmp_path):
 
     from ds4.imatrix.cli import main  # in-process this time (the subprocess path is covered above)
 
-    assert main(["collect", "-m", str(tiny_path), "--rendered", str(src), "-o", str(tmp_path / "im.dat"),
+    assert main(["collect", "-m", str(tiny_gguf), "--rendered", str(src), "-o", str(tmp_path / "im.dat"),
                  "--max-prompts", "2", "-q"]) == 0
     dat = F.load(tmp_path / "im.dat")
     assert len(dat.entries) == 3 * cfg.n_layer and dat.datasets == [str(src)] and not dat.partial
@@ -70,11 +60,11 @@ def test_collect_writes_both_formats(tiny_path, tmp_path):
     assert np.all(dat.entries[name].sum2 > 0)
 
 
-def test_ctrl_c_writes_a_valid_partial_file(tiny_path, tmp_path):
+def test_ctrl_c_writes_a_valid_partial_file(tiny_gguf, tmp_path):
     src = tmp_path / "calib.txt"
     src.write_text(TEXT * 40)  # 240 prompts: far more than runs before the interrupt
     out = tmp_path / "partial.gguf"
-    proc = subprocess.Popen([sys.executable, "-m", "ds4.imatrix.cli", "collect", "-m", str(tiny_path),
+    proc = subprocess.Popen([sys.executable, "-m", "ds4.imatrix.cli", "collect", "-m", str(tiny_gguf),
                              "--rendered", str(src), "-o", str(out), "--chunk", "16"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = threading.Event()

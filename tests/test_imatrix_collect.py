@@ -219,21 +219,7 @@ def test_build_dataset_cli(tmp_path):
 # ---- fixtures ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_path(request, tmp_path_factory):
-    from imatrix_steering_util import tiny_gguf_path
-
-    return tiny_gguf_path(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_path):
-    from ds4.engine.model import Model
-
-    return Model.load(tiny_path)
-
-
-@pytest.fixture(scope="module")
 def tiny_tokens(tiny_model):
-    from imatrix_steering_util import SAMPLE_TEXT
+    from ds4_tool_util import SAMPLE_TEXT
 
     return tiny_model.tokenizer.encode(SAMPLE_TEXT)

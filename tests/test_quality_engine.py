@@ -11,7 +11,7 @@ import pytest
 
 from ds4 import paths
 from ds4.gguf_tools.constants import QuantType
-from ds4_tool_util import perturb_rows, quantize_copy, tiny_model_path, tiny_wide_ffn_config, write_random_model
+from ds4_tool_util import perturb_rows, quantize_copy, tiny_wide_ffn_config, write_random_model
 
 TEXT = paths.data_dir() / "speed-bench" / "promessi_sposi.txt"
 VOCAB_TENSORS = ("token_embd.weight", "output.weight")
@@ -23,13 +23,8 @@ def quality_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny(request, tmp_path_factory):
-    return tiny_model_path(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tiny_q8(tiny, tmp_path_factory):
-    return quantize_copy(tiny, tmp_path_factory.mktemp("q") / "tiny-q8_0.gguf", QuantType.Q8_0, keep=VOCAB_TENSORS)
+def tiny_q8(tiny_gguf, tmp_path_factory):
+    return quantize_copy(tiny_gguf, tmp_path_factory.mktemp("q") / "tiny-q8_0.gguf", QuantType.Q8_0, keep=VOCAB_TENSORS)
 
 
 def test_kld_ordering_f16_q8_q4_q2(tmp_path_factory):
@@ -53,21 +48,21 @@ def test_kld_ordering_f16_q8_q4_q2(tmp_path_factory):
     assert 0 < means["q8_0"] < means["q4_K"] < means["q2_K"], means
 
 
-def test_kld_cli_self_zero_saved_logits_and_compare(tiny, tiny_q8, tmp_path):
+def test_kld_cli_self_zero_saved_logits_and_compare(tiny_gguf, tiny_q8, tmp_path):
     common = ["--ctx", 48, "--chunks", 2, "--text", TEXT]
-    r = quality_cli("kld", tiny, tiny, *common, "--json", tmp_path / "self.json", "--label", "f16")
+    r = quality_cli("kld", tiny_gguf, tiny_gguf, *common, "--json", tmp_path / "self.json", "--label", "f16")
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "self.json").read_text())["stats"]
     assert s["kld_mean"] == 0 and s["kld_max"] == 0 and s["same_top"] == 1.0 and s["ppl_ratio"] == 1.0
     assert "Same top p:  100.000 ± 0.000 %" in r.stdout and "Mean    KLD:   0.000000" in r.stdout
 
-    r = quality_cli("kld", tiny, tiny_q8, *common, "--json", tmp_path / "q8.json", "--hist", tmp_path / "h.png")
+    r = quality_cli("kld", tiny_gguf, tiny_q8, *common, "--json", tmp_path / "q8.json", "--hist", tmp_path / "h.png")
     assert r.returncode == 0, r.stderr
     direct = json.loads((tmp_path / "q8.json").read_text())["stats"]
     assert direct["kld_mean"] > 0 and direct["tokens"] == 2 * (48 - 1 - 24)
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
-    r = quality_cli("kld", tiny, *common, "--save-logits", tmp_path / "base.kld")
+    r = quality_cli("kld", tiny_gguf, *common, "--save-logits", tmp_path / "base.kld")
     assert r.returncode == 0, r.stderr
     r = quality_cli("kld", "--base-logits", tmp_path / "base.kld", tiny_q8, "--json", tmp_path / "q8s.json")
     assert r.returncode == 0, r.stderr
@@ -86,20 +81,20 @@ def test_kld_cli_self_zero_saved_logits_and_compare(tiny, tiny_q8, tmp_path):
     assert r.returncode == 2 and "not a ds4 saved-logits file" in r.stderr
 
 
-def test_score_own_continuations_and_diff(tiny, tmp_path):
+def test_score_own_continuations_and_diff(tiny_gguf, tmp_path):
     import json as _json
 
     from ds4.engine.model import Model
     from ds4.quality.metrics import read_scores
     data = tmp_path / "cont"
-    r = quality_cli("collect", "-m", tiny, "--out", data, "--count", 3, "--max-tokens", 6)
+    r = quality_cli("collect", "-m", tiny_gguf, "--out", data, "--count", 3, "--max-tokens", 6)
     assert r.returncode == 0, r.stderr
     assert (data / "manifest.tsv").read_text().splitlines()[0] == "# id\tprompt_file\tcontinuation_file\tresponse_file"
-    r = quality_cli("score", "-m", tiny, "--manifest", data / "manifest.tsv", "-o", tmp_path / "self.tsv")
+    r = quality_cli("score", "-m", tiny_gguf, "--manifest", data / "manifest.tsv", "-o", tmp_path / "self.tsv")
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("summary cases=3 tokens=")
     scores = read_scores(tmp_path / "self.tsv")
-    tok = Model.load(tiny).tokenizer
+    tok = Model.load(tiny_gguf).tokenizer
     checked = 0
     for s in scores:
         gen = _json.loads((data / "responses" / f"{s.id}.json").read_text())["tokens"]
@@ -110,7 +105,7 @@ def test_score_own_continuations_and_diff(tiny, tmp_path):
     assert checked >= 1
     # a model with its head flipped for the first continuation token no longer matches it
     first = _json.loads((data / "responses" / "case_000.json").read_text())["tokens"][0]
-    bad = perturb_rows(tiny, tmp_path / "bad.gguf", "output.weight", [first], -1.0)
+    bad = perturb_rows(tiny_gguf, tmp_path / "bad.gguf", "output.weight", [first], -1.0)
     r = quality_cli("score", "-m", bad, "--manifest", data / "manifest.tsv", "-o", tmp_path / "bad.tsv")
     assert r.returncode == 0, r.stderr
     bad_scores = {s.id: s for s in read_scores(tmp_path / "bad.tsv")}
@@ -120,12 +115,12 @@ def test_score_own_continuations_and_diff(tiny, tmp_path):
     assert np.isfinite(float(r.stdout.split("relative_nll_change\t")[1].split("%")[0]))
 
 
-def test_collect_from_openai_compatible_server_matches_local_greedy(tiny, tmp_path):
+def test_collect_from_openai_compatible_server_matches_local_greedy(tiny_gguf, tmp_path):
     """`collect --base-url` against a real ds4-server on loopback (greedy, thinking disabled) gives
     the continuations the local engine gives."""
     import re
     import signal
-    srv = subprocess.Popen([sys.executable, "-m", "ds4.engine.server", "-m", str(tiny), "--port", "0",
+    srv = subprocess.Popen([sys.executable, "-m", "ds4.engine.server", "-m", str(tiny_gguf), "--port", "0",
                             "--host", "127.0.0.1", "--ctx", "512", "--backend", "cpu", "--quiet"],
                            stderr=subprocess.PIPE, text=True)
     try:
@@ -138,7 +133,7 @@ def test_collect_from_openai_compatible_server_matches_local_greedy(tiny, tmp_pa
     finally:
         srv.send_signal(signal.SIGTERM)
         srv.wait(timeout=30)
-    r = quality_cli("collect", "-m", tiny, "--out", tmp_path / "local", "--count", 2, "--max-tokens", 5)
+    r = quality_cli("collect", "-m", tiny_gguf, "--out", tmp_path / "local", "--count", 2, "--max-tokens", 5)
     assert r.returncode == 0, r.stderr
     for cid in ("case_000", "case_001"):
         api = (tmp_path / "api" / "continuations" / f"{cid}.txt").read_text()

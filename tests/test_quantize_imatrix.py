@@ -26,7 +26,7 @@ from ds4.gguf_tools.synth import synth_checkpoint
 from ds4.imatrix import format as imformat
 
 from conftest import quantize_cli
-from quant_models_util import reduced_config
+from ds4_tool_util import reduced_config
 
 GATE = "blk.1.ffn_gate_exps.weight"
 DOWN = "blk.1.ffn_down_exps.weight"

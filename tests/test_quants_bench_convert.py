@@ -10,7 +10,7 @@ import sys
 from ds4.gguf_tools.quants import ggml_oracle
 from ds4.gguf_tools.synth import synth_checkpoint
 
-from quant_models_util import reduced_config
+from ds4_tool_util import reduced_config
 
 
 def test_bench_convert_reports_identical_bytes(tmp_path):

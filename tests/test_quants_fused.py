@@ -20,7 +20,7 @@ from ds4.gguf_tools.quants import QUANTIZED, dequantize, fused, matmul, quantize
 from ds4.gguf_tools.synth import synth_checkpoint
 
 from conftest import quantize_cli
-from quant_models_util import reduced_config
+from ds4_tool_util import reduced_config
 
 
 def _blocks(qtype: QuantType, rows: int, cols: int, seed: int) -> np.ndarray:

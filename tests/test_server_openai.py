@@ -15,17 +15,12 @@ from ds4.engine.chat import ThinkMode, encode_chat_prompt
 from ds4.engine.model import Model
 from ds4.engine.session import Session
 from ds4.eval.trace import read_trace
-from test_eval_util import ServerProcess, eval_model_path, run_cli
+from ds4_tool_util import ServerProcess, run_cli
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return eval_model_path(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(model_path):
-    srv = ServerProcess(model_path, ctx=512)
+def server(eval_model):
+    srv = ServerProcess(eval_model, ctx=512)
     yield srv
     srv.stop()
 
@@ -70,7 +65,7 @@ def test_models_endpoint(server):
     assert obj["id"] == "foo" and obj["context_length"] == 512
 
 
-def test_non_streaming_greedy_matches_engine(server, model_path):
+def test_non_streaming_greedy_matches_engine(server, eval_model):
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     resp = client.chat.completions.create(
         model="anything", max_tokens=10, temperature=0,
@@ -80,7 +75,7 @@ def test_non_streaming_greedy_matches_engine(server, model_path):
     assert resp.object == "chat.completion" and resp.model == "anything"
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
-    assert choice.message.content == greedy_reference(model_path, "Be brief.", "What is 2+2?", 10)
+    assert choice.message.content == greedy_reference(eval_model, "Be brief.", "What is 2+2?", 10)
     u = resp.usage
     assert u.completion_tokens <= 10 and u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert choice.finish_reason == ("length" if u.completion_tokens == 10 else "stop")
@@ -117,8 +112,8 @@ def test_streaming_thinking_matches_non_streaming_with_seed(server):
         assert message["content"] == reasoning + content
 
 
-def test_stop_sequence_truncates(server, model_path):
-    full = greedy_reference(model_path, "", "Hello", 12)
+def test_stop_sequence_truncates(server, eval_model):
+    full = greedy_reference(eval_model, "", "Hello", 12)
     stop = full[3:6]
     assert stop and full.find(stop) >= 0
     status, _, text = _post(server.base_url + "/chat/completions", {
@@ -155,12 +150,12 @@ def test_errors(server, path, body, raw, status, needle):
     assert err["type"] == "invalid_request_error"
 
 
-def test_eval_base_url_matches_local_engine(server, model_path, tmp_path):
+def test_eval_base_url_matches_local_engine(server, eval_model, tmp_path):
     common = ("--plain", "--questions", "2", "--tokens", "16", "--temp", "0", "--nothink",
               "--seed", "5")
     remote = run_cli("--base-url", server.base_url, *common, "--trace", str(tmp_path / "r.trace"),
                      "--report-json", str(tmp_path / "r.json"))
-    local = run_cli("-m", str(model_path), *common, "--trace", str(tmp_path / "l.trace"),
+    local = run_cli("-m", str(eval_model), *common, "--trace", str(tmp_path / "l.trace"),
                     "--report-json", str(tmp_path / "l.json"))
     assert remote.returncode in (0, 1) and local.returncode in (0, 1), remote.stderr + local.stderr
     rh, rcases, rerr = read_trace(tmp_path / "r.trace")
@@ -191,7 +186,7 @@ def test_stop_mid_stream_over_http_then_server_still_serves(server):
     from ds4.eval.backends import OpenAIBackend
     from ds4.eval.questions import load_questions
     from ds4.eval.runner import EvalRun, GenSettings
-    from test_eval_util import QUESTIONS
+    from ds4_tool_util import QUESTIONS
 
     q = load_questions(QUESTIONS)[0]
     backend = OpenAIBackend(server.base_url)

@@ -24,20 +24,6 @@ PROMPTS_B = ["Explain the water cycle.", "Why is the sea salty?", "What do cats 
 
 
 @pytest.fixture(scope="module")
-def tiny_path(request, tmp_path_factory):
-    from imatrix_steering_util import tiny_gguf_path
-
-    return tiny_gguf_path(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tiny_path):
-    from ds4.engine.model import Model
-
-    return Model.load(tiny_path)
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tiny_model):
     return tiny_model.tokenizer.encode_chat("<｜begin▁of▁sentence｜><｜User｜>Steer me.<｜Assistant｜></think>")
 
@@ -119,14 +105,14 @@ def _steer_cli(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
-def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
+def test_build_sweep_generate_commands(tiny_gguf, tmp_path, capsys):
     from ds4.steering.cli import main
 
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
     good.write_text("\n".join(PROMPTS_A[:2]) + "\n")
     bad.write_text("# contrast\n" + "\n".join(PROMPTS_B[:2]) + "\n")
     out = tmp_path / "dir.f32"
-    r = _steer_cli("build", "-m", tiny_path, "--positive", good, "--negative", bad, "-o", out,
+    r = _steer_cli("build", "-m", tiny_gguf, "--positive", good, "--negative", bad, "-o", out,
                    "--gguf", tmp_path / "dir.gguf", "-q")
     assert r.returncode == 0, r.stderr
     ds = load_directions(out)
@@ -135,7 +121,7 @@ def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
     assert ds.meta["good_file"] == str(good) and ds.meta["component"] == "ffn_out"
 
     (tmp_path / "eval.txt").write_text("Explain why databases use indexes.\n")
-    r = _steer_cli("sweep", "-m", tiny_path, "--direction", out, "--prompts", tmp_path / "eval.txt",
+    r = _steer_cli("sweep", "-m", tiny_gguf, "--direction", out, "--prompts", tmp_path / "eval.txt",
                    "--scales=-1,0,1", "--tokens", "3", "--csv", tmp_path / "s.csv", "--chart", tmp_path / "s.png", "-q")
     assert r.returncode == 0, r.stderr
     assert "ffn -1" in r.stdout and "mean" in r.stdout
@@ -146,11 +132,11 @@ def test_build_sweep_generate_commands(tiny_path, tmp_path, capsys):
 
     # in-process from here on (the subprocess paths are covered above)
     capsys.readouterr()
-    assert main(["generate", "-m", str(tiny_path), "-p", "Hi", "-n", "4", "--dir-steering-file", str(out),
+    assert main(["generate", "-m", str(tiny_gguf), "-p", "Hi", "-n", "4", "--dir-steering-file", str(out),
                  "--dir-steering-ffn=-2"]) == 0
     assert "tokens" in capsys.readouterr().err
-    assert main(["sweep", "-m", str(tiny_path), "--direction", str(out), "--scales", "1,500"]) == 2
+    assert main(["sweep", "-m", str(tiny_gguf), "--direction", str(out), "--scales", "1,500"]) == 2
     assert "[-100, 100]" in capsys.readouterr().err
     write_f32(tmp_path / "wrong.f32", DirectionSet(np.ones((3, 64), np.float32)), sidecar=False)
-    assert main(["generate", "-m", str(tiny_path), "-p", "Hi", "--dir-steering-file", str(tmp_path / "wrong.f32")]) == 2
+    assert main(["generate", "-m", str(tiny_gguf), "-p", "Hi", "--dir-steering-file", str(tmp_path / "wrong.f32")]) == 2
     assert "bytes" in capsys.readouterr().err

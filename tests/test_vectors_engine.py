@@ -10,7 +10,7 @@ import pytest
 
 from ds4.engine.tokenizer import bytes_to_bytelevel
 from ds4.test_vectors.formats import load_vector_dir, read_vec
-from ds4_tool_util import perturb_rows, tiny_model_path
+from ds4_tool_util import perturb_rows
 
 CASES = ["short_italian_fact", "short_code_completion"]
 
@@ -21,15 +21,10 @@ def vectors_cli(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny(request, tmp_path_factory):
-    return tiny_model_path(request, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def captured(tiny, tmp_path_factory):
+def captured(tiny_gguf, tmp_path_factory):
     out = tmp_path_factory.mktemp("vectors") / "captured"
     only = [a for c in CASES for a in ("--only", c)]
-    r = vectors_cli("-m", tiny, "--capture", out, "--steps", 4, *only)
+    r = vectors_cli("-m", tiny_gguf, "--capture", out, "--steps", 4, *only)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -47,17 +42,17 @@ def test_capture_has_the_official_schema(captured):
             assert vst.selected == st.selected and len(vst.top) == 20
 
 
-def test_same_model_passes(tiny, captured, tmp_path):
-    r = vectors_cli("-m", tiny, "--vectors", captured, "--json", tmp_path / "r.json")
+def test_same_model_passes(tiny_gguf, captured, tmp_path):
+    r = vectors_cli("-m", tiny_gguf, "--vectors", captured, "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())
     assert all(c["ok"] for c in rep["cases"]) and len(rep["cases"]) == len(CASES)
     assert "2/2 cases passed" in r.stdout
 
 
-def test_perturbed_tensor_fails_at_divergence_step(tiny, captured, tmp_path):
+def test_perturbed_tensor_fails_at_divergence_step(tiny_gguf, captured, tmp_path):
     from ds4.engine.model import Model
-    tok = Model.load(tiny).tokenizer
+    tok = Model.load(tiny_gguf).tokenizer
     vs = load_vector_dir(captured)
     # Pick a case and step k >= 1 whose selected token is not among the top-20 of any earlier step:
     # flipping that token's output row changes the greedy choice at step k and leaves steps < k
@@ -73,7 +68,7 @@ def test_perturbed_tensor_fails_at_divergence_step(tiny, captured, tmp_path):
             break
     assert target is not None
     case_id, k, token_id = target
-    bad = perturb_rows(tiny, tmp_path / "perturbed.gguf", "output.weight", [token_id], -1.0)
+    bad = perturb_rows(tiny_gguf, tmp_path / "perturbed.gguf", "output.weight", [token_id], -1.0)
     r = vectors_cli("-m", bad, "--vectors", captured, "--only", case_id, "--json", tmp_path / "r.json")
     assert r.returncode == 1, r.stdout + r.stderr
     rep = json.loads((tmp_path / "r.json").read_text())["cases"][0]
@@ -83,19 +78,19 @@ def test_perturbed_tensor_fails_at_divergence_step(tiny, captured, tmp_path):
     assert "FAIL" in r.stdout
 
 
-def test_official_vectors_reject_a_random_model(tiny, tmp_path):
+def test_official_vectors_reject_a_random_model(tiny_gguf, tmp_path):
     # The random tiny model cannot answer "2048 divided by 128"; the official check must say so.
-    r = vectors_cli("-m", tiny, "--only", "short_reasoning_plain", "--json", tmp_path / "r.json")
+    r = vectors_cli("-m", tiny_gguf, "--only", "short_reasoning_plain", "--json", tmp_path / "r.json")
     assert r.returncode == 1
     rep = json.loads((tmp_path / "r.json").read_text())["cases"][0]
     assert rep["steps"][0]["expected_hex"] == b"16".hex() and not rep["ok"]
     assert np.isfinite(rep["prompt_tokens"]) and rep["prompt_tokens"] == 18  # the API's usage.prompt_tokens
 
 
-def test_cli_errors(tiny, tmp_path):
+def test_cli_errors(tiny_gguf, tmp_path):
     r = vectors_cli("-m", tmp_path / "nope.gguf")
     assert r.returncode == 2 and "no such model file" in r.stderr and "Traceback" not in r.stderr
-    r = vectors_cli("-m", tiny, "--only", "no_such_case")
+    r = vectors_cli("-m", tiny_gguf, "--only", "no_such_case")
     assert r.returncode == 2 and "unknown case id" in r.stderr
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     r = vectors_cli("-m", tmp_path / "junk.gguf")
