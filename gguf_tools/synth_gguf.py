@@ -29,6 +29,7 @@ All parts are written under temporary names and renamed together at the end.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import shutil
@@ -158,9 +159,10 @@ def tensor_bytes(cfg: Config, p: TensorPlan, slot, seed: int) -> Iterator[np.nda
 
 def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", base: str = "q8_0", seed: int = 0,
                tokenizer: str | None = None, progress: bool = True,
-               split_max_bytes: int | None = None) -> list[TensorPlan]:
+               split_max_bytes: int | None = None, jobs: int = 1) -> list[TensorPlan]:
     """Write a random DS4 GGUF of `cfg`'s shape with the published type layout (base q8_0 + mix);
-    with `split_max_bytes`, as split parts next to `out` (see `split_outputs` for their names)."""
+    with `split_max_bytes`, as split parts next to `out` (see `split_outputs` for their names),
+    `jobs` of them written at once by worker processes (the bytes do not depend on `jobs`)."""
     from ds4.gguf_tools.quantize import tokenizer_tables
 
     layout = layout_by_name(cfg)
@@ -173,8 +175,16 @@ def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", b
     if split_max_bytes is None:
         write_gguf(Path(out), meta, plans, produce, progress=progress)
     else:
-        write_split(out, meta, plans, produce, split_max_bytes, progress=progress)
+        write_split(out, meta, plans, produce, split_max_bytes, progress=progress, jobs=jobs,
+                    part_writer=functools.partial(_write_synth_part, cfg, mix, base, seed))
     return plans
+
+
+def _write_synth_part(cfg: Config, mix, base, seed, path: Path, meta: dict, names: list[str]) -> None:
+    """One part in a worker process (picklable: rebuilds the plan and the producer from the recipe)."""
+    layout = layout_by_name(cfg)
+    by_name = {p.name: p for p in plan(cfg, Policy(base=base, mix=mix))}
+    write_gguf(path, meta, [by_name[n] for n in names], lambda p: tensor_bytes(cfg, p, layout[p.name], seed))
 
 
 def split_plans(plans: list[TensorPlan], max_bytes: int, alignment: int = DEFAULT_ALIGNMENT) -> list[list[TensorPlan]]:
@@ -203,8 +213,9 @@ def split_outputs(out: str | os.PathLike, count: int) -> list[Path]:
 
 
 def write_split(out: str | os.PathLike, meta: dict, plans: list[TensorPlan], produce, max_bytes: int, *,
-                progress: bool = False) -> list[Path]:
-    """Write `plans` as split GGUF parts (module doc); returns the part paths."""
+                progress: bool = False, jobs: int = 1, part_writer=None) -> list[Path]:
+    """Write `plans` as split GGUF parts (module doc); returns the part paths. With jobs > 1 and a
+    picklable part_writer(path, meta, names), parts are written by that many processes at once."""
     groups = split_plans(plans, max_bytes)
     n = len(groups)
     if n > 0xFFFF:
@@ -213,12 +224,24 @@ def write_split(out: str | os.PathLike, meta: dict, plans: list[TensorPlan], pro
     tmp_dir = paths[0].parent / f".{paths[0].name}.parts-tmp-{os.getpid()}"
     tmp_dir.mkdir()
     try:
-        for i, (group, path) in enumerate(zip(groups, paths)):
+        metas = []
+        for i in range(n):
             keys = {Key.SPLIT_NO.value: Typed(i, GGUFValueType.UINT16),
                     Key.SPLIT_COUNT.value: Typed(n, GGUFValueType.UINT16),
                     Key.SPLIT_TENSORS_COUNT.value: Typed(len(plans), GGUFValueType.INT32)}
-            part_meta = {**meta, **keys} if i == 0 else keys
-            write_gguf(tmp_dir / path.name, part_meta, group, produce, progress=progress)
+            metas.append({**meta, **keys} if i == 0 else keys)
+        if jobs > 1 and part_writer is not None and n > 1:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(min(jobs, n), mp_context=mp.get_context("spawn")) as ex:
+                futs = [ex.submit(part_writer, tmp_dir / path.name, m, [p.name for p in g])
+                        for path, m, g in zip(paths, metas, groups)]
+                for f in futs:
+                    f.result()
+        else:
+            for group, path, m in zip(groups, paths, metas):
+                write_gguf(tmp_dir / path.name, m, group, produce, progress=progress)
         for path in paths:
             os.replace(tmp_dir / path.name, path)
     finally:

@@ -118,3 +118,15 @@ def test_split_rule_and_names():
     assert split_outputs("/x/m.gguf", 3)[2].name == "m-00003-of-00003.gguf"
     assert split_path("/x/m", 0, 12).name == "m-00001-of-00012.gguf"
     assert split_prefix("/x/m-00002-of-00012.gguf") == "/x/m" and split_prefix("/x/m.gguf") is None
+
+
+def test_parallel_parts_are_byte_identical(files, tmp_path):
+    _, parts = files
+    res = quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "parts.gguf"), "--mix", "q2",
+                       "--split-max-size", "50M", "--jobs", "2", "--quiet")
+    assert res.returncode == 0
+    got = sorted(tmp_path.glob("parts-*.gguf"))
+    assert [p.name for p in got] == [p.name for p in parts]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(got, parts))
+    res = quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "x.gguf"), "--jobs", "2", check=False)
+    assert res.returncode == 2 and "--jobs" in res.stderr

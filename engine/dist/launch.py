@@ -38,6 +38,10 @@ def free_port() -> int:
 
 
 def _threads_per_rank(nproc: int) -> int:
+    """torch CPU threads per rank: DS4_DIST_THREADS (ds4-dist -t), else the cores shared evenly."""
+    env = os.environ.get("DS4_DIST_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
@@ -183,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-rows", default="1,8,64,512,2048", help="--bench-comm: token counts")
     p.add_argument("--comm-dims", default="4096,7168", help="--bench-comm: hidden sizes")
     p.add_argument("--iters", type=_positive, default=20)
+    p.add_argument("-t", "--threads", type=_positive, default=None, help="CPU threads per rank (default: cores / ranks)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     return p
 
@@ -235,6 +240,8 @@ def _print_comm_table(rows: list[dict]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        os.environ["DS4_DIST_THREADS"] = str(args.threads)  # inherited by the spawned ranks
     try:
         _check(args)
         opts = dict(ctx=args.ctx, prefill_chunk=args.prefill_chunk, device=args.device, combine=args.combine,
