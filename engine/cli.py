@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.atomic import atomic_write
 from ds4.engine.chat import (
     DEFAULT_SYSTEM,
     MAX_PREFIX,
@@ -308,13 +309,9 @@ def _token_json(tok, token_id: int) -> str:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
+        atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CliError(f"cannot write {path}: {e.strerror}") from None
 
 

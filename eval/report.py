@@ -4,10 +4,10 @@ totals, and the same data as JSON (`--report-json`)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
+
+from ds4.atomic import atomic_write
 
 from .runner import ERROR, FAILED, PASSED, SKIPPED, STOPPED, CaseResult
 
@@ -78,14 +78,5 @@ def report_dict(results: list[CaseResult], runtime: float, meta: dict) -> dict:
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write to a temp file in the same folder, then rename (never a half-written file)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))

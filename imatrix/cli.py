@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ds4 import paths
+from ds4.atomic import atomic_write
 from ds4.cli_util import EXIT_USAGE, UsageError, add_model_argument, check_output_folder, count, load_model
 from ds4.imatrix import format as fmt
 
@@ -149,7 +150,7 @@ def cmd_build_dataset(args) -> int:
         text = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records)
     else:
         text = rendered_file_text(prompts)
-    fmt._atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
+    atomic_write(out, lambda p: p.write_text(text, encoding="utf-8"))
     print(f"{len(prompts)} prompts from {src} → {out} ({len(text.encode())} bytes)")
     return 0
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.atomic import atomic_write
+
 # GGUF imatrix keys and tensor suffixes (llama.cpp names).
 GENERAL_TYPE = "general.type"
 GENERAL_ARCHITECTURE = "general.architecture"
@@ -148,17 +150,6 @@ class Imatrix:
         return None
 
 
-def _atomic_write(path: Path, write) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 # ---- legacy .dat ------------------------------------------------------------------------------------
 
 def dat_bytes(im: Imatrix) -> bytes:
@@ -178,7 +169,7 @@ def dat_bytes(im: Imatrix) -> bytes:
 
 def write_dat(path: str | os.PathLike, im: Imatrix) -> None:
     data = dat_bytes(im)
-    _atomic_write(Path(path), lambda p: p.write_bytes(data))
+    atomic_write(path, lambda p: p.write_bytes(data))
 
 
 def read_dat(path: str | os.PathLike) -> Imatrix:
@@ -259,7 +250,7 @@ def write_gguf(path: str | os.PathLike, im: Imatrix) -> None:
         w.write_tensors_to_file()
         w.close()
 
-    _atomic_write(Path(path), write)
+    atomic_write(path, write)
 
 
 def _field_value(reader, key: str):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.atomic import save_figure_atomic
+
 from ds4.imatrix.format import Imatrix
 
 _ROUTED = re.compile(r"^blk\.(\d+)\.ffn_gate_exps\.weight$")
@@ -71,8 +73,6 @@ def plot_heatmap(im: Imatrix, path: str | os.PathLike, title: str | None = None)
     fig.colorbar(img, ax=ax, label="share of the layer's routed slots")
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
+    save_figure_atomic(fig, path, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

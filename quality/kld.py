@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds4.test_vectors.formats import publish
+from ds4.atomic import publish, save_figure_atomic
 
 from .metrics import log_softmax
 
@@ -210,16 +210,7 @@ def plot_histogram(kld: np.ndarray, out: str | os.PathLike, title: str = "KL div
 def _save_fig_atomic(fig, out: str | os.PathLike) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fmt = out.suffix.lstrip(".").lower() or "png"
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=fmt)
-        publish(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    save_figure_atomic(fig, out, format=out.suffix.lstrip(".").lower() or "png")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.atomic import atomic_write, write_bytes_atomic
+
 FORMAT_NAME = "ds4-directional-steering-v1"
 NOTE = "runtime positive scale suppresses this direction; negative scale amplifies it"
 COMPONENTS = ("ffn_out", "attn_out")
@@ -66,16 +68,6 @@ def sidecar_path(f32_path: str | os.PathLike) -> Path:
     return Path(f32_path).with_suffix(".json")
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def sidecar_meta(shape: tuple[int, int], *, component: str = "ffn_out", thinking: bool = False,
                  pair_normalize: bool = False, orthogonalize: bool = True, good_file: str = "",
                  bad_file: str = "", model: str = "") -> dict:
@@ -99,11 +91,11 @@ def sidecar_meta(shape: tuple[int, int], *, component: str = "ffn_out", thinking
 
 def write_f32(path: str | os.PathLike, ds: DirectionSet, *, sidecar: bool = True) -> None:
     path = Path(path)
-    _atomic_write_bytes(path, ds.vectors.astype("<f4").tobytes())
+    write_bytes_atomic(path, ds.vectors.astype("<f4").tobytes())
     if sidecar:
         meta = dict(ds.meta) or sidecar_meta(ds.vectors.shape)
         meta["shape"] = [ds.n_layer, ds.n_embd]
-        _atomic_write_bytes(sidecar_path(path), (json.dumps(meta, indent=2) + "\n").encode())
+        write_bytes_atomic(sidecar_path(path), (json.dumps(meta, indent=2) + "\n").encode())
 
 
 def read_sidecar(path: str | os.PathLike) -> dict:
@@ -150,9 +142,7 @@ def read_f32(path: str | os.PathLike, n_layer: int | None = None, n_embd: int | 
 def write_control_vector(path: str | os.PathLike, ds: DirectionSet, model_hint: str = "deepseek4") -> None:
     import gguf
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(tmp, arch=CV_ARCH)
         w.add_string(CV_MODEL_HINT, model_hint)
         w.add_int32(CV_LAYER_COUNT, ds.n_layer)
@@ -163,10 +153,8 @@ def write_control_vector(path: str | os.PathLike, ds: DirectionSet, model_hint: 
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    atomic_write(path, write)
 
 
 def read_control_vector(path: str | os.PathLike, n_layer: int | None = None) -> DirectionSet:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4.atomic import atomic_write, save_figure_atomic
 from ds4.steering.apply import Steering, SteeringDirection, make_hooks
 from ds4.steering.build import render_prompt
 from ds4.steering.format import DirectionSet
@@ -93,10 +94,7 @@ def write_csv(path: str | os.PathLike, rows: list[SweepRow], metric: str = "toke
     w.writerow(["prompt", "ffn_scale", metric, "stopped", "text"])
     for r in rows:
         w.writerow([r.prompt, f"{r.scale:g}", f"{r.value:g}", int(r.stopped), r.text])
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(buf.getvalue(), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, lambda p: p.write_text(buf.getvalue(), encoding="utf-8"))
 
 
 def plot_sweep(path: str | os.PathLike, rows: list[SweepRow], metric: str = "tokens", title: str = "") -> Path:
@@ -121,8 +119,6 @@ def plot_sweep(path: str | os.PathLike, rows: list[SweepRow], metric: str = "tok
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
+    save_figure_atomic(fig, path, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ds4.atomic import write_text_atomic  # also imported from here by quality and ds4-bench
 
 MANIFEST_SCHEMA = "ds4-test-vector-manifest-v1"
 OFFICIAL_SCHEMA = "ds4-official-logprobs-v1"
@@ -56,34 +57,6 @@ class VectorCase:
 
 # ----------------------------------------------------------------------------------------------
 # Atomic writes
-
-
-def _umask_mode() -> int:
-    """The mode a plain open() would give a new file (mkstemp creates 0600 files)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Give a finished temp file ordinary permissions and rename it into place."""
-    os.chmod(tmp, _umask_mode())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file beside `path`, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        publish(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _load_json(path: Path) -> dict:
