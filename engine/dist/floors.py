@@ -102,8 +102,11 @@ def floors(cfg: Config, tensors: list[tuple[str, tuple, int]], world: int, ctx: 
     # compute per token on one rank: replicated matmuls + its share of the routed ones + attention at ~ctx/2
     _, attn_half = attn_bytes_and_flops(cfg, max(1, ctx // 2))
     flops = 2.0 * rep_elems + 2.0 * exp_elems / E * k / world + attn_half
+    # what splitting the replicated matrices N ways too (tensor-parallel attention/shared/head) would give
+    split_bytes = (rep + kv) / world + emb / cfg.vocab_size + emax * per_expert
     return dict(world=world, ctx=ctx, rank_bytes=rep + emb + exps / world,
                 decode_bytes=dec_bytes, decode_routed_experts=emax, decode_tps=bw / dec_bytes,
+                decode_tps_all_split=bw / split_bytes,
                 prefill_chunk_bytes=chunk_bytes, prefill_tps=chunk * bw / chunk_bytes,
                 prefill_compute_tps=peak / flops,
                 comm_payload_per_token=cfg.n_layer * cfg.n_embd * 4,
@@ -134,16 +137,18 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", default="2048,8192")
     args = ap.parse_args(argv)
     presets = args.preset or ["flash", "pro"]
-    print("| model | ranks | ctx | GB per rank | decode GB/token/rank | E[max] experts | decode floor t/s "
-          "| prefill floor t/s (bw) | prefill floor t/s (BF16 compute) | combine KiB/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | ranks | ctx | weights GiB per rank | decode GB/token/rank | E[max] experts | decode floor t/s "
+          "| (if attention+shared+head were split too) | prefill floor t/s (bw) | prefill floor t/s (BF16 compute) "
+          "| combine KiB/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in presets:
         ranks = [int(x) for x in args.ranks.split(",")] if args.ranks else ([1, 2, 4] if name != "pro" else [4])
         for world in ranks:
             for ctx in (int(x) for x in args.ctx.split(",")):
                 r = floors_for_plan(name, args.mix, world, ctx)
-                print(f"| {name} {args.mix} | {world} | {ctx} | {r['rank_bytes'] / 1e9:.1f} | "
+                print(f"| {name} {args.mix} | {world} | {ctx} | {r['rank_bytes'] / 2**30:.1f} | "
                       f"{r['decode_bytes'] / 1e9:.2f} | {r['decode_routed_experts']:.2f} | {r['decode_tps']:.0f} | "
+                      f"{r['decode_tps_all_split']:.0f} | "
                       f"{r['prefill_tps']:.0f} | {r['prefill_compute_tps']:.0f} | "
                       f"{r['comm_payload_per_token'] / 1024:.0f} |")
     return 0
