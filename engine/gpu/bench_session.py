@@ -34,6 +34,36 @@ def weight_bytes_per_token(f, cfg) -> int:
     return total
 
 
+def count_kernels(model, W, ctx: int, top: int = 22) -> dict:
+    """CUDA kernels one decode step launches (an eager step profiled with CUPTI; a graph replays the
+    same ones), their summed device time and the kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds4.engine.gpu.session import Session
+
+    s = Session(model, ctx=ctx, weights=W, graphs=False)
+    s.sync([5, 6, 7, 8])
+    s.decode(9)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        s.decode(10)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        name = e.name
+        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in name.lower() or "memset" in name.lower():
+            continue
+        short = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+        row = by_name.setdefault(short[:70], [0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
+    n = sum(v[0] for v in by_name.values())
+    busy = sum(v[1] for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": n, "kernel_us": busy,
+            "top": [{"name": k, "count": v[0], "us": v[1]} for k, v in ranked]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -41,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--json")
+    ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
@@ -97,6 +128,13 @@ def main(argv=None) -> int:
         print(f"decode @{P}: {row['ms_per_token']:.2f} ms/token, {row['tps']:.1f} t/s, "
               f"{row['fraction_of_floor']:.2f} of floor, GPU mem {row['gpu_mem_used_gib']:.1f} GiB", flush=True)
         del s
+    if args.count_kernels:
+        prof = count_kernels(model, W, min(args.ctx) + 16)
+        res["kernels_per_token"], res["kernel_profile"] = prof["kernels"], prof
+        print(f"kernels per decoded token: {prof['kernels']}, summed kernel time {prof['kernel_us'] / 1e3:.2f} ms "
+              f"(eager step)", flush=True)
+        for row in prof["top"]:
+            print(f"  {row['us']:9.1f} us {row['count']:5d}x  {row['name']}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -314,6 +314,48 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
   launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream());
 }
 
+// Several matrices reading the same x (same ncols): x is quantized once for all of them.
+void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& x, const std::vector<std::shared_ptr<Array>>& ys) {
+  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_shared: one y per weight");
+  int64_t B = x.shape.empty() ? 0 : x.shape[0];
+  if (B < 1 || B > MAX_BATCH) throw std::invalid_argument("matvec_shared: batch must be 1..8");
+  const int64_t n = ws[0]->p.ncols;
+  bool any_q = false;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const Tensor& w = *ws[i];
+    if (w.p.ncols != n || x.size() != B * n) throw std::invalid_argument("matvec_shared '" + w.name + "': x must be [B, ncols] for every weight");
+    if (ys[i]->shape.size() != 2 || ys[i]->shape[0] != B || ys[i]->shape[1] != w.p.nrows)
+      throw std::invalid_argument("matvec_shared '" + w.name + "': y must be [B, rows]");
+    any_q |= w.qtype != QT_F16;
+  }
+  XQ xq;
+  if (any_q) {
+    g_scratch.reserve(xq_bytes(B, n));
+    g_scratch.begin();
+    xq = take_xq(B, n);
+    launch_quantize_x(x.f(), (int)B, (int)n, xq, stream());
+  }
+  for (size_t i = 0; i < ws.size(); ++i) launch_matvec(ws[i]->p, x.f(), xq, (int)B, 1, ys[i]->f(), stream(), false);
+}
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+RowPost row_post_args(bool norm, uintptr_t w, float eps, uintptr_t freq, int rope_dim, bool inverse, int fp8_nope,
+                      bool qat, float had_scale) {
+  RowPost o;
+  o.norm = norm;
+  o.w = ptr<const float>(w);
+  o.eps = eps;
+  o.freq = ptr<const float>(freq);
+  o.rope_dim = rope_dim;
+  o.inverse = inverse;
+  o.fp8_nope = fp8_nope;
+  o.qat = qat;
+  o.had_scale = had_scale;
+  return o;
+}
+
 struct Graph {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -448,6 +490,59 @@ PYBIND11_MODULE(_ext, m) {
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
+  m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
+        "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
+  // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu for the semantics.
+  m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t y, int rows, int n, float eps) {
+    launch_rms_norm(ptr<const float>(x), ptr<const float>(w), ptr<float>(y), rows, n, eps, stream());
+  }, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("rows"), py::arg("n"), py::arg("eps"));
+  m.def("hc_pre", [](uintptr_t X, uintptr_t mix, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T, int n, int D,
+                     int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post, uintptr_t comb) {
+    launch_hc_pre(ptr<const float>(X), ptr<const float>(mix), ptr<const float>(scale), ptr<const float>(base),
+                  ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post),
+                  ptr<float>(comb), stream());
+  });
+  m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
+                      uintptr_t Xo) {
+    launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),
+                   ptr<const float>(comb), T, n, D, ptr<float>(Xo), stream());
+  });
+  m.def("norm_rope", [](uintptr_t x, int rows, int d, int rows_per_token, uintptr_t pos, bool norm, uintptr_t w,
+                        float eps, uintptr_t freq, int rope_dim, bool inverse, int fp8_nope, bool qat, float had_scale,
+                        int ring_cap, uintptr_t out) {
+    launch_norm_rope(ptr<const float>(x), rows, d, rows_per_token, ptr<const int64_t>(pos),
+                     row_post_args(norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale), ring_cap,
+                     ptr<float>(out), stream());
+  });
+  m.def("router", [](uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok, int T, int E, int k, float scale,
+                     uintptr_t ids, uintptr_t wts) {
+    launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),
+                  T, E, k, scale, ptr<int32_t>(ids), ptr<float>(wts), stream());
+  });
+  m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out) {
+    launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream());
+  });
+  m.def("compress_step", [](uintptr_t kv, uintptr_t sc, uintptr_t ape, uintptr_t s_kv, uintptr_t s_sc, uintptr_t rows,
+                            uintptr_t pos, int r, int width, uintptr_t w, float eps, uintptr_t freq, int rope_dim,
+                            int fp8_nope, bool qat, float had_scale) {
+    launch_compress_step(ptr<const float>(kv), ptr<const float>(sc), ptr<const float>(ape), ptr<float>(s_kv),
+                         ptr<float>(s_sc), ptr<float>(rows), ptr<const int64_t>(pos), r, width,
+                         row_post_args(true, w, eps, freq, rope_dim, false, fp8_nope, qat, had_scale), stream());
+  });
+  m.def("attn_chunks", &attn_chunks);
+  m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
+                        int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,
+                        uintptr_t part_o, uintptr_t part_ml, uintptr_t out) {
+    launch_attention(ptr<const float>(q), H, d, ptr<const float>(raw), cap, ptr<const float>(comp),
+                     ptr<const int64_t>(sel), n_comp, ratio, ptr<const int64_t>(pos), scale, ptr<const float>(sinks),
+                     row_post_args(false, 0, 0.0f, freq, rope_dim, true, 0, false, 1.0f), ptr<float>(part_o),
+                     ptr<float>(part_ml), ptr<float>(out), stream());
+  });
+  m.def("index_keys", [](uintptr_t q, uintptr_t w, uintptr_t idx, int n_rows, int Hi, int di, uintptr_t pos, int ratio,
+                         float scale, uintptr_t keys) {
+    launch_index_keys(ptr<const float>(q), ptr<const float>(w), ptr<const float>(idx), n_rows, Hi, di,
+                      ptr<const int64_t>(pos), ratio, scale, ptr<double>(keys), stream());
+  });
   m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
   m.def("capture_begin", &capture_begin);
   m.def("capture_end", &capture_end);

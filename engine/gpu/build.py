@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
-CU_SOURCES = ["repack.cu", "matvec.cu", "moe.cu"]
+CU_SOURCES = ["repack.cu", "matvec.cu", "moe.cu", "fused.cu"]
 HEADERS = ["common.cuh", "mv_core.cuh", "iq2_tables.inc"]
 
 

@@ -62,9 +62,10 @@ struct XQ {
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,
                    uint8_t* sc, int64_t sc_row, cudaStream_t stream);
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream);
-// matvec.cu: y[b, r] = W[r] . x[b, g(r)], x is [B, groups, ncols], row r in group r / (nrows / groups)
+// matvec.cu: y[b, r] = W[r] . x[b, g(r)], x is [B, groups, ncols], row r in group r / (nrows / groups).
+// quantize = false: xq already holds x quantized (shared by several matrices reading the same x).
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
-                   cudaStream_t stream);
+                   cudaStream_t stream, bool quantize = true);
 // moe.cu: routed experts for `tokens` tokens with k experts each (ids/weights [tokens, k] on device).
 struct MoeScratch {
   XQ xq_in;      // tokens vectors of n_embd
@@ -74,4 +75,36 @@ struct MoeScratch {
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& scratch, cudaStream_t stream);
+
+// fused.cu: the non-matvec chains of a layer (see the kernels there for the exact semantics).
+struct RowPost {
+  bool norm = false;
+  const float* w = nullptr;
+  float eps = 1e-6f;
+  const float* freq = nullptr;  // null: no RoPE
+  int rope_dim = 0;
+  bool inverse = false;
+  int fp8_nope = 0;  // 0: no FP8 simulation
+  bool qat = false;
+  float had_scale = 1.0f;
+};
+void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps, cudaStream_t s);
+void launch_hc_pre(const float* X, const float* mix, const float* scale, const float* base, const float* norm_w,
+                   int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head, float* out, float* post,
+                   float* comb, cudaStream_t s);
+void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
+                    int n, int D, float* Xo, cudaStream_t s);
+void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,
+                      int ring_cap, float* out, cudaStream_t s);
+void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
+                   int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
+void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s);
+void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
+                          const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s);
+int attn_chunks(int n_keys);
+void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
+                      int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
+                      float* part_o, float* part_ml, float* out, cudaStream_t s);
+void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
+                       const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s);
 }  // namespace ds4gpu

@@ -115,10 +115,10 @@ static void launch_qt(const Packed& w, const float* x, const XQ& xq, int batch, 
 }
 
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool quantize) {
   if (batch < 1 || batch > MAX_BATCH) throw std::invalid_argument("matvec batch must be 1..8");
   if (groups < 1 || w.nrows % groups) throw std::invalid_argument("rows must split evenly into groups");
-  if (w.qtype != QT_F16) launch_quantize_x(x, batch * groups, (int)w.ncols, xq, stream);
+  if (w.qtype != QT_F16 && quantize) launch_quantize_x(x, batch * groups, (int)w.ncols, xq, stream);
   switch (w.qtype) {
     case QT_F16: launch_qt<QT_F16>(w, x, xq, batch, groups, y, stream); break;
     case QT_Q8_0: launch_qt<QT_Q8_0>(w, x, xq, batch, groups, y, stream); break;

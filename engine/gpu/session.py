@@ -37,7 +37,7 @@ from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, kv_bytes_per_to
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
-from . import ops
+from . import fused, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -145,6 +145,19 @@ class Weights:
             self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
         return y
 
+    def mm_many(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+        """[W_i x] for matrices of the same width; on CUDA the activation is quantized once for all."""
+        ws = [self.mat(n) for n in names]
+        if self.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1:
+            return [self.mm(n, x) for n in names]
+        self._sync_stream()
+        x = x.contiguous()
+        T = x.shape[0]
+        ys = [torch.empty((T, w.nrows), dtype=F32, device=self.device) for w in ws]
+        for i in range(0, T, 8):
+            self.ext.matvec_shared(ws, self._arr(x[i:i + 8]), [self._arr(y[i:i + 8]) for y in ys])
+        return ys
+
     def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
         names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
         gate, up, down = (self.mat(n) for n in names)
@@ -221,6 +234,9 @@ class Session:
         self._compile = self.device.type == "cuda" and os.environ.get("DS4_GPU_COMPILE", "1") != "0"
         self._compiled: dict[str, object] = {}
         self._in_step = False
+        self.K = None  # fused CUDA kernels (ds4.engine.gpu.fused); DS4_GPU_FUSED=0 keeps the torch ops
+        if self.device.type == "cuda" and os.environ.get("DS4_GPU_FUSED", "1") != "0":
+            self.K = fused.Fused(self.W.ext, self.device)
         self.load_weights()
 
     def _f(self, name: str):
@@ -495,7 +511,7 @@ class Session:
     def _chunk(self, tok: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
         T = tok.shape[0]
         pos = torch.arange(pos0, pos0 + T, device=self.device)
-        X = self._layers(tok, pos, lambda li, a, c: self._attn_chunk(li, a, c, pos0))
+        X = self._layers(tok, pos, lambda li, a, c, kv: self._attn_chunk(li, a, c, pos0, kv))
         if not all_logits:
             X = X[-1:]
         return self._head(X)
@@ -503,7 +519,7 @@ class Session:
     def _step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self._in_step = True
         try:
-            X = self._layers(tok, pos, lambda li, a, c: self._attn_step(li, a, c, pos))
+            X = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
             return self._head(X)[0]
         finally:
             self._in_step = False
@@ -513,35 +529,65 @@ class Session:
         e = W.embedding()[tok].to(F32)
         X = e[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
         for li in range(cfg.n_layer):
-            u, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE)
-            a = ops.rms_norm(u, W.vec(C.blk(li, L.ATTN_NORM)), cfg.rms_eps)
-            c = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_A), a), W.vec(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
-            X = ops.hc_post(X, attn(li, a, c), post, comb)
-            v, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE)
-            b = ops.rms_norm(v, W.vec(C.blk(li, L.FFN_NORM)), cfg.rms_eps)
-            X = ops.hc_post(X, self._moe(li, b, tok), post, comb)
+            a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM)
+            qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one quantization of a
+            c = self._rms_norm(qa, W.vec(C.blk(li, L.ATTN_Q_A_NORM)))
+            X = self._hc_post(X, attn(li, a, c, kv), None, post, comb)
+            b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM)
+            X = self._hc_post(X, *self._moe(li, b, tok), post, comb)
         return X
 
-    def _hc_pre(self, li, X, fn, scale, base):
+    def _rms_norm(self, x, w):
+        if self.K is not None:
+            return self.K.rms_norm(x, w, self.cfg.rms_eps)
+        return ops.rms_norm(x, w, self.cfg.rms_eps)
+
+    def _hc_post(self, X, y1, y2, post, comb):
+        if self.K is not None:
+            return self.K.hc_post(X, y1, y2, post, comb)
+        return ops.hc_post(X, y1 if y2 is None else y1 + y2, post, comb)
+
+    def _hc_pre(self, li, X, fn, scale, base, norm):
+        """mHC pre of a sublayer, then its RMS norm: (normalized input, post, comb)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
+        if self.K is not None:  # the RMS of flatten(X) is a scalar: applied after the matvec, in the kernel
+            mix = W.mm(C.blk(li, fn), X.reshape(T, n * D))
+            return self.K.hc_pre(X, mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), W.vec(C.blk(li, norm)),
+                                 cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
         mix = W.mm(C.blk(li, fn), ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         pre, post, comb = self._f("hc_weights")(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
                                          cfg.sinkhorn_iters, cfg.hc_eps)
-        return ops.stream_sum(pre, X), post, comb
+        return ops.rms_norm(ops.stream_sum(pre, X), W.vec(C.blk(li, norm)), cfg.rms_eps), post, comb
 
     def _head(self, X: torch.Tensor) -> torch.Tensor:
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
+        if self.K is not None:
+            mix = W.mm(C.OUTPUT_HC_FN, X.reshape(T, n * D))
+            h, _, _ = self.K.hc_pre(X, mix, W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE), W.vec(C.OUTPUT_NORM),
+                                    0, cfg.rms_eps, cfg.hc_eps, head=True)
+            return W.mm(C.OUTPUT, h)
         mix = W.mm(C.OUTPUT_HC_FN, ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         wts = torch.sigmoid(mix * W.vec(C.OUTPUT_HC_SCALE)[0] + W.vec(C.OUTPUT_HC_BASE)) + cfg.hc_eps
         h = ops.stream_sum(wts, X)
         return W.mm(C.OUTPUT, ops.rms_norm(h, W.vec(C.OUTPUT_NORM), cfg.rms_eps))
 
-    def _moe(self, li: int, b: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def _moe(self, li: int, b: torch.Tensor, tok: torch.Tensor):
+        """(routed experts' output, shared expert's output)."""
         cfg, W = self.cfg, self.W
         limit = float(cfg.swiglu_clamp[li])
-        s = torch.sqrt(torch.nn.functional.softplus(W.mm(C.blk(li, L.FFN_GATE_INP), b)))
+        logits = W.mm(C.blk(li, L.FFN_GATE_INP), b)
+        if self.K is not None and self.route_hook is None:
+            bias = C.blk(li, L.EXP_PROBS_B)
+            hashed = cfg.is_hash_layer(li)
+            ids, w = self.K.router(logits, W.vec(bias) if (not hashed and self.model.has(bias)) else None,
+                                   W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok,
+                                   cfg.n_expert_used, cfg.routed_scale)
+            out = W.moe(li, b, ids, w, limit)
+            g, u = W.mm_many([C.blk(li, L.FFN_GATE_SHEXP), C.blk(li, L.FFN_UP_SHEXP)], b)
+            return out, W.mm(C.blk(li, L.FFN_DOWN_SHEXP), self.K.swiglu(g, u, limit))
+        s = torch.sqrt(torch.nn.functional.softplus(logits))
         if cfg.is_hash_layer(li):
             ids = W.ids(C.blk(li, L.FFN_GATE_TID2EID))[tok]
         else:
@@ -553,17 +599,24 @@ class Session:
         w = torch.gather(s, 1, ids)
         w = w / torch.clamp(w.sum(dim=1, keepdim=True), min=ROUTE_DENOM_MIN) * cfg.routed_scale
         out = W.moe(li, b, ids, w, limit)
-        sh = ops.swiglu(W.mm(C.blk(li, L.FFN_GATE_SHEXP), b), W.mm(C.blk(li, L.FFN_UP_SHEXP), b), limit)
-        return out + W.mm(C.blk(li, L.FFN_DOWN_SHEXP), sh)
+        g, u = W.mm_many([C.blk(li, L.FFN_GATE_SHEXP), C.blk(li, L.FFN_UP_SHEXP)], b)
+        return out, W.mm(C.blk(li, L.FFN_DOWN_SHEXP), ops.swiglu(g, u, limit))
 
     # -- attention pieces shared by both paths
-    def _qkv(self, li, a, c, pos):
+    def _qkv(self, li, a, c, pos, kv_lin):
         cfg, W = self.cfg, self.W
         T, H, d = a.shape[0], cfg.n_head, cfg.head_dim
-        cos, sin = ops.cos_sin(self._freq[cfg.ratio(li) != 0], pos)
+        freq = self._freq[cfg.ratio(li) != 0]
+        cos, sin = ops.cos_sin(freq, pos)
+        if self.K is not None:
+            q = self.K.norm_rope(W.mm(C.blk(li, L.ATTN_Q_B), c), d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq,
+                                 rope_dim=cfg.rope_dim).reshape(T, H, d)
+            kv = self.K.norm_rope(kv_lin, d, 1, pos, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
+                                  freq=freq, rope_dim=cfg.rope_dim, fp8_nope=cfg.n_nope if cfg.fp8_kv else 0)
+            return q, kv, cos, sin
         q = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
         q = self._f("apply_tail")(q, cos, sin, cfg.rope_dim)
-        kv = ops.rms_norm(W.mm(C.blk(li, L.ATTN_KV), a), W.vec(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
+        kv = ops.rms_norm(kv_lin, W.vec(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
         kv = self._f("apply_tail")(kv, cos, sin, cfg.rope_dim)
         if cfg.fp8_kv:
             kv = self._f("fp8_kv_round")(kv, cfg.n_nope)
@@ -572,6 +625,11 @@ class Session:
     def _finish_rows(self, li, pooled, row_pos, indexer: bool):
         cfg = self.cfg
         norm = self.W.vec(C.blk(li, L.IDX_COMP_NORM if indexer else L.COMP_NORM))
+        if self.K is not None:
+            return self.K.norm_rope(pooled, pooled.shape[-1], 1, row_pos, norm=True, w=norm, eps=cfg.rms_eps,
+                                    freq=self._freq[True], rope_dim=cfg.rope_dim,
+                                    fp8_nope=cfg.n_nope if (cfg.fp8_kv and not indexer) else 0,
+                                    qat=bool(indexer and cfg.indexer_qat))
         rows = ops.rms_norm(pooled, norm, cfg.rms_eps)
         cos, sin = ops.cos_sin(self._freq[True], row_pos)
         rows = self._f("apply_tail")(rows, cos, sin, cfg.rope_dim)
@@ -604,6 +662,10 @@ class Session:
     def _index_q(self, li, a, c, pos):
         cfg, W = self.cfg, self.W
         T, Hi, di = a.shape[0], cfg.indexer_heads, cfg.indexer_dim
+        if self.K is not None:
+            q = self.K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c), di, Hi, pos, freq=self._freq[True],
+                                 rope_dim=cfg.rope_dim, qat=cfg.indexer_qat).reshape(T, Hi, di)
+            return q, W.mm(C.blk(li, L.IDX_PROJ), a) * (1.0 / math.sqrt(di * Hi))
         q = W.mm(C.blk(li, L.IDX_Q_B), c).reshape(T, Hi, di)
         cos, sin = ops.cos_sin(self._freq[True], pos)
         q = self._f("apply_tail")(q, cos, sin, cfg.rope_dim)
@@ -613,12 +675,12 @@ class Session:
         return q, w
 
     # -- prefill (dynamic shapes)
-    def _attn_chunk(self, li, a, c, pos0):
+    def _attn_chunk(self, li, a, c, pos0, kv_lin):
         cfg, st = self.cfg, self.layers[li]
         T = a.shape[0]
         r = cfg.ratio(li)
         pos = torch.arange(pos0, pos0 + T, device=self.device)
-        q, kv, cos, sin = self._qkv(li, a, c, pos)
+        q, kv, cos, sin = self._qkv(li, a, c, pos, kv_lin)
         Wn, cap = self.raw_window, self.raw_cap
         old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=self.device)
         keys = torch.cat([st["raw"][old % cap], kv])
@@ -700,10 +762,12 @@ class Session:
         return n_rows + n_full
 
     # -- decode (static shapes: capturable)
-    def _attn_step(self, li, a, c, pos):
+    def _attn_step(self, li, a, c, pos, kv_lin):
+        if self.K is not None:
+            return fused.attn_step(self, li, a, c, kv_lin, pos)
         cfg, st = self.cfg, self.layers[li]
         r = cfg.ratio(li)
-        q, kv, cos, sin = self._qkv(li, a, c, pos)
+        q, kv, cos, sin = self._qkv(li, a, c, pos, kv_lin)
         cap = self.raw_cap
         st["raw"].index_copy_(0, pos % cap, kv)
         j = torch.arange(cap, device=self.device)

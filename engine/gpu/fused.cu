@@ -1,0 +1,599 @@
+// Fused kernels for the non-matvec work of a DeepSeek V4 layer (model-spec §3.3-3.7), one launch per
+// chain that the torch graph ran as 5-40 small kernels. Each mirrors ds4.engine.gpu.ops / session.py
+// operation for operation (same formulas, same roundings of the FP8/FP4 simulations); only summation
+// orders differ. Decode (T = 1) reads the position from device memory, so a CUDA graph can replay it.
+#include <math.h>
+
+#include "common.cuh"
+
+namespace ds4gpu {
+
+namespace {
+
+__device__ __forceinline__ float warp_sum_f(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max_f(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the total. `sh` holds >= 32 floats; reusable on return.
+__device__ float block_sum(float v, float* sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum_f(v);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  float t = 0.0f;
+  for (int i = 0; i < nw; ++i) t += sh[i];
+  __syncthreads();
+  return t;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// The smallest power of two >= v (v > 0), as ops._pow2_ceil.
+__device__ __forceinline__ float pow2_ceil(float v) {
+  int e;
+  float m = frexpf(v, &e);
+  if (m == 0.5f) e -= 1;
+  return ldexpf(1.0f, e);
+}
+
+// Round to a minifloat grid with `mant` mantissa bits and smallest exponent min_exp (ops._round_minifloat).
+__device__ __forceinline__ float round_minifloat(float x, int mant, int min_exp) {
+  float ax = fabsf(x);
+  int e;
+  frexpf(ax > 0.0f ? ax : 1.0f, &e);
+  e = max(e - 1, min_exp);
+  float step = ldexpf(1.0f, e - mant);
+  return rintf(x / step) * step;
+}
+
+// In-place post-processing of one row v[d] in shared memory by the whole block (NT threads):
+// optional RMS norm (times w), RoPE on the last rope_dim dims at position `p` (freq[rope_dim/2]),
+// FP8 e4m3 rounding of the first fp8_nope dims in blocks of 64, or Hadamard + FP4 e2m1 in blocks of 32.
+// Mirrors ops.rms_norm, ops.apply_tail, ops.fp8_kv_round and ops.indexer_qat.
+// RowPost (common.cuh) says which of these steps run.
+__device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o, float* red) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  if (o.norm) {
+    float ss = 0.0f;
+    for (int i = tid; i < d; i += nt) ss += v[i] * v[i];
+    ss = block_sum(ss, red);
+    float r = rsqrtf(ss / (float)d + o.eps);
+    for (int i = tid; i < d; i += nt) v[i] = o.w ? v[i] * r * o.w[i] : v[i] * r;
+    __syncthreads();
+  }
+  if (o.freq) {
+    const int half = o.rope_dim / 2, n_nope = d - o.rope_dim;
+    for (int i = tid; i < half; i += nt) {
+      float ang = p * o.freq[i];
+      float c = cosf(ang), s = sinf(ang);
+      if (o.inverse) s = -s;
+      float x0 = v[n_nope + 2 * i], x1 = v[n_nope + 2 * i + 1];
+      v[n_nope + 2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+      v[n_nope + 2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    }
+    __syncthreads();
+  }
+  const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  if (o.fp8_nope > 0) {
+    for (int b = warp; b < o.fp8_nope / 64; b += nw) {
+      float x0 = v[64 * b + lane], x1 = v[64 * b + 32 + lane];
+      float amax = fmaxf(warp_max_f(fmaxf(fabsf(x0), fabsf(x1))), 1e-4f);
+      float scale = pow2_ceil(amax / 448.0f);
+      float q0 = fminf(fmaxf(x0 / scale, -448.0f), 448.0f), q1 = fminf(fmaxf(x1 / scale, -448.0f), 448.0f);
+      v[64 * b + lane] = round_minifloat(q0, 3, -6) * scale;
+      v[64 * b + 32 + lane] = round_minifloat(q1, 3, -6) * scale;
+    }
+    __syncthreads();
+  }
+  if (o.qat) {
+    // Hadamard butterflies in the order of ops.hadamard (pairs (i, i + h) within blocks of 2h)
+    float* a = v;
+    float* b = tmp;
+    for (int h = 1; h < d; h *= 2) {
+      for (int i = tid; i < d; i += nt) {
+        int j = i % (2 * h);
+        b[i] = j < h ? a[i] + a[i + h] : a[i - h] - a[i];
+      }
+      __syncthreads();
+      float* t = a;
+      a = b;
+      b = t;
+    }
+    for (int i = tid; i < d; i += nt) a[i] = a[i] * o.had_scale;
+    __syncthreads();
+    for (int blk = warp; blk < d / 32; blk += nw) {
+      float x = a[32 * blk + lane];
+      float amax = fmaxf(warp_max_f(fabsf(x)), 6.0f * 1.1754943508222875e-38f);
+      float scale = pow2_ceil(amax / 6.0f);
+      float q = fminf(fmaxf(x / scale, -6.0f), 6.0f);
+      v[32 * blk + lane] = round_minifloat(q, 1, 0) * scale;
+    }
+    __syncthreads();
+  }
+}
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+// y[r] = rms_norm(x[r]) (* w); one block per row; y may alias x.
+__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
+  __shared__ float red[32];
+  const float* xr = x + (int64_t)blockIdx.x * n;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+  ss = block_sum(ss, red);
+  float r = rsqrtf(ss / (float)n + eps);
+  float* yr = y + (int64_t)blockIdx.x * n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * r * w[i] : xr[i] * r;
+}
+
+// mHC pre (model-spec §3.3) for token blockIdx.x: mix_raw = W_fn . flatten(X) (un-normalized); the
+// RMS of flatten(X) is applied here. head = false: pre/post/comb with Sinkhorn; head = true: pre
+// only (output head). out = rms_norm(sum_i pre_i X_i) * norm_w.
+__global__ void hc_pre_kernel(const float* X, const float* mix_raw, const float* scale, const float* base,
+                              const float* norm_w, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                              float* out, float* post_out, float* comb_out) {
+  __shared__ float red[32];
+  __shared__ float pre[16], comb[64];
+  const int t = blockIdx.x;
+  const float* Xt = X + (int64_t)t * n * D;
+  const int M = head ? n : (2 + n) * n;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < n * D; i += blockDim.x) ss += Xt[i] * Xt[i];
+  ss = block_sum(ss, red);
+  const float r = rsqrtf(ss / (float)(n * D) + eps_rms);
+  // weights on warp 0, one lane per pre/post entry and per comb entry (a, b) = (lane / n, lane % n)
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const float* m = mix_raw + (int64_t)t * M;
+    if (lane < n) pre[lane] = sigmoidf_(m[lane] * r * scale[0] + base[lane]) + eps_hc;
+    if (!head) {
+      if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(m[n + lane] * r * scale[1] + base[n + lane]);
+      const bool own = lane < n * n;
+      const int a = own ? lane / n : 0, b = own ? lane % n : 0;
+      float v = own ? m[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.0f;
+      if (own) comb[lane] = v;
+      __syncwarp();
+      float mx = -INFINITY;
+      for (int j = 0; j < n; ++j) mx = fmaxf(mx, comb[a * n + j]);
+      __syncwarp();
+      float e = expf(v - mx);
+      if (own) comb[lane] = e;
+      __syncwarp();
+      float s = 0.0f;
+      for (int j = 0; j < n; ++j) s += comb[a * n + j];
+      v = e / s + eps_hc;
+      for (int it = 0; it < iters; ++it) {
+        if (it > 0) {  // rows (sum over b)
+          __syncwarp();
+          if (own) comb[lane] = v;
+          __syncwarp();
+          s = 0.0f;
+          for (int j = 0; j < n; ++j) s += comb[a * n + j];
+          v = v / (s + eps_hc);
+        }
+        __syncwarp();  // columns (sum over a)
+        if (own) comb[lane] = v;
+        __syncwarp();
+        s = 0.0f;
+        for (int j = 0; j < n; ++j) s += comb[j * n + b];
+        v = v / (s + eps_hc);
+      }
+      if (own) comb_out[(int64_t)t * n * n + lane] = v;
+    }
+  }
+  __syncthreads();
+  float su = 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float u = 0.0f;
+    for (int i = 0; i < n; ++i) u += pre[i] * Xt[(int64_t)i * D + d];
+    su += u * u;
+  }
+  su = block_sum(su, red);
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float u = 0.0f;
+    for (int i = 0; i < n; ++i) u += pre[i] * Xt[(int64_t)i * D + d];
+    out[(int64_t)t * D + d] = norm_w ? u * r2 * norm_w[d] : u * r2;
+  }
+}
+
+// mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
+__global__ void hc_post_kernel(const float* X, const float* y1, const float* y2, const float* post,
+                               const float* comb, int n, int D, float* Xo) {
+  const int t = blockIdx.y;
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  float x[16];
+  for (int a = 0; a < n; ++a) x[a] = X[((int64_t)t * n + a) * D + d];
+  float y = y1[(int64_t)t * D + d];
+  if (y2) y += y2[(int64_t)t * D + d];
+  for (int b = 0; b < n; ++b) {
+    float s = 0.0f;
+    for (int a = 0; a < n; ++a) s += comb[((int64_t)t * n + a) * n + b] * x[a];
+    Xo[((int64_t)t * n + b) * D + d] = post[(int64_t)t * n + b] * y + s;
+  }
+}
+
+// One row per block: x[row] -> row_post -> out[row] (or the ring row pos % ring_cap when ring_cap > 0).
+// Token of a row: row / rows_per_token; its position pos[token].
+__global__ void norm_rope_kernel(const float* x, int d, int rows_per_token, const int64_t* pos, RowPost o,
+                                 int ring_cap, float* out) {
+  extern __shared__ float sh[];
+  float* v = sh;
+  float* tmp = sh + d;
+  __shared__ float red[32];
+  const int row = blockIdx.x, t = row / rows_per_token;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = x[(int64_t)row * d + i];
+  __syncthreads();
+  const int64_t p = pos ? pos[t] : 0;
+  row_post(v, tmp, d, (float)p, o, red);
+  int64_t orow = ring_cap > 0 ? p % ring_cap : row;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) out[orow * d + i] = v[i];
+}
+
+// MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one warp: s = sqrt(softplus(logit)),
+// ids = top-k of s + bias (or table[tok] on hash layers), w = s[ids] / max(sum, 6.1035e-5) * scale.
+__global__ void router_kernel(const float* logits, const float* bias, const int64_t* table, const int64_t* tok,
+                              int E, int k, float scale, int32_t* ids, float* wts) {
+  __shared__ float s[256], sb[256];
+  __shared__ int chosen[16];
+  const int t = blockIdx.x, lane = threadIdx.x;
+  for (int e = lane; e < E; e += 32) {
+    float x = logits[(int64_t)t * E + e];
+    float sp = x > 20.0f ? x : log1pf(expf(x));
+    s[e] = sqrtf(sp);
+    sb[e] = bias ? s[e] + bias[e] : s[e];
+  }
+  __syncwarp();
+  if (table) {
+    if (lane < k) chosen[lane] = (int)table[tok[t] * k + lane];
+  } else {
+    for (int j = 0; j < k; ++j) {
+      float best = -INFINITY;
+      int bi = 0x7fffffff;
+      for (int e = lane; e < E; e += 32)
+        if (sb[e] > best || (sb[e] == best && e < bi)) best = sb[e], bi = e;
+      for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
+      }
+      if (lane == 0) {
+        chosen[j] = bi;
+        sb[bi] = -INFINITY;
+      }
+      __syncwarp();
+    }
+  }
+  __syncwarp();
+  if (lane == 0) {
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      int e = chosen[j];
+      sum += (e >= 0 && e < E) ? s[e] : 0.0f;
+    }
+    float den = fmaxf(sum, 6.1035e-5f);
+    for (int j = 0; j < k; ++j) {
+      int e = chosen[j];
+      ids[(int64_t)t * k + j] = e;
+      wts[(int64_t)t * k + j] = (e >= 0 && e < E) ? s[e] / den * scale : 0.0f;
+    }
+  }
+}
+
+__global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out) {
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float a = fminf(g[i], limit);
+  float b = fminf(fmaxf(u[i], -limit), limit);
+  out[i] = a * sigmoidf_(a) * b;
+}
+
+// One compressor step (session._compress_step): store the token's kv and score (+ APE) in the
+// frontier; on the last token of a window pool the candidates (softmax over the window per column),
+// finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
+__global__ void compress_step_kernel(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc,
+                                     float* rows, const int64_t* pos, int r, int width, RowPost o) {
+  extern __shared__ float sh[];
+  __shared__ float red[32];
+  const int64_t p = *pos;
+  const int slot = r == 4 ? 4 + (int)(p % 4) : (int)(p % r);
+  const int phase = (int)(p % r);
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
+    s_kv[(int64_t)slot * width + j] = kv[j];
+    s_sc[(int64_t)slot * width + j] = sc[j] + ape[(int64_t)phase * width + j];
+  }
+  if ((p + 1) % r != 0) return;  // uniform over the block: no row this step
+  __syncthreads();
+  const int d = r == 4 ? width / 2 : width;
+  const int nc = r == 4 ? 8 : r;
+  float* v = sh;
+  float* tmp = sh + d;
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float mx = -INFINITY;
+    for (int i = 0; i < nc; ++i) {
+      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+      mx = fmaxf(mx, s_sc[at]);
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < nc; ++i) {
+      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+      sum += expf(s_sc[at] - mx);
+    }
+    float acc = 0.0f;
+    for (int i = 0; i < nc; ++i) {
+      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+      acc += s_kv[at] * (expf(s_sc[at] - mx) / sum);
+    }
+    v[j] = isfinite(acc) ? acc : 0.0f;
+  }
+  __syncthreads();
+  // shift the frontier: ratio 4 keeps the finished window as the next one's previous half
+  const int keep = r == 4 ? 4 : 0;
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
+    for (int i = 0; i < keep; ++i) {
+      s_kv[(int64_t)i * width + j] = s_kv[(int64_t)(i + 4) * width + j];
+      s_sc[(int64_t)i * width + j] = s_sc[(int64_t)(i + 4) * width + j];
+    }
+    for (int i = keep; i < (r == 4 ? 8 : r); ++i) {
+      s_kv[(int64_t)i * width + j] = 0.0f;
+      s_sc[(int64_t)i * width + j] = -INFINITY;
+    }
+  }
+  const int64_t row = (p + 1) / r - 1;
+  row_post(v, tmp, d, (float)(row * r), o, red);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) rows[row * d + j] = v[j];
+}
+
+// Which key kk of the attention list (raw ring rows, then compressed rows) a decode query sees.
+struct KeyList {
+  const float* raw;
+  int cap;
+  const float* comp;     // null: no compressed rows
+  const int64_t* sel;    // null: compressed rows 0..n_comp-1, else the indexer's selection
+  int n_comp;            // rows listed after the raw ones
+  int ratio;
+};
+
+__device__ __forceinline__ const float* key_row(const KeyList& L, int kk, int64_t p, int d, bool* visible) {
+  if (kk < L.cap) {
+    int64_t key_pos = p - ((p - kk) % L.cap + L.cap) % L.cap;
+    *visible = key_pos >= 0;
+    return L.raw + (int64_t)kk * d;
+  }
+  int ci = kk - L.cap;
+  int64_t row = L.sel ? L.sel[ci] : ci;
+  int64_t n_vis = (p + 1) / L.ratio;
+  *visible = row < n_vis;
+  return L.comp + row * d;
+}
+
+constexpr int ATT_KEYS = 16;   // keys per block
+constexpr int ATT_HEADS = 16;  // most heads per block (two per warp)
+constexpr int ATT_THREADS = 256;
+
+// Split-key decode attention, pass 1: block (key chunk c, head group g of hb heads) loads its keys
+// once into shared memory and computes, for each of its heads, the chunk's max score m, sum of exp l
+// and the unnormalized output o (flash-decoding partials).
+__global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
+                                                                   int hb, const int64_t* pos, float scale,
+                                                                   float* part_o, float* part_ml) {
+  extern __shared__ float sh[];
+  float* keys = sh;                          // [ATT_KEYS][d]
+  float* prob = sh + ATT_KEYS * d;           // [ATT_HEADS][ATT_KEYS]
+  __shared__ bool vis[ATT_KEYS];
+  const int c = blockIdx.x, g = blockIdx.y, H = gridDim.y * hb;
+  const int64_t p = *pos;
+  const int k0 = c * ATT_KEYS;
+  for (int kk = threadIdx.x >> 5; kk < ATT_KEYS; kk += ATT_THREADS / 32) {
+    bool v = false;
+    const float* src = nullptr;
+    if (k0 + kk < n_keys) src = key_row(L, k0 + kk, p, d, &v);
+    for (int j = threadIdx.x & 31; j < d; j += 32) keys[kk * d + j] = (src && v) ? src[j] : 0.0f;
+    if ((threadIdx.x & 31) == 0) vis[kk] = src && v;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int hh = 2 * warp; hh < 2 * warp + 2 && hh < hb; ++hh) {  // scores: warp w, heads 2w and 2w + 1
+    const int h = g * hb + hh;
+    const float* qh = q + (int64_t)h * d;
+    for (int kk = 0; kk < ATT_KEYS; ++kk) {
+      float s = 0.0f;
+      for (int j = lane; j < d; j += 32) s += qh[j] * keys[kk * d + j];
+      s = warp_sum_f(s);
+      if (lane == 0) prob[hh * ATT_KEYS + kk] = vis[kk] ? s * scale : -INFINITY;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < hb) {
+    const int hh = threadIdx.x, h = g * hb + hh;
+    float m = -INFINITY;
+    for (int kk = 0; kk < ATT_KEYS; ++kk) m = fmaxf(m, prob[hh * ATT_KEYS + kk]);
+    float l = 0.0f;
+    for (int kk = 0; kk < ATT_KEYS; ++kk) {
+      float e = m == -INFINITY ? 0.0f : expf(prob[hh * ATT_KEYS + kk] - m);
+      prob[hh * ATT_KEYS + kk] = e;
+      l += e;
+    }
+    part_ml[((int64_t)c * H + h) * 2] = m;
+    part_ml[((int64_t)c * H + h) * 2 + 1] = l;
+  }
+  __syncthreads();
+  for (int hh = 0; hh < hb; ++hh) {
+    const int h = g * hb + hh;
+    for (int j = threadIdx.x; j < d; j += ATT_THREADS) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < ATT_KEYS; ++kk) acc += prob[hh * ATT_KEYS + kk] * keys[kk * d + j];
+      part_o[((int64_t)c * H + h) * d + j] = acc;
+    }
+  }
+}
+
+// Pass 2, one block per head: combine the chunks with the sink, then the inverse RoPE on the tail.
+__global__ void attn_combine_kernel(const float* part_o, const float* part_ml, int n_chunks, int H, int d,
+                                    const float* sinks, const int64_t* pos, RowPost o, float* out) {
+  extern __shared__ float sh[];
+  __shared__ float red[32];
+  float* v = sh;
+  float* tmp = sh + d;
+  const int h = blockIdx.x;
+  const float sink = sinks[h];
+  float M = sink;
+  for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_ml[((int64_t)c * H + h) * 2]);
+  float L = expf(sink - M);
+  for (int c = 0; c < n_chunks; ++c) {
+    float m = part_ml[((int64_t)c * H + h) * 2];
+    if (m != -INFINITY) L += part_ml[((int64_t)c * H + h) * 2 + 1] * expf(m - M);
+  }
+  for (int j = threadIdx.x; j < d; j += blockDim.x) {
+    float acc = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) {
+      float m = part_ml[((int64_t)c * H + h) * 2];
+      if (m != -INFINITY) acc += part_o[((int64_t)c * H + h) * d + j] * expf(m - M);
+    }
+    v[j] = acc / L;
+  }
+  __syncthreads();
+  row_post(v, tmp, d, (float)*pos, o, red);
+  for (int j = threadIdx.x; j < d; j += blockDim.x) out[(int64_t)h * d + j] = v[j];
+}
+
+// Indexer keys for decode: score[c] = sum_h w_h scale relu(q_h . idx_c) for visible rows, as doubles
+// minus c * 1e-300 (lowest index first among ties, as the torch path), -inf for rows not yet visible.
+// One warp per row; lane l owns heads l, l + 32, ... (q in shared memory, rows padded by one float
+// so the lanes' reads of one column fall in different banks).
+__global__ void index_keys_kernel(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
+                                  const int64_t* pos, int ratio, float scale, double* keys) {
+  extern __shared__ float sh[];
+  float* qs = sh;                          // [Hi][di + 1]
+  float* rows = sh + Hi * (di + 1);        // [warps][di]
+  for (int i = threadIdx.x; i < Hi * di; i += blockDim.x) qs[(i / di) * (di + 1) + i % di] = q[i];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const int c = blockIdx.x * nw + warp;
+  float* row = rows + warp * di;
+  if (c < n_rows)
+    for (int i = lane; i < di; i += 32) row[i] = idx[(int64_t)c * di + i];
+  __syncthreads();
+  if (c >= n_rows) return;
+  const int64_t n_vis = (*pos + 1) / ratio;
+  if (c >= n_vis) {
+    if (lane == 0) keys[c] = -INFINITY;
+    return;
+  }
+  float total = 0.0f;
+  for (int h = lane; h < Hi; h += 32) {
+    const float* qh = qs + h * (di + 1);
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int i = 0; i < di; i += 2) {
+      s0 += qh[i] * row[i];
+      s1 += qh[i + 1] * row[i + 1];
+    }
+    total += w[h] * scale * fmaxf(s0 + s1, 0.0f);
+  }
+  total = warp_sum_f(total);
+  if (lane == 0) keys[c] = (double)total - (double)c * 1e-300;
+}
+
+}  // namespace
+
+// ---- launchers -------------------------------------------------------------------------------------
+
+void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps, cudaStream_t s) {
+  rms_norm_kernel<<<rows, 256, 0, s>>>(x, w, y, n, eps);
+  DS4_CHECK_LAUNCH("rms_norm");
+}
+
+void launch_hc_pre(const float* X, const float* mix, const float* scale, const float* base, const float* norm_w,
+                   int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head, float* out, float* post,
+                   float* comb, cudaStream_t s) {
+  if (n > 8) throw std::invalid_argument("hc_pre: at most 8 streams");
+  hc_pre_kernel<<<T, 512, 0, s>>>(X, mix, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, out, post, comb);
+  DS4_CHECK_LAUNCH("hc_pre");
+}
+
+void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
+                    int n, int D, float* Xo, cudaStream_t s) {
+  if (n > 16) throw std::invalid_argument("hc_post: at most 16 streams");
+  dim3 grid((D + 255) / 256, T);
+  hc_post_kernel<<<grid, 256, 0, s>>>(X, y1, y2, post, comb, n, D, Xo);
+  DS4_CHECK_LAUNCH("hc_post");
+}
+
+static void check_row_post(const RowPost& o, int d) {
+  if (d > 2048) throw std::invalid_argument("row length above 2048");
+  if (o.freq && (o.rope_dim <= 0 || o.rope_dim > d || o.rope_dim % 2)) throw std::invalid_argument("bad rope_dim");
+  if (o.fp8_nope % 64 || o.fp8_nope > d) throw std::invalid_argument("fp8 part must be a multiple of 64");
+  if (o.qat && (d % 32 || (d & (d - 1)))) throw std::invalid_argument("FP4 simulation needs a power-of-two row");
+}
+
+void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,
+                      int ring_cap, float* out, cudaStream_t s) {
+  check_row_post(o, d);
+  norm_rope_kernel<<<rows, 128, 2 * d * sizeof(float), s>>>(x, d, rows_per_token, pos, o, ring_cap, out);
+  DS4_CHECK_LAUNCH("norm_rope");
+}
+
+void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
+                   int k, float scale, int32_t* ids, float* wts, cudaStream_t s) {
+  if (E > 256 || k > 16 || k > E) throw std::invalid_argument("router: E <= 256 and k <= 16");
+  router_kernel<<<T, 32, 0, s>>>(logits, bias, table, tok, E, k, scale, ids, wts);
+  DS4_CHECK_LAUNCH("router");
+}
+
+void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s) {
+  swiglu_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(g, u, n, limit, out);
+  DS4_CHECK_LAUNCH("swiglu");
+}
+
+void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
+                          const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s) {
+  const int d = r == 4 ? width / 2 : width;
+  check_row_post(o, d);
+  compress_step_kernel<<<1, 256, 2 * d * sizeof(float), s>>>(kv, sc, ape, s_kv, s_sc, rows, pos, r, width, o);
+  DS4_CHECK_LAUNCH("compress_step");
+}
+
+int attn_chunks(int n_keys) { return (n_keys + ATT_KEYS - 1) / ATT_KEYS; }
+
+void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
+                      int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
+                      float* part_o, float* part_ml, float* out, cudaStream_t s) {
+  const int hb = H % ATT_HEADS == 0 ? ATT_HEADS : (H <= ATT_HEADS ? H : 0);
+  if (hb == 0) throw std::invalid_argument("attention: heads must be <= 16 or a multiple of 16");
+  check_row_post(o, d);
+  KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1};
+  const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);
+  size_t shm = (size_t)(ATT_KEYS * d + ATT_HEADS * ATT_KEYS) * sizeof(float);
+  static size_t shm_set = 0;
+  if (shm > 48 * 1024 && shm > shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(attn_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    shm_set = shm;
+  }
+  attn_partial_kernel<<<dim3(nc, H / hb), ATT_THREADS, shm, s>>>(q, L, n_keys, d, hb, pos, scale, part_o, part_ml);
+  DS4_CHECK_LAUNCH("attention partial");
+  attn_combine_kernel<<<H, 128, 2 * d * sizeof(float), s>>>(part_o, part_ml, nc, H, d, sinks, pos, o, out);
+  DS4_CHECK_LAUNCH("attention combine");
+}
+
+void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
+                       const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s) {
+  if (di % 2 || di > 512) throw std::invalid_argument("index_keys: indexer dim must be even, <= 512");
+  size_t shm = (size_t)(Hi * (di + 1) + 8 * di) * sizeof(float);
+  static size_t shm_set = 0;
+  if (shm > 48 * 1024 && shm > shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(index_keys_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    shm_set = shm;
+  }
+  index_keys_kernel<<<(n_rows + 7) / 8, 256, shm, s>>>(q, w, idx, n_rows, Hi, di, pos, ratio, scale, keys);
+  DS4_CHECK_LAUNCH("index_keys");
+}
+
+}  // namespace ds4gpu

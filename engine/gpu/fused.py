@@ -1,0 +1,175 @@
+"""Fused CUDA kernels for the layer chains of the CUDA engine session (ds4.engine.gpu.session).
+
+Each method runs one kernel of fused.cu on torch tensors (raw device pointers, torch's current
+stream) and means exactly what the torch ops it replaces mean (ops.rms_norm + hc_weights +
+stream_sum, ops.hc_post, rms_norm + apply_tail + fp8_kv_round / indexer_qat, the router's
+softplus/top-k/normalization, the compressor step, decode attention with sinks, the indexer
+scores). tests/test_gpu_fused.py holds every kernel to those torch ops on fresh random input.
+`attn_step` is the whole decode attention sublayer built from them (static shapes: capturable).
+
+DS4_GPU_FUSED=0 turns them off (the session then runs the torch ops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+F32 = torch.float32
+
+
+def _p(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class Fused:
+    def __init__(self, ext, device: torch.device):
+        self.ext, self.device = ext, device
+
+    def _stream(self) -> None:
+        self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    # ---- row-wise ops ------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self._stream()
+        n = x.shape[-1]
+        self.ext.rms_norm(_p(x), _p(w), _p(y), x.numel() // n, n, float(eps))
+        return y
+
+    def hc_pre(self, X: torch.Tensor, mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False):
+        """X [T, n, D], mix = W_fn . flatten(X) un-normalized → (rms_norm(Σ pre_i X_i) * norm_w, post, comb)."""
+        T, n, D = X.shape
+        X, mix = X.contiguous(), mix.contiguous()
+        out = torch.empty((T, D), dtype=F32, device=self.device)
+        post = torch.empty((T, n), dtype=F32, device=self.device)
+        comb = torch.empty((T, n, n), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.hc_pre(_p(X), _p(mix), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms),
+                        float(eps_hc), bool(head), _p(out), _p(post), _p(comb))
+        return out, post, comb
+
+    def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+        T, n, D = X.shape
+        X, y1 = X.contiguous(), y1.contiguous()
+        y2 = None if y2 is None else y2.contiguous()
+        out = torch.empty_like(X)
+        self._stream()
+        self.ext.hc_post(_p(X), _p(y1), _p(y2), _p(post), _p(comb), T, n, D, _p(out))
+        return out
+
+    def norm_rope(self, x: torch.Tensor, d: int, rows_per_token: int, pos: torch.Tensor | None, *,
+                  norm: bool = False, w: torch.Tensor | None = None, eps: float = 1e-6,
+                  freq: torch.Tensor | None = None, rope_dim: int = 0, inverse: bool = False, fp8_nope: int = 0,
+                  qat: bool = False, out: torch.Tensor | None = None, ring_cap: int = 0) -> torch.Tensor:
+        """Rows of length d: [rms_norm (* w)] → [RoPE tail at pos[row // rows_per_token]] → [FP8 | FP4 sim].
+        ring_cap > 0 (one row): written to out[pos % ring_cap] instead of a new tensor."""
+        x = x.contiguous()
+        rows = x.numel() // d
+        if out is None:
+            out = torch.empty((rows, d), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.norm_rope(_p(x), rows, d, rows_per_token, _p(pos), bool(norm), _p(w), float(eps), _p(freq),
+                           int(rope_dim), bool(inverse), int(fp8_nope), bool(qat), float(1.0 / math.sqrt(d)),
+                           int(ring_cap), _p(out))
+        return out
+
+    # ---- MoE -----------------------------------------------------------------------------------
+    def router(self, logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
+               tok: torch.Tensor, k: int, scale: float):
+        logits = logits.contiguous()
+        T, E = logits.shape
+        ids = torch.empty((T, k), dtype=torch.int32, device=self.device)
+        wts = torch.empty((T, k), dtype=F32, device=self.device)
+        tok = tok.to(torch.int64).contiguous()
+        self._stream()
+        self.ext.router(_p(logits), _p(bias), _p(table), _p(tok), T, E, int(k), float(scale), _p(ids), _p(wts))
+        return ids, wts
+
+    def swiglu(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+        g, u = g.contiguous(), u.contiguous()
+        out = torch.empty_like(g)
+        self._stream()
+        self.ext.swiglu(_p(g), _p(u), g.numel(), float(limit), _p(out))
+        return out
+
+    # ---- decode attention pieces -----------------------------------------------------------------
+    def compress_step(self, kv, sc, ape, s_kv, s_sc, rows, pos, r: int, norm_w, eps: float, freq, rope_dim: int,
+                      fp8_nope: int, qat: bool) -> None:
+        width = kv.shape[-1]
+        d = width // 2 if r == 4 else width
+        kv, sc = kv.contiguous(), sc.contiguous()
+        self._stream()
+        self.ext.compress_step(_p(kv), _p(sc), _p(ape), _p(s_kv), _p(s_sc), _p(rows), _p(pos), int(r), int(width),
+                               _p(norm_w), float(eps), _p(freq), int(rope_dim), int(fp8_nope), bool(qat),
+                               float(1.0 / math.sqrt(d)))
+
+    def attention(self, q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
+                  ratio: int, pos: torch.Tensor, sinks: torch.Tensor, freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
+        """Decode attention of q [H, d] over the raw ring and the visible compressed rows, with sinks;
+        inverse RoPE on the output tail. Returns [H, d]."""
+        H, d = q.shape
+        cap = raw.shape[0]
+        n_comp = 0 if comp is None else (sel.numel() if sel is not None else comp.shape[0])
+        nc = self.ext.attn_chunks(cap + n_comp)
+        part_o = torch.empty((nc, H, d), dtype=F32, device=self.device)
+        part_ml = torch.empty((nc, H, 2), dtype=F32, device=self.device)
+        out = torch.empty((H, d), dtype=F32, device=self.device)
+        q = q.contiguous()
+        self._stream()
+        self.ext.attention(_p(q), H, d, _p(raw), cap, _p(comp), _p(sel), n_comp, int(ratio), _p(pos),
+                           float(1.0 / math.sqrt(d)), _p(sinks), _p(freq), int(rope_dim), _p(part_o), _p(part_ml),
+                           _p(out))
+        return out
+
+    def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
+                   scale: float) -> torch.Tensor:
+        """Per compressed row: Σ_h scale w_h relu(q_h . row) as float64 minus row·1e-300, -inf if not visible."""
+        Hi, di = q.shape
+        keys = torch.empty(idx.shape[0], dtype=torch.float64, device=self.device)
+        q, w = q.contiguous(), w.contiguous()
+        self._stream()
+        self.ext.index_keys(_p(q), _p(w), _p(idx), idx.shape[0], Hi, di, _p(pos), int(ratio), float(scale), _p(keys))
+        return keys
+
+
+def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning)."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
+    r = cfg.ratio(li)
+    H, d, rd = cfg.n_head, cfg.head_dim, cfg.rope_dim
+    freq = sess._freq[r != 0]
+    cfreq = sess._freq[True]
+    q = K.norm_rope(W.mm(C.blk(li, L.ATTN_Q_B), c), d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd)
+    fp8 = cfg.n_nope if cfg.fp8_kv else 0
+    K.norm_rope(kv_lin, d, 1, pos, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps, freq=freq,
+                rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
+    comp = sel = None
+    if r:
+        for indexer in ((False, True) if r == 4 else (False,)):
+            names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM) if indexer else \
+                (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)
+            kv_c, sc_c = W.mm_many([C.blk(li, names[0]), C.blk(li, names[1])], a)
+            s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+                (st["comp_kv"], st["comp_score"], st["comp"])
+            K.compress_step(kv_c, sc_c, W.vec(C.blk(li, names[2])), s_kv, s_sc, rows, pos, 4 if indexer else r,
+                            W.vec(C.blk(li, names[3])), cfg.rms_eps, cfreq, rd,
+                            0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
+        comp = st["comp"]
+        if r == 4 and comp.shape[0] > cfg.indexer_top_k:
+            Hi, di = cfg.indexer_heads, cfg.indexer_dim
+            qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c), di, Hi, pos, freq=cfreq, rope_dim=rd,
+                             qat=cfg.indexer_qat)
+            wi = W.mm(C.blk(li, L.IDX_PROJ), a)
+            keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
+            sel = torch.topk(keys, cfg.indexer_top_k).indices
+    o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
+    low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), groups=cfg.o_groups)
+    return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
