@@ -26,6 +26,20 @@ def fail(prog: str, msg: str) -> int:
     return EXIT_USAGE
 
 
+def run_command(prog: str, command, args, user_errors: tuple[type[BaseException], ...] = (),
+                interrupted: str = "interrupted") -> int:
+    """`command(args)`, with UsageError, `user_errors` and the usual path errors printed as one line
+    `PROG: message` (exit 2) and Ctrl+C as `PROG: <interrupted>` (exit 130)."""
+    try:
+        return command(args)
+    except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError, *user_errors) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0."""
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ds4 import paths
 from ds4.atomic import atomic_write
-from ds4.cli_util import EXIT_USAGE, UsageError, add_model_argument, check_output_folder, count, load_model
+from ds4.cli_util import UsageError, add_model_argument, check_output_folder, count, load_model, run_command
 from ds4.imatrix import format as fmt
 
 
@@ -252,17 +252,8 @@ COMMANDS = {"collect": cmd_collect, "quant-error": cmd_quant_error, "build-datas
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except UsageError as e:
-        print(f"ds4-imatrix: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (fmt.ImatrixError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"ds4-imatrix: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ds4-imatrix: interrupted (nothing written)", file=sys.stderr)
-        return 130
+    return run_command("ds4-imatrix", COMMANDS[args.command], args, (fmt.ImatrixError,),
+                       interrupted="interrupted (nothing written)")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,8 @@ def cmd_diff(args) -> int:
         rep = compare_scores(read_scores(args.old), read_scores(args.new)).report()
     except ScoreFormatError as e:
         return _fail(str(e))
+    except OSError as e:
+        return _fail(f"{e.filename}: {e.strerror}")
     sys.stdout.write(rep)
     return 0
 

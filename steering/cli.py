@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ds4 import paths
-from ds4.cli_util import EXIT_USAGE, UsageError, add_model_argument, check_output_folder, count, load_model
+from ds4.cli_util import UsageError, add_model_argument, check_output_folder, count, load_model, run_command
 from ds4.steering import apply as steer_apply
 from ds4.steering.build import COMPONENT_KIND, DEFAULT_SYSTEM, direction_from_activations, read_prompt_file
 from ds4.steering.format import (
@@ -221,14 +221,7 @@ COMMANDS = {"build": cmd_build, "sweep": cmd_sweep, "generate": cmd_generate, "i
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except (UsageError, SteeringFileError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"ds4-steer: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ds4-steer: interrupted", file=sys.stderr)
-        return 130
+    return run_command("ds4-steer", COMMANDS[args.command], args, (SteeringFileError,))
 
 
 if __name__ == "__main__":
