@@ -121,6 +121,19 @@ def write_random_tiny(path: Path, seed: int = 0) -> Path:
     return write_random_model(path, preset("tiny"), seed)
 
 
+def greedy_oracle(session, ids: list[int], n: int, eos_id: int) -> list[int]:
+    """The engine driven directly: sync `ids`, then up to `n` argmax tokens, stopping before EOS
+    (which is neither returned nor evaluated). The oracle for every tool that generates greedily."""
+    logits, out = session.sync(ids), []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        if t == eos_id:
+            break
+        out.append(t)
+        logits = session.decode(t)
+    return out
+
+
 # ---- configs ------------------------------------------------------------------------------------
 
 def tiny_wide_ffn_config():

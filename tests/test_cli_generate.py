@@ -14,6 +14,7 @@ from ds4.engine.chat import ThinkMode, encode_chat_prompt
 from ds4.engine.cli import Printer, json_token_text, logprobs_json
 from ds4.engine.generate import Utf8Stream, generate, log_softmax_at, logprob_steps, top_ids
 from ds4.engine.sampling import Sampler
+from ds4_tool_util import greedy_oracle
 
 
 @pytest.fixture()
@@ -51,15 +52,7 @@ def test_generate_greedy_matches_manual_loop(tiny_model, session):
     gen = generate(session, prompt, 5, Sampler(temperature=0), on_token=seen.append, eos_id=tok.eos_id)
     from ds4.engine.session import Session
 
-    ref = Session(tiny_model, ctx=128)
-    logits = ref.sync(prompt)
-    manual = []
-    for _ in range(5):
-        t = int(np.argmax(logits))
-        if t == tok.eos_id:
-            break
-        manual.append(t)
-        logits = ref.decode(t)
+    manual = greedy_oracle(Session(tiny_model, ctx=128), prompt, 5, tok.eos_id)
     assert gen.tokens == manual == seen
     assert gen.prompt_tokens == len(prompt)
     assert gen.finish_reason == ("length" if len(manual) == 5 else "stop")

@@ -13,7 +13,7 @@ import pytest
 from ds4.eval.grading import grade
 from ds4.eval.questions import load_questions
 from ds4.eval.trace import read_trace
-from ds4_tool_util import BIN, QUESTIONS, run_cli
+from ds4_tool_util import BIN, QUESTIONS, greedy_oracle, run_cli
 
 REPORT_HEADER = "#   state    prompt      gen    total given    correct  test"
 
@@ -98,8 +98,6 @@ def test_regrade_reads_back_the_run(two_question_run):
 
 def test_nothink_greedy_matches_engine_oracle(eval_model):
     """In process: the runner's greedy no-think output is the engine's own argmax decode."""
-    import numpy as np
-
     from ds4.engine.chat import ThinkMode, encode_chat_prompt
     from ds4.engine.session import Session
     from ds4.eval.backends import LocalBackend
@@ -116,14 +114,7 @@ def test_nothink_greedy_matches_engine_oracle(eval_model):
     result = run.run()[0]
     tok = backend.tokenizer
     ids = encode_chat_prompt(tok, q.system_prompt, q.user_prompt, ThinkMode.NONE)
-    session = Session(backend.model, ctx=len(ids) + 14)
-    logits, out = session.sync(ids), []
-    for _ in range(12):
-        t = int(np.argmax(logits))
-        if t == tok.eos_id:
-            break
-        out.append(t)
-        logits = session.decode(t)
+    out = greedy_oracle(Session(backend.model, ctx=len(ids) + 14), ids, 12, tok.eos_id)
     assert result.output == tok.decode(out).decode("utf-8", "replace")
     assert result.generated == len(out) and result.prompt_tokens == len(ids)
     assert result.progress.think_close == "none"

@@ -7,7 +7,6 @@ import json
 import urllib.error
 import urllib.request
 
-import numpy as np
 import openai
 import pytest
 
@@ -15,7 +14,7 @@ from ds4.engine.chat import ThinkMode, encode_chat_prompt
 from ds4.engine.model import Model
 from ds4.engine.session import Session
 from ds4.eval.trace import read_trace
-from ds4_tool_util import ServerProcess, run_cli
+from ds4_tool_util import ServerProcess, greedy_oracle, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +43,7 @@ def greedy_reference(model_path, system, user, n):
     model = Model.load(model_path)
     tok = model.tokenizer
     ids = encode_chat_prompt(tok, system, user, ThinkMode.NONE)
-    session = Session(model, ctx=len(ids) + n + 2)
-    logits = session.sync(ids)
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits))
-        if t == tok.eos_id:
-            break
-        out.append(t)
-        logits = session.decode(t)
+    out = greedy_oracle(Session(model, ctx=len(ids) + n + 2), ids, n, tok.eos_id)
     return tok.decode(out).decode("utf-8", "replace")
 
 
