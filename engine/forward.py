@@ -208,6 +208,21 @@ class _RefKernels:
         w = model.w(name)
         return np.einsum("tgi,goi->tgo", x, w.reshape(groups, w.shape[0] // groups, w.shape[1])).astype(F32)
 
+    @staticmethod
+    def hc_block(model, X, fn_name, scale_name, base_name, norm_name):
+        return hc_block_ref(model, _RefKernels, X, fn_name, scale_name, base_name, norm_name)
+
+    hc_post = staticmethod(lambda X, y, post, comb: hc_post(X, y, post, comb))
+
+    @staticmethod
+    def moe(model, li, b, ids, w, limit, want_mid):
+        return None  # the per-expert loop in numpy
+
+    @staticmethod
+    def swiglu(g, u, limit, scale_rows=None):
+        h = _swiglu(g, u, limit)
+        return h if scale_rows is None else h * scale_rows[:, None]
+
 
 class _ReportingKernels:
     """Kernels that pass each 2-D layer projection's input to `hooks.linear_input` first. Only
@@ -220,6 +235,8 @@ class _ReportingKernels:
         self.indexer_scores = kernels.indexer_scores
         self.attend = kernels.attend
         self.expert_matmul = kernels.expert_matmul
+        self.hc_post = kernels.hc_post
+        self.swiglu = kernels.swiglu
 
     def _report(self, name: str, x: np.ndarray) -> None:
         if name.startswith("blk."):
@@ -232,6 +249,15 @@ class _ReportingKernels:
     def group_matmul(self, model, name, groups, x):
         self._report(name, x.reshape(-1, x.shape[-1]))
         return self._k.group_matmul(model, name, groups, x)
+
+    def hc_block(self, model, X, fn_name, scale_name, base_name, norm_name):
+        if hasattr(self._k, "unit_rms"):
+            self._report(fn_name, self._k.unit_rms(X.reshape(X.shape[0], -1), model.config.rms_eps))
+            return self._k.hc_block(model, X, fn_name, scale_name, base_name, norm_name)
+        return hc_block_ref(model, self, X, fn_name, scale_name, base_name, norm_name)
+
+    def moe(self, model, li, b, ids, w, limit, want_mid):
+        return None  # the per-expert loop, so the shared expert's projections are reported
 
 
 def _kernels(impl: str):
@@ -281,6 +307,13 @@ def _hc_mix(model, K, X: np.ndarray, fn_name: str) -> np.ndarray:
     return K.matmul(model, fn_name, rms_norm(X.reshape(T, n * D), None, model.config.rms_eps))
 
 
+def hc_block_ref(model, K, X: np.ndarray, fn_name: str, scale_name: str, base_name: str, norm_name: str):
+    """mHC pre and the sublayer's RMSNorm: (a = RMSNorm(u; norm) [T, D], post, comb)."""
+    cfg = model.config
+    u, post, comb = hc_pre(X, _hc_mix(model, K, X, fn_name), model.w(scale_name), model.w(base_name), cfg)
+    return rms_norm(u, model.w(norm_name), cfg.rms_eps), post, comb
+
+
 def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: int, cfg: Config, indexer: bool) -> np.ndarray:
     """Norm, RoPE at position i·r (compressed-layer RoPE) and the official rounding of new rows."""
     rows = rms_norm(pooled, norm, cfg.rms_eps)
@@ -298,9 +331,8 @@ def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, stat
     ratio = cfg.ratio(li)
     kv_name, gate_name, ape_name, norm_name = names
     kv = K.matmul(model, C.blk(li, kv_name), a)
-    ape = model.w(C.blk(li, ape_name))
     positions = pos0 + np.arange(a.shape[0])
-    score = K.matmul(model, C.blk(li, gate_name), a) + ape[positions % ratio]
+    score = K.matmul(model, C.blk(li, gate_name), a) + model.rows(C.blk(li, ape_name), positions % ratio)
     pooled = np.empty((a.shape[0] // ratio + 1, kv.shape[1] // 2 if ratio == 4 else kv.shape[1]), F32)
     n = K.compressor_scan(np.ascontiguousarray(kv), np.ascontiguousarray(score, dtype=F32), pos0, ratio,
                           state_kv, state_score, pooled)
@@ -390,7 +422,7 @@ def route(model, K, li: int, b: np.ndarray, tokens: np.ndarray) -> tuple[np.ndar
     cfg = model.config
     s = np.sqrt(softplus(K.matmul(model, C.blk(li, L.FFN_GATE_INP), b)))
     if cfg.is_hash_layer(li):
-        ids = model.ids(C.blk(li, L.FFN_GATE_TID2EID))[tokens]
+        ids = model.id_rows(C.blk(li, L.FFN_GATE_TID2EID), tokens)
     else:
         bias_name = C.blk(li, L.EXP_PROBS_B)
         biased = s + model.w(bias_name) if model.has(bias_name) else s
@@ -405,26 +437,35 @@ def _swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
 
 
 def moe(model, K, li: int, b: np.ndarray, tokens: np.ndarray, hooks: Hooks | None) -> np.ndarray:
-    """Routed experts plus the shared expert (model-spec §3.7); b = RMSNorm(v; ffn_norm) [T, D]."""
+    """Routed experts plus the shared expert (model-spec §3.7); b = RMSNorm(v; ffn_norm) [T, D].
+
+    Routed results are summed per token in ascending expert order, then the shared expert is added
+    (the numba kernel `kernels.moe` does the same in one call for float weights)."""
     cfg = model.config
     T, k = b.shape[0], cfg.n_expert_used
     limit = cfg.swiglu_clamp[li]
     ids, w = route(model, K, li, b, tokens)
     want_mid = hooks is not None and hooks.wants_routed_inputs()
-    mid = np.zeros((T, k, cfg.expert_ffn), F32) if want_mid else None
-    out = np.zeros((T, cfg.n_embd), F32)
-    W1, W3, W2 = (C.blk(li, n) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
-    for e in np.unique(ids):
-        tt, slot = np.nonzero(ids == e)
-        x = b[tt]
-        h = _swiglu(K.expert_matmul(model, W1, e, x), K.expert_matmul(model, W3, e, x), limit) * w[tt, slot, None]
-        if mid is not None:
-            mid[tt, slot] = h
-        np.add.at(out, tt, K.expert_matmul(model, W2, e, h))
+    fused = K.moe(model, li, b, ids, w, limit, want_mid)
+    if fused is not None:
+        out, mid = fused
+    else:
+        mid = np.zeros((T, k, cfg.expert_ffn), F32) if want_mid else None
+        out = np.zeros((T, cfg.n_embd), F32)
+        W1, W3, W2 = (C.blk(li, n) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
+        for e in np.unique(ids):
+            tt, slot = np.nonzero(ids == e)
+            x = b[tt]
+            h = K.swiglu(K.expert_matmul(model, W1, e, x), K.expert_matmul(model, W3, e, x), limit, w[tt, slot])
+            if mid is not None:
+                mid[tt, slot] = h
+            np.add.at(out, tt, K.expert_matmul(model, W2, e, h))
+        sh = K.swiglu(K.matmul(model, C.blk(li, L.FFN_GATE_SHEXP), b), K.matmul(model, C.blk(li, L.FFN_UP_SHEXP), b),
+                      limit)
+        out = (out + K.matmul(model, C.blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
     if want_mid:
         hooks.routed_inputs(li, b, ids, w, mid)
-    sh = _swiglu(K.matmul(model, C.blk(li, L.FFN_GATE_SHEXP), b), K.matmul(model, C.blk(li, L.FFN_UP_SHEXP), b), limit)
-    return (out + K.matmul(model, C.blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
+    return out
 
 
 def head(model, K, X: np.ndarray) -> np.ndarray:
@@ -465,21 +506,19 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
     pos0 = state.n_tokens
     if hooks is not None:
         hooks.begin(pos0, tokens)
-    e = model.w(C.TOKEN_EMBD)[tokens]
+    e = model.rows(C.TOKEN_EMBD, tokens)
     X = np.repeat(e[:, None, :], cfg.n_hc, axis=1).astype(F32)
     for li in range(cfg.n_layer):
         st = state.layers[li]
-        u, post, comb = hc_pre(X, _hc_mix(model, K, X, C.blk(li, L.HC_ATTN_FN)),
-                               model.w(C.blk(li, L.HC_ATTN_SCALE)), model.w(C.blk(li, L.HC_ATTN_BASE)), cfg)
-        a = rms_norm(u, model.w(C.blk(li, L.ATTN_NORM)), cfg.rms_eps)
+        a, post, comb = K.hc_block(model, X, C.blk(li, L.HC_ATTN_FN), C.blk(li, L.HC_ATTN_SCALE),
+                                   C.blk(li, L.HC_ATTN_BASE), C.blk(li, L.ATTN_NORM))
         y = _edit(hooks, li, "attn", attention(model, li, a, pos0, st, state, K))
-        X = hc_post(X, y, post, comb)
+        X = K.hc_post(X, y, post, comb)
 
-        v, post, comb = hc_pre(X, _hc_mix(model, K, X, C.blk(li, L.HC_FFN_FN)),
-                               model.w(C.blk(li, L.HC_FFN_SCALE)), model.w(C.blk(li, L.HC_FFN_BASE)), cfg)
-        b = rms_norm(v, model.w(C.blk(li, L.FFN_NORM)), cfg.rms_eps)
+        b, post, comb = K.hc_block(model, X, C.blk(li, L.HC_FFN_FN), C.blk(li, L.HC_FFN_SCALE),
+                                   C.blk(li, L.HC_FFN_BASE), C.blk(li, L.FFN_NORM))
         y = _edit(hooks, li, "ffn", moe(model, K, li, b, tokens, hooks))
-        X = hc_post(X, y, post, comb)
+        X = K.hc_post(X, y, post, comb)
         if hooks is not None:
             hooks.residual(li, X)
     state.n_tokens += T
@@ -489,27 +528,16 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
 
 
 def warm_weights(model) -> None:
-    """Prepare every weight the numba path multiplies by (float32, transposed where it helps)."""
-    from ds4.engine import kernels
-
+    """Make every weight view the fast path multiplies by (no conversion: F16 stays in the mmap)."""
     cfg = model.config
-    names = [C.OUTPUT, C.OUTPUT_HC_FN]
+    names = [C.OUTPUT, C.OUTPUT_HC_FN, C.TOKEN_EMBD]
     for li in range(cfg.n_layer):
-        for t in (L.HC_ATTN_FN, L.HC_FFN_FN, L.ATTN_Q_A, L.ATTN_Q_B, L.ATTN_KV, L.ATTN_OUTPUT_B, L.FFN_GATE_INP,
-                  L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP, L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS,
-                  L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_Q_B, L.IDX_PROJ):
+        for t in (L.HC_ATTN_FN, L.HC_FFN_FN, L.ATTN_Q_A, L.ATTN_Q_B, L.ATTN_KV, L.ATTN_OUTPUT_A, L.ATTN_OUTPUT_B,
+                  L.FFN_GATE_INP, L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP, L.FFN_GATE_EXPS,
+                  L.FFN_UP_EXPS, L.FFN_DOWN_EXPS, L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE,
+                  L.IDX_Q_B, L.IDX_PROJ):
             if model.has(C.blk(li, t)):
                 names.append(C.blk(li, t))
-        if model.quantized(C.blk(li, L.ATTN_OUTPUT_A)) is not None:
-            pass
-        elif cfg.o_lora_rank <= kernels.NARROW:
-            model.w(C.blk(li, L.ATTN_OUTPUT_A))
-        else:
-            model.transposed(C.blk(li, L.ATTN_OUTPUT_A), groups=cfg.o_groups)
     for name in names:
-        if model.quantized(name) is not None:
-            continue
-        if len(model.shape(name)) == 2 and model.shape(name)[0] <= kernels.NARROW:
-            model.w(name)
-        else:
-            model.transposed(name)
+        if model.quantized(name) is None:
+            model.dense(name)

@@ -15,6 +15,10 @@ import math
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
+
+from ds4.gguf_tools.quants import fused
+from ds4.gguf_tools.quants._numeric import bits_f32, f32_bits
 
 if nb.config.THREADING_LAYER == "default":
     # GNU OpenMP worker threads spin after each parallel region and starve the BLAS calls that
@@ -179,111 +183,192 @@ def attend(q, keys, mask, sinks, scale):
     return out
 
 
-@nb.njit(cache=True)
-def _matmul_block(x, wt, out, o0, n):
-    """Outputs o0..o0+n of every row: each accumulates k = 0..K−1 in order (no FMA contraction)."""
-    T, K = x.shape
-    acc = np.zeros((4, n), np.float32)
-    for t0 in range(0, T, 4):
-        nt = min(T - t0, 4)
-        acc[:] = 0
-        for k in range(K):
-            w = wt[k, o0:o0 + n]
-            for tt in range(nt):
-                xv = x[t0 + tt, k]
-                a = acc[tt]
-                for j in range(n):
-                    a[j] += xv * w[j]
-        for tt in range(nt):
-            out[t0 + tt, o0:o0 + n] = acc[tt, :n]
+# ---- dense weight products straight from the file ----------------------------------------------
+# Weights are used as stored: float32 rows (F32 tensors, in-memory models) or IEEE half bits as
+# uint16 rows (F16 tensors, a zero-copy view of the mmap). Half → float32 is exact, and every
+# output is summed in the one lane order of `ds4.gguf_tools.quants.fused` (64 lane sums over
+# k ≡ l mod 64 in increasing k, then a fixed halving tree), so an F16 model gives the same bits as
+# its float32 conversion, quantized and dense products share one order, and a token's result does
+# not depend on the batch it is in or on the thread that computed it.
+
+LANES = fused.LANES
 
 
-@nb.njit(cache=True, parallel=True)
-def _matmul_par(x, wt, out, OB):
-    O = wt.shape[1]
-    for ob in nb.prange((O + OB - 1) // OB):
-        _matmul_block(x, wt, out, ob * OB, min(O - ob * OB, OB))
+@nb.njit(inline="always")
+def f16_value(h):
+    """float32 value of the IEEE half whose bits are h (uint16), exact for every code.
 
-
-@nb.njit(cache=True)
-def _matmul_serial(x, wt, out, OB):
-    O = wt.shape[1]
-    for ob in range((O + OB - 1) // OB):
-        _matmul_block(x, wt, out, ob * OB, min(O - ob * OB, OB))
-
-
-def matmul_t(x, wt):
-    """out[t, o] = Σ_k x[t, k] · wt[k, o] with wt = Wᵀ ([K, O], contiguous).
-
-    Batch-invariant by construction: every output accumulates k = 0..K−1 strictly in order (no
-    fastmath, no FMA contraction), vectorised across o, so a row's result does not depend on how
-    many rows are multiplied with it or on threading. That makes prefill, chunked prefill and
-    decode bit-identical even through the discontinuous FP8/FP4 roundings (BLAS gemm/gemv blocking
-    is not). Blocks of 4 rows × 512 outputs keep the accumulators in L1; threads split the blocks.
+    Branch-free so loops over uint16 rows vectorise: shifting the 15 magnitude bits into a float32
+    exponent/mantissa and multiplying by 2^112 rebias normals and subnormals alike (a power-of-two
+    product, exact); exponent 31 (inf, NaN with its payload) is selected apart; the sign is or-ed in.
     """
-    T, K = x.shape
-    O = wt.shape[1]
-    out = np.empty((T, O), np.float32)
-    if T * K * O < PARALLEL_MIN_WORK or O <= 512:
-        _matmul_serial(x, wt, out, 512)
-    else:
-        _matmul_par(x, wt, out, 512)
-    return out
+    a = np.uint32(h)
+    m = (a & np.uint32(0x7FFF)) << np.uint32(13)
+    v = bits_f32(np.int32(m)) * np.float32(5.192296858534828e+33)  # 2^112
+    v = bits_f32(np.int32(m | np.uint32(0x7F800000))) if m >= np.uint32(0x0F800000) else v
+    return bits_f32(np.int32(f32_bits(v) | np.int32((a & np.uint32(0x8000)) << np.uint32(16))))
+
+
+def _weight_value(v):
+    """A stored weight as float32 (uint16: half bits; float32: itself). numba only."""
+    raise NotImplementedError
+
+
+@overload(_weight_value)
+def _weight_value_impl(v):
+    if isinstance(v, nb.types.Integer):
+        return lambda v: f16_value(v)
+    return lambda v: v
 
 
 @nb.njit(cache=True)
-def _matmul_rows_serial(x, w, out):
-    for t in range(x.shape[0]):
-        for o in range(w.shape[0]):
-            out[t, o] = _dot(x[t], w[o])
+def _f16_to_f32_rows(h, out):
+    for i in range(h.shape[0]):
+        _to_f32(h[i], out[i])
+
+
+@nb.njit(inline="always")
+def _to_f32(w, buf):
+    for j in range(w.shape[0]):
+        buf[j] = _weight_value(w[j])
+
+
+def f16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of an array of half bits (uint16) through the kernels' converter
+    (equal to numpy's float16 → float32 cast, which tests check on all 65536 codes)."""
+    h = np.ascontiguousarray(bits, dtype=np.uint16)
+    out = np.empty(h.shape, np.float32)
+    _f16_to_f32_rows(h.reshape(1, -1), out.reshape(1, -1))
+    return out
+
+
+@nb.njit(inline="always")
+def _tree(p):
+    """The halving tree over the 64 lane sums (lane l += lane l + h for h = 32, 16, …, 1), written
+    out so LLVM unrolls and vectorises it."""
+    for l in range(32):
+        p[l] += p[l + 32]
+    for l in range(16):
+        p[l] += p[l + 16]
+    for l in range(8):
+        p[l] += p[l + 8]
+    for l in range(4):
+        p[l] += p[l + 4]
+    for l in range(2):
+        p[l] += p[l + 2]
+    return p[0] + p[1]
+
+
+@nb.njit(inline="always")
+def _dot_lanes(w, x, p):
+    """w · x in the fixed lane order (w float32 or half bits, converted on the fly); p: scratch[LANES]."""
+    n = w.shape[0]
+    for l in range(LANES):
+        p[l] = 0.0
+    full = n - n % LANES
+    for j in range(0, full, LANES):
+        for l in range(LANES):
+            p[l] += _weight_value(w[j + l]) * x[j + l]
+    for l in range(n - full):
+        p[l] += _weight_value(w[full + l]) * x[full + l]
+    return _tree(p)
+
+
+@nb.njit(inline="always")
+def _dense_rows(w, x, out, r0, r1, buf, p):
+    """Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
+    convert the row once into buf, then run the lane sums of 4 tokens at a time against it (same
+    values, same order per token as the one-token pass). p: scratch [4, LANES]."""
+    T, K = x.shape
+    if T == 1:
+        for o in range(r0, r1):
+            out[0, o] = _dot_lanes(w[o], x[0], p[0])
+        return
+    full = K - K % LANES
+    T4 = T - T % 4
+    for o in range(r0, r1):
+        _to_f32(w[o], buf)
+        for t0 in range(0, T4, 4):
+            for tt in range(4):
+                for l in range(LANES):
+                    p[tt, l] = 0.0
+            for j in range(0, full, LANES):
+                for tt in range(4):
+                    xt = x[t0 + tt]
+                    pt = p[tt]
+                    for l in range(LANES):
+                        pt[l] += buf[j + l] * xt[j + l]
+            for tt in range(4):
+                xt = x[t0 + tt]
+                pt = p[tt]
+                for l in range(K - full):
+                    pt[l] += buf[full + l] * xt[full + l]
+                out[t0 + tt, o] = _tree(pt)
+        for t in range(T4, T):
+            out[t, o] = _dot_lanes(buf, x[t], p[0])
+
+
+@nb.njit(cache=True)
+def _dense_serial(w, x, out):
+    buf = np.empty(x.shape[1], np.float32)
+    p = np.empty((4, LANES), np.float32)
+    _dense_rows(w, x, out, 0, w.shape[0], buf, p)
 
 
 @nb.njit(cache=True, parallel=True)
-def _matmul_rows_par(x, w, out):
-    for o in nb.prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, o] = _dot(x[t], w[o])
+def _dense_par(w, x, out, step):
+    O = w.shape[0]
+    for b in nb.prange((O + step - 1) // step):
+        buf = np.empty(x.shape[1], np.float32)
+        p = np.empty((4, LANES), np.float32)
+        _dense_rows(w, x, out, b * step, min(O, (b + 1) * step), buf, p)
 
 
-NARROW = 128  # outputs up to which the dot form (W rows) beats the axpy form (Wᵀ rows)
+PARALLEL_MIN_WEIGHTS = 1 << 22  # weights × (tokens + 1) below which a thread launch costs more than it saves
 
 
-def matmul_w(x, w):
-    """out[t, o] = x[t] · w[o] for a narrow row-major W [O, K] (HC mixes, router, indexer weights,
-    grouped output): dot products with fixed 8-lane partial sums, batch-invariant like matmul_t."""
+def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """out[t, o] = x[t] · W[o] for W [O, K] stored as float32 or as half bits (uint16), in the lane
+    order; threads take blocks of output rows (each output is computed by one thread, in order)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    if x.shape[0] * x.shape[1] * w.shape[0] < PARALLEL_MIN_WORK:
-        _matmul_rows_serial(x, w, out)
+    O = w.shape[0]
+    if nb.get_num_threads() > 1 and O * w.shape[1] * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS and O >= 64:
+        _dense_par(w, x, out, max(16, min(1024, O // (8 * nb.get_num_threads()))))
     else:
-        _matmul_rows_par(x, w, out)
+        _dense_serial(w, x, out)
     return out
+
+
+def dense_matmul_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Readable definition of `dense_matmul`: convert, then the lane-order product in numpy."""
+    wf = w.view(np.float16).astype(np.float32) if w.dtype == np.uint16 else np.asarray(w, np.float32)
+    return fused.lane_dot_reference(wf, x)
 
 
 # ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
 def _quant_matmul(qtype, raw, x):
     """Fused dequantize-and-multiply from the GGUF blocks (gguf_tools.quants: per-output fixed order,
     so batch-invariant as well)."""
-    from ds4.gguf_tools import quants
-
-    return np.asarray(quants.matmul(qtype, raw, x), dtype=np.float32)
+    return np.asarray(fused.matmul(qtype, raw, x), dtype=np.float32)
 
 
 def matmul(model, name, x):
-    """x[T, in] @ W.T for the model's 2-D weight `name` (the form is chosen by W's shape only)."""
+    """x[T, in] @ W.T for the model's 2-D weight `name`, from the stored form (no float32 copy)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     qt = model.quantized(name)
     if qt is not None:
         return _quant_matmul(qt, model.raw(name), x)
-    w = model.w(name) if model.shape(name)[0] <= NARROW else None
-    return matmul_w(x, w) if w is not None else matmul_t(x, model.transposed(name))
+    return dense_matmul(model.dense(name), x)
 
 
 def expert_matmul(model, name, e, x):
     """x[T, in] @ W[e].T for expert e of a 3-D expert tensor."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     qt = model.quantized(name)
     if qt is not None:
-        return _quant_matmul(qt, model.raw(name)[e], np.ascontiguousarray(x, dtype=np.float32))
-    return matmul_t(np.ascontiguousarray(x, dtype=np.float32), model.transposed(name)[e])
+        return _quant_matmul(qt, model.raw(name)[e], x)
+    return dense_matmul(model.dense(name)[e], x)
 
 
 def group_matmul(model, name, groups, x):
@@ -291,17 +376,332 @@ def group_matmul(model, name, groups, x):
     rows = model.shape(name)[0] // groups
     out = np.empty((x.shape[0], groups, rows), np.float32)
     qt = model.quantized(name)
-    if qt is not None:
-        raw = model.raw(name)
-        for g in range(groups):
-            out[:, g] = _quant_matmul(qt, raw[g * rows:(g + 1) * rows], np.ascontiguousarray(x[:, g], dtype=np.float32))
-        return out
-    if rows <= NARROW:
-        w = model.w(name)
-        for g in range(groups):
-            out[:, g] = matmul_w(np.ascontiguousarray(x[:, g], dtype=np.float32), w[g * rows:(g + 1) * rows])
-        return out
-    wt = model.transposed(name, groups=groups)
+    w = model.raw(name) if qt is not None else model.dense(name)
     for g in range(groups):
-        out[:, g] = matmul_t(np.ascontiguousarray(x[:, g], dtype=np.float32), wt[g])
+        xg = np.ascontiguousarray(x[:, g], dtype=np.float32)
+        wg = w[g * rows:(g + 1) * rows]
+        out[:, g] = _quant_matmul(qt, wg, xg) if qt is not None else dense_matmul(wg, xg)
     return out
+
+
+# ---- mHC hyper-connections, one call per sublayer --------------------------------------------------
+@nb.njit(inline="always")
+def _sigmoid(v):
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-v))
+
+
+@nb.njit(inline="always")
+def _rms_scale(x, eps, p):
+    """1 / sqrt(mean(x²) + eps) with the sum of squares in the lane order."""
+    n = x.shape[0]
+    for l in range(LANES):
+        p[l] = 0.0
+    full = n - n % LANES
+    for j in range(0, full, LANES):
+        for l in range(LANES):
+            p[l] += x[j + l] * x[j + l]
+    for l in range(n - full):
+        p[l] += x[full + l] * x[full + l]
+    ms = _tree(p) / np.float32(n)
+    return np.float32(1.0) / np.sqrt(ms + np.float32(eps))
+
+
+@nb.njit(inline="always")
+def _hc_pre_token(X, fn, scale, base, norm, rms_eps, hc_eps, iters, a, post, comb, flat, mix, p):
+    n, D = X.shape
+    for i in range(n):
+        for j in range(D):
+            flat[i * D + j] = X[i, j]
+    inv = _rms_scale(flat, rms_eps, p)
+    for j in range(flat.shape[0]):
+        flat[j] = flat[j] * inv
+    for r in range(fn.shape[0]):
+        mix[r] = _dot_lanes(fn[r], flat, p)
+    for i in range(n):
+        post[i] = np.float32(2.0) * _sigmoid(mix[n + i] * scale[1] + base[n + i])
+    for r in range(n):
+        m = -np.inf
+        for c in range(n):
+            v = mix[2 * n + r * n + c] * scale[2] + base[2 * n + r * n + c]
+            comb[r, c] = v
+            m = max(m, v)
+        s = np.float32(0.0)
+        for c in range(n):
+            comb[r, c] = np.exp(comb[r, c] - m)
+            s += comb[r, c]
+        for c in range(n):
+            comb[r, c] = comb[r, c] / s + np.float32(hc_eps)
+    for it in range(iters):
+        if it > 0:  # rows (over c), then columns (over r); the first pass does columns only
+            for r in range(n):
+                s = np.float32(0.0)
+                for c in range(n):
+                    s += comb[r, c]
+                s += np.float32(hc_eps)
+                for c in range(n):
+                    comb[r, c] = comb[r, c] / s
+        for c in range(n):
+            s = np.float32(0.0)
+            for r in range(n):
+                s += comb[r, c]
+            s += np.float32(hc_eps)
+            for r in range(n):
+                comb[r, c] = comb[r, c] / s
+    # u = Σ_i pre_i · X_i, then RMSNorm(u) · norm
+    for j in range(D):
+        a[j] = np.float32(0.0)
+    for i in range(n):
+        pre = _sigmoid(mix[i] * scale[0] + base[i]) + np.float32(hc_eps)
+        for j in range(D):
+            a[j] += pre * X[i, j]
+    inv = _rms_scale(a, rms_eps, p)
+    for j in range(D):
+        a[j] = a[j] * inv * norm[j]
+
+
+@nb.njit(cache=True, parallel=True)
+def _hc_pre_par(X, fn, scale, base, norm, rms_eps, hc_eps, iters, a, post, comb):
+    T, n, D = X.shape
+    for t in nb.prange(T):
+        flat = np.empty(n * D, np.float32)
+        mix = np.empty(fn.shape[0], np.float32)
+        p = np.empty(LANES, np.float32)
+        _hc_pre_token(X[t], fn, scale, base, norm, rms_eps, hc_eps, iters, a[t], post[t], comb[t], flat, mix, p)
+
+
+@nb.njit(cache=True)
+def _hc_pre_serial(X, fn, scale, base, norm, rms_eps, hc_eps, iters, a, post, comb):
+    T, n, D = X.shape
+    flat = np.empty(n * D, np.float32)
+    mix = np.empty(fn.shape[0], np.float32)
+    p = np.empty(LANES, np.float32)
+    for t in range(T):
+        _hc_pre_token(X[t], fn, scale, base, norm, rms_eps, hc_eps, iters, a[t], post[t], comb[t], flat, mix, p)
+
+
+def hc_pre_norm(X, fn, scale, base, norm, rms_eps, hc_eps, iters):
+    """mHC pre + the sublayer's RMSNorm in one call, per token (forward.hc_pre then rms_norm is the
+    reference): X [T, n, D], fn [(2+n)·n, n·D] (float32 or half bits) → a [T, D], post [T, n],
+    comb [T, n, n]."""
+    T, n, D = X.shape
+    a = np.empty((T, D), np.float32)
+    post = np.empty((T, n), np.float32)
+    comb = np.empty((T, n, n), np.float32)
+    args = (np.ascontiguousarray(X, dtype=np.float32), fn, np.asarray(scale, np.float32),
+            np.asarray(base, np.float32), np.asarray(norm, np.float32), np.float32(rms_eps), np.float32(hc_eps),
+            int(iters), a, post, comb)
+    if T > 1 and nb.get_num_threads() > 1:
+        _hc_pre_par(*args)
+    else:
+        _hc_pre_serial(*args)
+    return a, post, comb
+
+
+@nb.njit(cache=True)
+def _hc_post(X, y, post, comb, out):
+    T, n, D = X.shape
+    for t in range(T):
+        for b in range(n):
+            for j in range(D):
+                s = comb[t, 0, b] * X[t, 0, j]
+                for i in range(1, n):
+                    s = s + comb[t, i, b] * X[t, i, j]
+                out[t, b, j] = post[t, b] * y[t, j] + s
+
+
+def hc_post(X, y, post, comb):
+    """X'[b] = post_b · y + Σ_a comb[a, b] · X[a] (forward.hc_post is the reference)."""
+    out = np.empty(X.shape, np.float32)
+    _hc_post(np.ascontiguousarray(X, dtype=np.float32), np.ascontiguousarray(y, dtype=np.float32), post, comb, out)
+    return out
+
+
+# ---- MoE: routed experts and the shared expert in one call -----------------------------------------
+@nb.njit(inline="always")
+def _swiglu_rows(g, u, limit, scale_rows, h):
+    """h = silu(min(g, limit)) · clip(u, ±limit) · scale_rows[t]  (forward._swiglu · weight)."""
+    lim = np.float32(limit)
+    for t in range(g.shape[0]):
+        for j in range(g.shape[1]):
+            gv = min(g[t, j], lim)
+            uv = min(max(u[t, j], -lim), lim)
+            h[t, j] = (gv * _sigmoid(gv)) * uv * scale_rows[t]
+
+
+@nb.njit(inline="always")
+def _expert(Wg, Wu, Wd, x, limit, wts, y, g, u, h, buf, hbuf, p):
+    """y [n, D] = down(swiglu(gate·x, up·x) · wts) for one expert's rows x [n, D]."""
+    n = x.shape[0]
+    _dense_rows(Wg, x, g, 0, Wg.shape[0], buf, p)
+    _dense_rows(Wu, x, u, 0, Wu.shape[0], buf, p)
+    _swiglu_rows(g, u, limit, wts, h)
+    _dense_rows(Wd, h, y, 0, Wd.shape[0], hbuf, p)
+
+
+@nb.njit(cache=True)
+def _moe_plan(ids, E):
+    """Slots grouped by expert: count[e], start[e], order (slot ids t·k+s in (token, slot) order
+    within each expert) and the list of experts that have slots."""
+    T, k = ids.shape
+    count = np.zeros(E, np.int64)
+    for t in range(T):
+        for s in range(k):
+            count[ids[t, s]] += 1
+    start = np.zeros(E + 1, np.int64)
+    for e in range(E):
+        start[e + 1] = start[e] + count[e]
+    order = np.empty(T * k, np.int64)
+    fill = start[:E].copy()
+    for t in range(T):
+        for s in range(k):
+            e = ids[t, s]
+            order[fill[e]] = t * k + s
+            fill[e] += 1
+    active = np.empty(E, np.int64)
+    n_active = 0
+    for e in range(E):
+        if count[e] > 0:
+            active[n_active] = e
+            n_active += 1
+    return count, start, order, active[:n_active]
+
+
+@nb.njit(cache=True)
+def _moe_experts(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid):
+    """Each listed expert multiplies the rows routed to it (a weight row is decoded once per call);
+    results go to ys[t, slot] (and the down inputs to mid[t, slot])."""
+    D = x.shape[1]
+    k = ys.shape[1]
+    F = Wg.shape[1]
+    buf = np.empty(D, np.float32)
+    hbuf = np.empty(F, np.float32)
+    p = np.empty((4, LANES), np.float32)
+    for e in experts:
+        n = count[e]
+        xe = np.empty((n, D), np.float32)
+        we = np.empty(n, np.float32)
+        for i in range(n):
+            slot = order[start[e] + i]
+            xe[i] = x[slot // k]
+            we[i] = wts[slot // k, slot % k]
+        g = np.empty((n, F), np.float32)
+        u = np.empty((n, F), np.float32)
+        h = np.empty((n, F), np.float32)
+        ye = np.empty((n, D), np.float32)
+        _expert(Wg[e], Wu[e], Wd[e], xe, limit, we, ye, g, u, h, buf, hbuf, p)
+        for i in range(n):
+            slot = order[start[e] + i]
+            ys[slot // k, slot % k] = ye[i]
+            if want_mid:
+                mid[slot // k, slot % k] = h[i]
+
+
+@nb.njit(cache=True)
+def _moe_finish(Sg, Su, Sd, x, ids, limit, ys, out):
+    """out[t] = (Σ routed results in ascending expert order, stable in slot order) + shared expert."""
+    T, D = x.shape
+    k = ids.shape[1]
+    Fs = Sg.shape[0]
+    gs = np.empty((T, Fs), np.float32)
+    us = np.empty((T, Fs), np.float32)
+    hs = np.empty((T, Fs), np.float32)
+    ysh = np.empty((T, D), np.float32)
+    ones = np.ones(T, np.float32)
+    buf = np.empty(D, np.float32)
+    hbuf = np.empty(Fs, np.float32)
+    p = np.empty((4, LANES), np.float32)
+    _expert(Sg, Su, Sd, x, limit, ones, ysh, gs, us, hs, buf, hbuf, p)
+    slots = np.empty(k, np.int64)
+    for t in range(T):
+        for s in range(k):  # insertion sort of the token's slots by expert id (stable)
+            slots[s] = s
+            j = s
+            while j > 0 and ids[t, slots[j - 1]] > ids[t, slots[j]]:
+                slots[j - 1], slots[j] = slots[j], slots[j - 1]
+                j -= 1
+        for j in range(D):
+            acc = np.float32(0.0)
+            for s in range(k):
+                acc += ys[t, slots[s], j]
+            out[t, j] = acc + ysh[t, j]
+
+
+@nb.njit(cache=True, parallel=True)
+def _moe_experts_par(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid):
+    for i in nb.prange(experts.shape[0]):
+        _moe_experts(Wg, Wu, Wd, x, wts, limit, count, start, order, experts[i:i + 1], ys, mid, want_mid)
+
+
+def moe_dense(Wg, Wu, Wd, Sg, Su, Sd, x, ids, wts, limit, want_mid=False):
+    """The whole MoE of forward.moe for float weights (float32 or half bits): routed experts
+    Wg/Wu [E, F, D], Wd [E, D, F] on ids/wts [T, k], plus the shared expert Sg/Su [F, D], Sd [D, F].
+    Returns (out [T, D], mid [T, k, F] or None: the routed down-projection inputs)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T, k = ids.shape
+    out = np.empty_like(x)
+    mid = np.zeros((T, k, Wg.shape[1]), np.float32) if want_mid else np.zeros((1, 1, 1), np.float32)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    wts = np.ascontiguousarray(wts, dtype=np.float32)
+    limit = np.float32(limit)
+    count, start, order, experts = _moe_plan(ids, Wg.shape[0])
+    ys = np.empty((T, k, x.shape[1]), np.float32)
+    run = _moe_experts_par if nb.get_num_threads() > 1 and T > 1 else _moe_experts
+    run(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid)
+    _moe_finish(Sg, Su, Sd, x, ids, limit, ys, out)
+    return out, (mid if want_mid else None)
+
+
+@nb.njit(cache=True)
+def _swiglu_call(g, u, limit, scale_rows, h):
+    _swiglu_rows(g, u, limit, scale_rows, h)
+
+
+def swiglu(g, u, limit, scale_rows=None):
+    """silu(min(g, limit)) · clip(u, ±limit) · scale_rows[:, None] (the MoE kernel's arithmetic)."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    s = np.ones(g.shape[0], np.float32) if scale_rows is None else np.ascontiguousarray(scale_rows, dtype=np.float32)
+    h = np.empty_like(g)
+    _swiglu_call(g, u, np.float32(limit), s, h)
+    return h
+
+
+def unit_rms(x, eps):
+    """x / sqrt(mean(x²) + eps) per row, as hc_pre_norm computes it (the HC mix's input)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _unit_rms_rows_eps(x, np.float32(eps), out)
+    return out
+
+
+@nb.njit(cache=True)
+def _unit_rms_rows_eps(x, eps, out):
+    p = np.empty(LANES, np.float32)
+    for t in range(x.shape[0]):
+        inv = _rms_scale(x[t], eps, p)
+        for j in range(x.shape[1]):
+            out[t, j] = x[t, j] * inv
+
+
+# ---- sublayer entry points used by the forward pass (model + tensor names) -------------------------
+def hc_block(model, X, fn_name, scale_name, base_name, norm_name):
+    """mHC pre of X [T, n, D] with the named weights, then the sublayer's RMSNorm: (a, post, comb)."""
+    cfg = model.config
+    return hc_pre_norm(X, model.dense(fn_name), model.w(scale_name), model.w(base_name), model.w(norm_name),
+                       cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters)
+
+
+def moe(model, li, b, ids, w, limit, want_mid):
+    """Routed + shared experts of layer li in one kernel when every expert weight is a float
+    tensor; None when some are block-quantized (the forward then runs its per-expert loop)."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS,
+                                    L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP)]
+    if any(model.quantized(n) is not None for n in names):
+        return None
+    ws = [model.dense(n) for n in names]
+    if len({a.dtype for a in ws[:3]}) != 1 or len({a.dtype for a in ws[3:]}) != 1:
+        return None
+    return moe_dense(*ws, b, ids, w, limit, want_mid)

@@ -36,6 +36,7 @@ class Model:
         self._source = tensors  # name -> array (numpy) or a DS4File-backed loader
         self._cache: dict[str, np.ndarray] = {}
         self._tcache: dict[tuple, np.ndarray] = {}
+        self._dense: dict[str, np.ndarray] = {}
         self._tokenizer = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -69,6 +70,7 @@ class Model:
                       file=self.file, path=self.path, fused_quant=self.fused_quant)
         other._cache = self._cache
         other._tcache = self._tcache
+        other._dense = self._dense
         other._tokenizer = self._tokenizer
         return other
 
@@ -117,6 +119,44 @@ class Model:
             arr = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=F32)
             self._tcache[key] = arr
         return arr
+
+    def dense(self, name: str) -> np.ndarray:
+        """A float (non-block) weight in the form the dense kernels multiply: F16 file tensors as
+        their half bits (uint16, a zero-copy view of the mmap: never converted or copied), F32 file
+        tensors and in-memory arrays as float32 (zero-copy when already float32); other types
+        (BF16) as a cached float32 conversion. numpy shape = reversed GGUF ne."""
+        arr = self._dense.get(name)
+        if arr is None:
+            src = self._source.get(name)
+            if src is None:
+                raise ModelError(f"tensor '{name}' is missing from the model")
+            if isinstance(src, _Lazy) and src.qtype == C.QuantType.F16:
+                arr = self.file.raw(name).view(np.uint16).reshape(src.shape)
+            elif isinstance(src, _Lazy) and src.qtype != C.QuantType.F32:
+                arr = self.w(name)
+            else:
+                arr = self.w(name)  # zero-copy view (file F32) or the in-memory array
+            self._dense[name] = arr
+        return arr
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """float32 rows W[index] of a float weight (token embedding, APE tables), converting only
+        those rows (no copy of the whole tensor)."""
+        w = self.dense(name)
+        picked = w[index]
+        if picked.dtype == np.uint16:
+            return picked.view(np.float16).astype(F32)
+        return np.asarray(picked, dtype=F32)
+
+    def id_rows(self, name: str, index) -> np.ndarray:
+        """Rows of an integer tensor (tid2eid) as int64, converting only those rows."""
+        src = self._source[name]
+        if isinstance(src, _Lazy):
+            arr = self._dense.get(name)
+            if arr is None:
+                arr = self._dense[name] = src.load()  # I32: a zero-copy view of the file
+            return np.asarray(arr[index]).astype(np.int64)
+        return np.asarray(src)[index].astype(np.int64)
 
     def ids(self, name: str) -> np.ndarray:
         """An integer tensor (tid2eid) as int64."""

@@ -159,15 +159,108 @@ def test_attend_kernel_matches_reference():
     np.testing.assert_allclose(plain, np.einsum("thn,nd->thd", p / p.sum(-1, keepdims=True), keys), atol=1e-5)
 
 
-@pytest.mark.parametrize("T,K,O", [(1, 64, 24), (7, 128, 1000), (33, 96, 513)])
-def test_matmul_kernel_matches_numpy_and_is_batch_invariant(T, K, O):
-    rng = np.random.default_rng(T)
+def test_f16_converter_matches_numpy_on_every_code():
+    codes = np.arange(65536, dtype=np.uint16)
+    ref = codes.view(np.float16).astype(F32)
+    got = kernels.f16_to_f32(codes)
+    # bit patterns: subnormals, ±0, ±inf and every NaN payload exactly as numpy converts them
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("T,K,O", [(1, 64, 24), (7, 128, 1000), (33, 96, 513), (9, 200, 70)])
+@pytest.mark.parametrize("half", [False, True])
+def test_dense_matmul_lane_order_and_batch_invariance(T, K, O, half):
+    rng = np.random.default_rng(T + K)
     x = rng.standard_normal((T, K)).astype(F32)
-    W = rng.standard_normal((O, K)).astype(F32)
-    out = kernels.matmul_t(x, np.ascontiguousarray(W.T))
-    np.testing.assert_allclose(out, x @ W.T, rtol=1e-4, atol=1e-4)
+    W = rng.standard_normal((O, K)).astype(np.float16 if half else F32)
+    w = W.view(np.uint16) if half else W
+    out = kernels.dense_matmul(w, x)
+    # the exact lane order of the readable reference, and a float64 product within rounding
+    np.testing.assert_array_equal(out, kernels.dense_matmul_ref(w, x))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ W.astype(np.float64).T, rtol=1e-4, atol=1e-4)
     for t in range(T):  # each row alone gives exactly the same bits
-        assert np.array_equal(kernels.matmul_t(x[t:t + 1], np.ascontiguousarray(W.T))[0], out[t])
+        assert np.array_equal(kernels.dense_matmul(w, x[t:t + 1])[0], out[t])
+    if half:  # half bits give the bits of their float32 conversion
+        assert np.array_equal(kernels.dense_matmul(W.astype(F32), x), out)
+
+
+def test_dense_matmul_threads_give_the_same_bits():
+    import numba
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((3000, 512)).astype(np.float16).view(np.uint16)
+    for T in (1, 6):
+        x = rng.standard_normal((T, 512)).astype(F32)
+        numba.set_num_threads(1)
+        one = kernels.dense_matmul(w, x)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        assert np.array_equal(kernels.dense_matmul(w, x), one)
+
+
+def test_hc_block_kernels_match_reference():
+    from ds4.engine import forward
+
+    cfg = preset("tiny")
+    rng = np.random.default_rng(11)
+    T, n, D = 5, cfg.n_hc, cfg.n_embd
+    X = rng.standard_normal((T, n, D)).astype(F32)
+    fn = (rng.standard_normal((cfg.hc_mix, n * D)) / 16).astype(np.float16)
+    scale, base = rng.standard_normal(3).astype(F32), rng.standard_normal(cfg.hc_mix).astype(F32)
+    norm = rng.standard_normal(D).astype(F32)
+    a, post, comb = kernels.hc_pre_norm(X, fn.view(np.uint16), scale, base, norm, cfg.rms_eps, cfg.hc_eps,
+                                        cfg.sinkhorn_iters)
+    mix = numerics.rms_norm(X.reshape(T, -1), None, cfg.rms_eps) @ fn.astype(F32).T
+    u, post_r, comb_r = hc_pre(X, mix, scale, base, cfg)
+    np.testing.assert_allclose(a, numerics.rms_norm(u, norm, cfg.rms_eps), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(post, post_r, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(comb, comb_r, rtol=1e-4, atol=1e-6)
+    for t in range(T):  # per token: the same bits alone
+        a1, p1, c1 = kernels.hc_pre_norm(X[t:t + 1], fn.view(np.uint16), scale, base, norm, cfg.rms_eps,
+                                         cfg.hc_eps, cfg.sinkhorn_iters)
+        assert np.array_equal(a1[0], a[t]) and np.array_equal(p1[0], post[t]) and np.array_equal(c1[0], comb[t])
+    y = rng.standard_normal((T, D)).astype(F32)
+    np.testing.assert_allclose(kernels.hc_post(X, y, post, comb), forward.hc_post(X, y, post, comb), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 9])
+def test_moe_kernel_equals_the_per_expert_loop(T):
+    """kernels.moe_dense == forward.moe's per-expert loop (same matmuls and SwiGLU) bit for bit,
+    and a float64 evaluation of the spec's formula within rounding."""
+    rng = np.random.default_rng(T)
+    E, F, D, k, limit = 8, 64, 128, 3, 2.5
+    Wg, Wu = (rng.standard_normal((E, F, D)).astype(np.float16) / 8 for _ in range(2))
+    Wd = rng.standard_normal((E, D, F)).astype(np.float16) / 8
+    Sg, Su = (rng.standard_normal((F, D)).astype(np.float16) / 8 for _ in range(2))
+    Sd = rng.standard_normal((D, F)).astype(np.float16) / 8
+    x = rng.standard_normal((T, D)).astype(F32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    ids[0, 1] = ids[0, 0]  # a repeated expert (hash routing can repeat one) adds twice
+    w = rng.random((T, k)).astype(F32)
+    u16 = [a.view(np.uint16) for a in (Wg, Wu, Wd, Sg, Su, Sd)]
+    out, mid = kernels.moe_dense(*u16, x, ids, w, limit, want_mid=True)
+    loop = np.zeros((T, D), F32)
+    loop_mid = np.zeros((T, k, F), F32)
+    for e in np.unique(ids):
+        tt, slot = np.nonzero(ids == e)
+        h = kernels.swiglu(kernels.dense_matmul(u16[0][e], x[tt]), kernels.dense_matmul(u16[1][e], x[tt]), limit,
+                           w[tt, slot])
+        loop_mid[tt, slot] = h
+        np.add.at(loop, tt, kernels.dense_matmul(u16[2][e], h))
+    sh = kernels.swiglu(kernels.dense_matmul(u16[3], x), kernels.dense_matmul(u16[4], x), limit)
+    loop = loop + kernels.dense_matmul(u16[5], sh)
+    assert np.array_equal(out, loop) and np.array_equal(mid, loop_mid)
+
+    def f64(g, u):
+        g = np.minimum(g, limit)
+        return g / (1 + np.exp(-g)) * np.clip(u, -limit, limit)
+    xd = x.astype(np.float64)
+    ref = f64(xd @ Sg.astype(np.float64).T, xd @ Su.astype(np.float64).T) @ Sd.astype(np.float64).T
+    for t in range(T):
+        for s in range(k):
+            e = ids[t, s]
+            h = f64(Wg[e].astype(np.float64) @ xd[t], Wu[e].astype(np.float64) @ xd[t]) * w[t, s]
+            ref[t] += Wd[e].astype(np.float64) @ h
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_topk_rows_ties_to_lowest_index():
