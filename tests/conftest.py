@@ -4,7 +4,7 @@
 otherwise it is built once per session in a temp directory with the real CLI:
 `ds4-quantize synth --preset tiny --seed 0` then `ds4-quantize convert --type f16`.
 `small_gguf` does the same for the `small` preset (about 500 MB); only tests marked
-`@pytest.mark.slow` should request it. `tiny_model` is the engine Model of `tiny_gguf`, loaded once
+`@pytest.mark.slow` should request it. `tok` is the DeepSeek tokenizer. `tiny_model` is the engine Model of `tiny_gguf`, loaded once
 per test module. `eval_model` is the default model (`make setup`'s, or $DS4_MODEL) when it exists,
 else a random `tiny` written once per session (ds4_tool_util.write_random_tiny).
 """
@@ -62,6 +62,14 @@ def small_gguf(tmp_path_factory) -> Path:
     if built.exists():
         return built
     return build_model("small", tmp_path_factory.mktemp("small"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The DeepSeek V4 tokenizer from tokenizer.json (no model needed)."""
+    from ds4.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_tokenizer_json()
 
 
 @pytest.fixture(scope="module")

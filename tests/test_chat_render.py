@@ -24,7 +24,6 @@ from ds4.engine.chat import (
     tool_schema_line,
     tools_prompt,
 )
-from ds4.engine.tokenizer import Tokenizer
 from ds4.paths import data_dir
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -62,11 +61,6 @@ WEATHER_CALL = (
     "</｜DSML｜invoke>\n"
     "</｜DSML｜tool_calls>"
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_tokenizer_json()
 
 
 # ---- §2.9 literal examples -------------------------------------------------------------------

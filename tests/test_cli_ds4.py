@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ds4.engine.chat import DEFAULT_SYSTEM, ThinkMode, encode_chat_prompt
-from ds4.engine.tokenizer import Tokenizer, default_tokenizer_json
+from ds4.engine.tokenizer import default_tokenizer_json
 
 RENDERED = "<｜begin▁of▁sentence｜>You are a helpful assistant<｜User｜>What is 2+2?<｜Assistant｜><think>"
 
@@ -29,11 +29,6 @@ def assert_user_error(proc, needle=""):
     assert len(lines) == 1 and lines[0].startswith("ds4: error:"), proc.stderr
     assert "Traceback" not in proc.stderr
     assert needle in lines[0]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_tokenizer_json()
 
 
 # ---- --dump-tokens (§4.4) --------------------------------------------------------------------

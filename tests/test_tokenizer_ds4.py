@@ -17,11 +17,6 @@ DATA = data_dir()
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_tokenizer_json()
-
-
-@pytest.fixture(scope="module")
 def hf():
     tokenizers = pytest.importorskip("tokenizers")
     return tokenizers.Tokenizer.from_file(str(T.default_tokenizer_json()))
