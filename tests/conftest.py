@@ -4,9 +4,10 @@
 otherwise it is built once per session in a temp directory with the real CLI:
 `ds4-quantize synth --preset tiny --seed 0` then `ds4-quantize convert --type f16`.
 `small_gguf` does the same for the `small` preset (about 500 MB); only tests marked
-`@pytest.mark.slow` should request it. `tok` is the DeepSeek tokenizer. `tiny_model` is the engine Model of `tiny_gguf`, loaded once
-per test module. `eval_model` is the default model (`make setup`'s, or $DS4_MODEL) when it exists,
-else a random `tiny` written once per session (ds4_tool_util.write_random_tiny).
+`@pytest.mark.slow` should request it. `tok` is the DeepSeek tokenizer. `tiny_model` is the
+engine Model of `tiny_gguf`, loaded once per test module. `eval_model` is the default model
+(`make setup`'s, or $DS4_MODEL) when it exists, else a random `tiny` written once per session
+(ds4_tool_util.write_random_tiny).
 """
 
 from __future__ import annotations
