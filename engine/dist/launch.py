@@ -54,7 +54,7 @@ def _rank_entry(local_rank: int, nproc: int, port: int, target: Callable, args: 
     _run_rank(target, args, result, nproc)
 
 
-def _run_rank(target: Callable, args: tuple, result: str | None, nproc: int) -> None:
+def _run_rank(target: Callable, args: tuple, result: str | None, nproc: int) -> Any:
     import torch
     import torch.distributed as dist
 
@@ -66,17 +66,18 @@ def _run_rank(target: Callable, args: tuple, result: str | None, nproc: int) -> 
             with open(tmp, "wb") as f:
                 pickle.dump(out, f)
             os.replace(tmp, result)
+        return out
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def spawn(target: Callable, args: tuple = (), nproc: int = 2, device: str = "cpu") -> Any:
-    """Run target(*args) on nproc ranks; return rank 0's return value."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a rank (torchrun)
-        result = None
-        _run_rank(target, args, result, int(os.environ["WORLD_SIZE"]))
-        return None
+    """Run target(*args) on nproc ranks; return rank 0's return value. Under torchrun (this process
+    is already one rank) run it here and return its own value: rank 0's result, None elsewhere."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        out = _run_rank(target, args, None, int(os.environ["WORLD_SIZE"]))
+        return out if int(os.environ["RANK"]) == 0 else None
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="ds4-dist-") as d:
@@ -251,11 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = spawn(_bench_comm_program, (args.device, _ints(args.comm_rows, "--comm-rows"),
                                                _ints(args.comm_dims, "--comm-dims"), args.iters),
                          nproc=args.nproc, device=args.device)
+            if rows is None:
+                return 0  # a rank > 0 under torchrun: rank 0 reports
             _print_comm_table(rows)
             result: Any = rows
         elif args.bench:
             result = run(_BenchCall(args.prompt_tokens, args.tokens, args.seed), args.nproc, args.model, **opts)
-            print(f"{args.nproc} ranks ({args.device}, {args.combine}): prefill {result['prefill_tps']:.2f} t/s "
+            if result is None:
+                return 0
+            print(f"{result['world']} ranks ({args.device}, {args.combine}): prefill {result['prefill_tps']:.2f} t/s "
                   f"({args.prompt_tokens} tokens), decode {result['decode_tps']:.2f} t/s ({args.tokens} tokens); "
                   f"MoE combine per decoded token {result['comm_decode']['payload'] / max(args.tokens, 1) / 1024:.1f} KiB "
                   f"payload, {result['comm_decode']['wire'] / max(args.tokens, 1) / 1024:.1f} KiB sent per rank; "
@@ -264,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"floor ({f['note']}): decode {f['decode_tps']:.1f} t/s, prefill {f['prefill_tps']:.1f} t/s")
         else:
             result = run(_GenerateCall(args.prompt, args.tokens, args.raw), args.nproc, args.model, **opts)
+            if result is None:
+                return 0
             sys.stdout.write(result["text"] + "\n")
             print(f"[{args.nproc} ranks: {result['prompt_tokens']} prompt tokens in {result['prefill_s']:.2f} s, "
                   f"{len(result['tokens'])} generated in {result['decode_s']:.2f} s]", file=sys.stderr)

@@ -207,8 +207,11 @@ def init_distributed(device: str = "cpu") -> tuple[int, int, torch.device]:
         dev = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        kw = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
+        try:  # device_id binds NCCL's communicator eagerly (torch >= 2.3)
+            kw = {"device_id": dev} if backend == "nccl" else {}
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
+        except TypeError:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
     return rank, world, dev
 
 
