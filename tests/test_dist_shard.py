@@ -107,12 +107,13 @@ def test_rank_parts_sum_to_the_unsharded_moe(small_q2, world):
     li = 3
     full = Weights(m, CPU).moe(li, b, ids, wts, 10.0)  # the CUDA engine's own (gather) path
     one = ShardedWeights(m, CPU, 0, 1, Combiner(None, "allreduce", 1)).moe(li, b, ids, wts, 10.0)
-    parts = [ShardedWeights(m, CPU, r, world, Combiner(None, "allreduce", 1)).moe(li, b, ids, wts, 10.0)
-             for r in range(world)]
-    assert all(p.abs().sum() > 0 for p in parts)
     scale = float(full.norm())
     assert float((one - full).norm()) / scale < 1e-5
-    assert float((sum(parts) - full).norm()) / scale < 1e-5
+    for static in (False, True):  # eager per-expert groups (CPU) / masked static slots (the CUDA graph path)
+        parts = [ShardedWeights(m, CPU, r, world, Combiner(None, "allreduce", 1), static_moe=static)
+                 .moe(li, b, ids, wts, 10.0) for r in range(world)]
+        assert all(p.abs().sum() > 0 for p in parts)
+        assert float((sum(parts) - full).norm()) / scale < 1e-5, static
 
 
 def test_wire_bytes_of_the_ring_algorithms():

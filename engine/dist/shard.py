@@ -93,8 +93,12 @@ def expert_slice_f32(model, name: str, e0: int, e1: int) -> np.ndarray:
 class ShardedWeights(Weights):
     """The CUDA engine's weights holding only this rank's routed experts (see the module doc)."""
 
-    def __init__(self, model, device: torch.device, rank: int, world: int, combiner: Combiner):
+    def __init__(self, model, device: torch.device, rank: int, world: int, combiner: Combiner,
+                 static_moe: bool | None = None):
         super().__init__(model, device)
+        # static: every slot computed with masked weights (CUDA-graph capturable; the CUDA default);
+        # otherwise each local expert multiplies only its tokens (eager, the CPU default)
+        self.static_moe = device.type == "cuda" if static_moe is None else static_moe
         self.rank, self.world = rank, world
         self.e0, self.e1 = expert_range(model.config.n_expert, rank, world)
         self.combiner = combiner
@@ -131,7 +135,7 @@ class ShardedWeights(Weights):
         """Σ over this rank's experts of the routed contributions, summed over all ranks."""
         local = (ids >= self.e0) & (ids < self.e1)
         gate = self.mat(C.blk(li, L.FFN_GATE_EXPS))
-        if isinstance(gate, torch.Tensor) and self.device.type == "cpu":
+        if isinstance(gate, torch.Tensor) and not self.static_moe:
             y = self._moe_grouped(li, b, ids, wts, local, limit)
         else:
             # Static shapes (CUDA-graph capturable): slots routed elsewhere point at the rank's first
