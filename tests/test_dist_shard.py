@@ -125,3 +125,13 @@ def test_wire_bytes_of_the_ring_algorithms():
     assert wire_bytes("auto", 1 << 20, 4) == pytest.approx(1.5 * (1 << 20))  # large: all-reduce
     with pytest.raises(ValueError):
         wire_bytes("alltoall", 1, 2)
+
+
+def test_graph_replays_are_counted_as_one_row_combines():
+    c = Combiner(None, "auto", world=4)
+    c.count_replayed(3, 2048, 8)
+    assert (c.stats.calls, c.stats.payload_bytes) == (24, 24 * 2048)
+    assert c.stats.wire_bytes == pytest.approx(24 * 3 * 2048)  # small rows: all-gather
+    one = Combiner(None, "auto", world=1)
+    one.count_replayed(3, 2048, 8)
+    assert one.stats.calls == 0

@@ -104,6 +104,17 @@ class Combiner:
         s.per_tokens[y.shape[0]] = s.per_tokens.get(y.shape[0], 0) + 1
         return out
 
+    def count_replayed(self, steps: int, row_bytes: int, n_layer: int) -> None:
+        """Account decode steps replayed from a CUDA graph: their combines ran on the device
+        without passing through `combine` (n_layer one-row combines per step)."""
+        if self.world == 1 or steps <= 0:
+            return
+        s = self.stats
+        s.calls += steps * n_layer
+        s.payload_bytes += steps * n_layer * row_bytes
+        s.wire_bytes += steps * n_layer * wire_bytes(self.strategy, row_bytes, self.world)
+        s.per_tokens[1] = s.per_tokens.get(1, 0) + steps * n_layer
+
     def _rs_ag(self, y: torch.Tensor) -> torch.Tensor:
         N = self.world
         flat = y.reshape(-1)

@@ -56,7 +56,29 @@ class DistSession:
 
     def _call(self, op: str, *args):
         self._send(op, *args)
-        return getattr(self.inner, op)(*args)
+        # sync may rebuild (compare the token lists); the others only extend (compare lengths)
+        before = self.inner.tokens if op == "sync" else self.inner.pos
+        payload = self.comm.payload_bytes
+        try:
+            return getattr(self.inner, op)(*args)
+        finally:
+            if op not in ("invalidate", "restore"):
+                self._count_replays(before, payload)
+
+    def _count_replays(self, before, payload: int) -> None:
+        """Every token a forward processes crosses n_layer combines; on CUDA, decode steps replayed
+        from the captured graph skip the Python counters, so add what is missing."""
+        if isinstance(before, list):
+            after = self.inner.tokens
+            kept = len(before) if after[:len(before)] == before else 0
+            n_after = len(after)
+        else:
+            kept, n_after = before, self.inner.pos
+        cfg = self.inner.cfg
+        row = cfg.n_embd * 4
+        missing = (n_after - kept) * cfg.n_layer * row - (self.comm.payload_bytes - payload)
+        if missing > 0:
+            self.inner.W.combiner.count_replayed(missing // (cfg.n_layer * row), row, cfg.n_layer)
 
     def sync(self, tokens) -> np.ndarray:
         return self._call("sync", [int(t) for t in tokens])
