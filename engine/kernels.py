@@ -82,36 +82,16 @@ def compressor_scan(kv, score, pos0, ratio, state_kv, state_score, out):
 PARALLEL_MIN_WORK = 1 << 21  # multiply-adds below which a thread launch costs more than it saves
 
 
-@nb.njit(cache=True, inline="always")
-def _dot(a, b):
-    """a · b with 8 explicit partial sums combined in a fixed order: SIMD-friendly and the same
-    bits in every caller (serial or threaded), which fastmath reassociation would not promise."""
-    n = a.shape[0]
-    p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = np.float32(0.0)
-    n8 = n - n % 8
-    for j in range(0, n8, 8):
-        p0 += a[j] * b[j]
-        p1 += a[j + 1] * b[j + 1]
-        p2 += a[j + 2] * b[j + 2]
-        p3 += a[j + 3] * b[j + 3]
-        p4 += a[j + 4] * b[j + 4]
-        p5 += a[j + 5] * b[j + 5]
-        p6 += a[j + 6] * b[j + 6]
-        p7 += a[j + 7] * b[j + 7]
-    for j in range(n8, n):
-        p0 += a[j] * b[j]
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
-
-
 @nb.njit(cache=True)
 def _indexer_rows(q, w, keys, out, lo, hi):
     Hi = q.shape[1]
     N = keys.shape[0]
+    p = np.empty(LANES, np.float32)
     for tc in range(lo, hi):
         t, c = tc // N, tc % N
         total = np.float32(0.0)
         for h in range(Hi):
-            dot = _dot(q[t, h], keys[c])
+            dot = _dot_lanes(q[t, h], keys[c], p)
             if dot > 0:
                 total += w[t, h] * dot
         out[t, c] = total
@@ -140,12 +120,13 @@ def _attend_rows(q, keys, mask, sinks, scale, out, lo, hi):
     H, d = q.shape[1], q.shape[2]
     N = keys.shape[0]
     s = np.empty(N, np.float32)
+    lanes = np.empty(LANES, np.float32)
     for th in range(lo, hi):
         t, h = th // H, th % H
         m = np.float32(sinks[h])
         for n in range(N):
             if mask[t, n]:
-                dot = _dot(q[t, h], keys[n]) * scale
+                dot = _dot_lanes(q[t, h], keys[n], lanes) * scale
                 s[n] = dot
                 if dot > m:
                     m = dot
@@ -176,7 +157,7 @@ def attend(q, keys, mask, sinks, scale):
     T, H, d = q.shape
     out = np.zeros((T, H, d), np.float32)
     sinks = np.ascontiguousarray(sinks, dtype=np.float32)
-    if T * H * keys.shape[0] * d < PARALLEL_MIN_WORK:
+    if T * H * keys.shape[0] * d < PARALLEL_MIN_WORK or nb.get_num_threads() == 1:
         _attend_rows(q, keys, mask, sinks, np.float32(scale), out, 0, T * H)
     else:
         _attend_par(q, keys, mask, sinks, np.float32(scale), out, 1)
