@@ -61,7 +61,7 @@ def expert_blocks(dsfile, name: str, e0: int, e1: int) -> np.ndarray:
         raise ValueError(f"expert range [{e0}, {e1}) outside the {n_expert} experts of '{name}'")
     per_expert = info.nbytes // n_expert
     rows = int(info.ne[1])
-    mm = dsfile.mapping(name) if hasattr(dsfile, "mapping") else dsfile._mm
+    mm = dsfile.mapping(name)  # the file, or the split part holding the tensor
     flat = np.frombuffer(mm, dtype=np.uint8, count=(e1 - e0) * per_expert, offset=info.offset + e0 * per_expert)
     return flat.reshape(e1 - e0, rows, per_expert // rows)
 
