@@ -108,8 +108,9 @@ class ErrorsThenWork:
         return out
 
 
-def test_errors_restore_and_rebuild_stay_in_step(small_f16, ref_exact):
-    r = run(ErrorsThenWork(), 2, small_f16, ctx=CTX, fp8_kv=False, indexer_qat=False, combine="allgather")
+def test_errors_restore_chunks_and_rebuild_stay_in_step(small_f16, ref_exact):
+    r = run(ErrorsThenWork(), 2, small_f16, ctx=CTX, fp8_kv=False, indexer_qat=False, combine="allgather",
+            prefill_chunk=8)  # chunked prefill: every chunk is one collective forward
     assert "exceeds context" in r["error"]
     assert r["restored"] and r["consistent"]
     m = Model.load(small_f16, fp8_kv=False, indexer_qat=False)
