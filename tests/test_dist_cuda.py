@@ -35,7 +35,9 @@ def one_gpu(path, ctx):
     from ds4.engine.gpu.session import Session
     from ds4.engine.model import Model
 
-    s = Session(Model.load(path), ctx=ctx, device="cuda")
+    # Roundings off: with the FP8/FP4 simulations on, the sharded sum order flips roundings and the
+    # logits move by ~5e-2 (measured on nvidia-h200-x2); the strict check is the plain float math.
+    s = Session(Model.load(path, fp8_kv=False, indexer_qat=False), ctx=ctx, device="cuda")
     rows = [s.sync(PROMPT)]
     for _ in range(DECODES):
         rows.append(s.decode(int(np.argmax(rows[-1]))))
@@ -65,7 +67,8 @@ def test_sharded_gpus_equal_one_gpu(tmp_path_factory, path, world, graphs):
 
     gc.collect()  # free the one-GPU weights on device 0 before rank 0 loads its share there
     torch.cuda.empty_cache()
-    r = run(TraceCall(PROMPT, DECODES, GREEDY), world, path, ctx=ctx, device="cuda", graphs=graphs)
+    r = run(TraceCall(PROMPT, DECODES, GREEDY), world, path, ctx=ctx, device="cuda", graphs=graphs,
+            fp8_kv=False, indexer_qat=False)
     errs = [rel(r["logits"][i], ref_logits[i]) for i in range(DECODES + 1)]
     print(f"{world} GPUs graphs={graphs}: rel {max(errs):.2e}, greedy {r['greedy'] == ref_greedy}")
     assert r["consistent"] and max(errs) < 1e-4 and r["greedy"] == ref_greedy
