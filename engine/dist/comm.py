@@ -18,7 +18,8 @@ rank ends with the same reduced values, so the replicated state never drifts apa
 measured with gloo (README.md), one all-gather beats the all-reduce at batch 1 (a ring all-gather is
 N-1 steps, a ring all-reduce 2(N-1), and at these sizes every step is latency), and the all-reduce
 wins from about T = 64 rows on (it sends 2(N-1)/N · S instead of (N-1) · S). The choice depends
-only on T, so every rank makes the same one.
+only on T, so every rank makes the same one. On CUDA (NCCL) `auto` is always all-reduce: on two
+NVLink H200s it beat both others at every payload from 16 KiB to 56 MiB.
 
 `bench_combine` times the three on the current process group (ds4-dist --bench-comm).
 """
@@ -83,7 +84,9 @@ class Combiner:
         n = y.numel() * y.element_size()
         strategy = self.strategy
         if strategy == "auto":
-            strategy = "allgather" if n <= AUTO_GATHER_BYTES else "allreduce"
+            # NCCL on 2 NVLink H200s: all-reduce was fastest at every size measured (T = 1..2048,
+            # D = 4096/7168; BENCHMARKS.md), so the gloo-derived all-gather cut-off is CPU-only.
+            strategy = "allreduce" if y.is_cuda or n > AUTO_GATHER_BYTES else "allgather"
         t0 = time.perf_counter()
         if strategy == "allreduce":
             y = y.contiguous()
