@@ -8,7 +8,8 @@ tensor and the experts into F16, `f32` keeps everything float32 (for close compa
 oracle). Family flags and `--tensor-type` overrides then apply in ds4's decision order:
 
 1. `--tensor-type PFX=T` (exact name or prefix, first match wins), any tensor;
-2. routed experts: the per-part flag, else `--experts`, else the template;
+2. routed experts: the per-part flag, else `--experts`, else the template (whose mix is `--mix`,
+   or q4 for the last `--q4-last-layers N` layers: the published q2-q4 product, §1.8);
 3. 1-D tensors and I32 keep the template type;
 4. `token_embd` → `--embedding`; `output.*` → `--output`; `*_shexp.*` → `--shared`;
    attention projections → `--attention-proj`; other attention/indexer/compressor tensors →
@@ -69,6 +70,14 @@ class Policy:
     output: QuantType | None = None
     dense: QuantType | None = None
     tensor_types: list[tuple[str, QuantType]] = field(default_factory=list)
+    q4_last_layers: int = 0  # the q2-q4 mix: routed experts of the last N layers take the q4 mix
+
+
+def layer_mix(p: Policy, layer: int | None, n_layer: int) -> str | None:
+    """The routed-expert mix of one layer: `--mix`, except q4 for the last `q4_last_layers` layers."""
+    if layer is not None and p.q4_last_layers and layer >= n_layer - p.q4_last_layers:
+        return "q4"
+    return p.mix
 
 
 def _suffix(slot: TensorSlot) -> T | None:
@@ -119,11 +128,11 @@ def _family(slot: TensorSlot, p: Policy) -> QuantType | None:
     return p.dense
 
 
-def choose_type(slot: TensorSlot, p: Policy) -> QuantType:
+def choose_type(slot: TensorSlot, p: Policy, n_layer: int = 0) -> QuantType:
     for prefix, t in p.tensor_types:
         if slot.name == prefix or slot.name.startswith(prefix):
             return t
-    tmpl = template_type(slot, p.base, p.mix)
+    tmpl = template_type(slot, p.base, layer_mix(p, slot.layer, n_layer) if slot.kind == Kind.EXPERTS else p.mix)
     if slot.kind == Kind.EXPERTS:
         part = {T.FFN_GATE_EXPS: p.routed_gate, T.FFN_UP_EXPS: p.routed_up, T.FFN_DOWN_EXPS: p.routed_down}[_suffix(slot)]
         # QuantType.F32 is 0, so test for None rather than truth
@@ -140,12 +149,17 @@ def plan(cfg: Config, p: Policy, present: set[str] | None = None) -> list[Tensor
         raise PlanError(f"unknown --type '{p.base}' (choose {', '.join(BASES)})")
     if p.mix is not None and p.mix not in MIXES:
         raise PlanError(f"unknown --mix '{p.mix}' (choose {', '.join(MIXES)})")
+    if p.q4_last_layers:
+        if p.mix != "q2":
+            raise PlanError("--q4-last-layers makes the q2-q4 mix: it goes with --mix q2")
+        if not 0 < p.q4_last_layers <= cfg.n_layer:
+            raise PlanError(f"--q4-last-layers {p.q4_last_layers}: this model has {cfg.n_layer} layers")
     out = []
     by_layer: dict[int, dict[T, QuantType]] = {}
     for slot in tensor_layout(cfg):
         if slot.optional and present is not None and slot.name not in present:
             continue
-        t = choose_type(slot, p)
+        t = choose_type(slot, p, cfg.n_layer)
         if slot.kind == Kind.INDEX and t != Q.I32:
             raise PlanError(f"tensor '{slot.name}' holds expert ids and must stay I32, not {t.name}")
         if slot.kind == Kind.VECTOR and t != Q.F32:
@@ -164,3 +178,47 @@ def plan(cfg: Config, p: Policy, present: set[str] | None = None) -> list[Tensor
             raise PlanError(f"layer {layer}: routed gate ({types[T.FFN_GATE_EXPS].name}) and up "
                             f"({types[T.FFN_UP_EXPS].name}) experts must share a type")
     return out
+
+
+# ---- published file names (tooling-spec §1.8) ----------------------------------------------------
+
+_MIX_TAGS = {
+    "q2": "IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8",
+    "q4": "Q4KExperts-F16HC-F16Compressor-F16Indexer-Q8Attn-Q8Shared-Q8Out",
+}
+_PRESET_STEMS = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro"}
+
+
+def model_stem(cfg: Config, fallback: str) -> str:
+    """'DeepSeek-V4-Flash' / '-Pro' when `cfg` has that preset's shape, else `fallback`."""
+    from ds4.engine.config import preset
+
+    for key, stem in _PRESET_STEMS.items():
+        ref = preset(key)
+        if (cfg.n_layer, cfg.n_embd, cfg.n_expert, cfg.expert_ffn, cfg.vocab_size) == \
+                (ref.n_layer, ref.n_embd, ref.n_expert, ref.expert_ffn, ref.vocab_size):
+            return stem
+    return fallback
+
+
+def published_filename(stem: str, p: Policy, n_layer: int, imatrix: bool = False) -> str:
+    """The file name the published DS4 GGUFs give this product (§1.8), e.g.
+    `DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2-imatrix.gguf`.
+
+    q2, q4 and q2-q4 (`--q4-last-layers`) on the published base (`--type q8_0`) get the published
+    names; any other policy is named after its base and mix, and `-custom` marks family or
+    per-tensor flags the name cannot describe.
+    """
+    custom = any(v is not None for v in (p.experts, p.routed_gate, p.routed_up, p.routed_down, p.attention_proj,
+                                         p.attention, p.shared, p.embedding, p.output, p.dense)) or bool(p.tensor_types)
+    if p.base == "q8_0" and p.mix in _MIX_TAGS:
+        if p.q4_last_layers:
+            first = n_layer - p.q4_last_layers
+            tag = (f"Layers{first:02d}-{n_layer - 1:02d}Q4KExperts-OtherExpertLayersIQ2XXSGateUp-Q2KDown-"
+                   "AProjQ8-SExpQ8-OutQ8")
+        else:
+            tag = _MIX_TAGS[p.mix]
+        tag += "-chat-v2"
+    else:
+        tag = p.base.upper().replace("_", "") + (f"-{p.mix.upper()}Experts" if p.mix else "")
+    return f"{stem}-{tag}{'-custom' if custom else ''}{'-imatrix' if imatrix else ''}.gguf"

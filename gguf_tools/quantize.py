@@ -6,6 +6,8 @@
     ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2
     ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2 --imatrix im.dat
     ds4-quantize convert HF_DIR out.gguf --type q8_0 --mix q2 --compare-tensor blk.0.ffn_gate_exps.weight
+    ds4-quantize convert HF_DIR --out-dir models --type q8_0 --mix q2 --q4-last-layers 6 --imatrix im.dat
+    ds4-quantize splice --base q2.gguf --donor q4.gguf --q4-layers 37-42 --out q2-q4.gguf
     ds4-quantize info models/ds4-tiny.gguf
 
 `convert` streams tensor by tensor (routed experts expert by expert, big matrices by row block),
@@ -32,7 +34,7 @@ from ds4.gguf_tools.constants import QuantType
 from ds4.gguf_tools.hf import HFCheckpoint, HFError
 from ds4.gguf_tools.importance import Importance, ImportanceError
 from ds4.gguf_tools.layout import Kind, layout_by_name
-from ds4.gguf_tools.plan import BASES, MIXES, PlanError, Policy, parse_type, plan
+from ds4.gguf_tools.plan import BASES, MIXES, PlanError, Policy, model_stem, parse_type, plan, published_filename
 from ds4.gguf_tools.reader import GGUFError, open_gguf, open_model
 from ds4.gguf_tools.writer import TensorPlan, ds4_metadata, encode, write_gguf
 
@@ -158,7 +160,10 @@ def _policy(args: argparse.Namespace) -> Policy:
         if qt is None:
             raise UsageError("--tensor-type needs a concrete type, not 'copy'")
         overrides.append((pfx, qt))
-    return Policy(base=args.type, mix=args.mix, experts=t(args.experts), routed_gate=t(args.routed_gate),
+    if args.q4_last_layers < 0:
+        raise UsageError(f"--q4-last-layers takes a layer count >= 0, got {args.q4_last_layers}")
+    mix = "q2" if args.q4_last_layers and args.mix is None else args.mix
+    return Policy(base=args.type, mix=mix, q4_last_layers=args.q4_last_layers, experts=t(args.experts), routed_gate=t(args.routed_gate),
                   routed_up=t(args.routed_up), routed_down=t(args.routed_down),
                   attention_proj=t(args.attention_proj), attention=t(args.attention), shared=t(args.shared),
                   embedding=t(args.embedding), output=t(args.output), dense=t(args.dense), tensor_types=overrides)
@@ -168,6 +173,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """--compare-tensor: regenerate one tensor, byte-compare it with the reference GGUF (§1.6)."""
     from ds4.gguf_tools import compare
 
+    if not (args.compare_gguf or args.out):
+        raise UsageError("--compare-tensor needs OUT or --compare-gguf FILE to compare with")
     ref_path = Path(args.compare_gguf or args.out)
     if not ref_path.is_file():
         raise UsageError(f"{ref_path}: no such GGUF to compare with")
@@ -188,7 +195,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("--imatrix-strict needs --imatrix FILE")
     if args.compare_tensor:
         return cmd_compare(args)
-    out = Path(args.out)
+    out = output_path(args)
     if not args.dry_run:
         if out.exists() and not args.overwrite:
             raise UsageError(f"{out} exists (use --overwrite to replace it)")
@@ -207,6 +214,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"{'planned' if args.dry_run else 'wrote'} {out}: {len(plans)} tensors ({summary}), "
           f"{total / 2**20:.2f} MiB of tensor data in {time.time() - t0:.1f} s", file=sys.stderr)
     return 0
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    """OUT as given, or the published file name (§1.8) inside `--out-dir DIR` or inside OUT when
+    OUT is an existing directory."""
+    if args.out and args.out_dir:
+        raise UsageError("give OUT or --out-dir DIR, not both")
+    if not args.out and not args.out_dir and args.dry_run:
+        return Path("(dry run)")
+    if not args.out and not args.out_dir:
+        raise UsageError("convert needs OUT (a .gguf path or a directory) or --out-dir DIR")
+    folder = Path(args.out_dir) if args.out_dir else Path(args.out)
+    if args.out_dir is None and not folder.is_dir():
+        return folder
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: no such directory")
+    cfg = HFCheckpoint(args.hf_dir).config
+    stem = args.name or model_stem(cfg, Path(args.hf_dir).resolve().name)
+    return folder / published_filename(stem, _policy(args), cfg.n_layer, imatrix=bool(args.imatrix))
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -323,10 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert an official or transformers checkpoint to a DS4 GGUF",
                        description="Type policy: tooling-spec §1.5; see ds4.gguf_tools.plan.")
     c.add_argument("hf_dir", help="checkpoint directory (config.json + safetensors)")
-    c.add_argument("out", help="output .gguf")
+    c.add_argument("out", nargs="?", help="output .gguf, or a directory to write the published file name into")
+    c.add_argument("--out-dir", metavar="DIR", help="write DIR/<published name> (tooling-spec §1.8), e.g. "
+                   "DeepSeek-V4-Flash-IQ2XXS-w2Q2K-AProjQ8-SExpQ8-OutQ8-chat-v2.gguf")
     c.add_argument("--type", default="f16", choices=BASES,
                    help="base types: f16 (all float16), q8_0 (published layout, Q8_0 experts), f32")
     c.add_argument("--mix", choices=sorted(MIXES), help="routed-expert mix: q2 (IQ2_XXS/Q2_K) or q4 (Q4_K)")
+    c.add_argument("--q4-last-layers", type=int, default=0, metavar="N",
+                   help="the q2-q4 mix: routed experts of the last N layers Q4_K, the others per --mix q2 "
+                        "(implies --mix q2)")
     for flag, what in [("experts", "routed gate+up+down"), ("routed-gate", "routed gate (w1)"),
                        ("routed-up", "routed up (w3)"), ("routed-down", "routed down (w2)"),
                        ("attention-proj", "attention projections q_a/q_b/kv/output_a/output_b"),
@@ -349,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
+    from ds4.gguf_tools.splice import add_parser as add_splice_parser
+
+    add_splice_parser(sub)
+
     i = sub.add_parser("info", help="validate a DS4 GGUF and print a summary")
     i.add_argument("path")
     i.add_argument("--any", action="store_true", help="any GGUF v3 file: parse only, no DS4 validation")
@@ -358,10 +393,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from ds4.gguf_tools.splice import SpliceError
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `convert HF --mix q2 OUT`: argparse hands an optional OUT after flags back as extra
+        if args.cmd == "convert" and args.out is None and len(extra) == 1 and not extra[0].startswith("-"):
+            args.out = extra[0]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (UsageError, GGUFError, HFError, PlanError, ConfigError, ImportanceError) as e:
+    except (UsageError, GGUFError, HFError, PlanError, ConfigError, ImportanceError, SpliceError) as e:
         print(f"ds4-quantize: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
