@@ -106,16 +106,16 @@ def build_plan(base_path: str | os.PathLike, donor_path: str | os.PathLike, laye
     for f in (base, donor):
         if len(f.parts) > 1:
             raise SpliceError(f"{f.path}: a split GGUF; merge it first (splice works on single files)")
+    cb, cd = _config(base), _config(donor)
+    if cb != cd:
+        diff = [k for k in cb.__dataclass_fields__ if getattr(cb, k) != getattr(cd, k)]
+        raise SpliceError(f"base and donor are different models (config differs in {', '.join(diff)})")
     if base.version != donor.version:
         raise SpliceError(f"GGUF versions differ: base {base.version}, donor {donor.version}")
     if len(base.tensors) != len(donor.tensors):
         raise SpliceError(f"tensor counts differ: base {len(base.tensors)}, donor {len(donor.tensors)}")
     if base.alignment != donor.alignment:
         raise SpliceError(f"alignments differ: base {base.alignment}, donor {donor.alignment}")
-    cb, cd = _config(base), _config(donor)
-    if cb != cd:
-        diff = [k for k in cb.__dataclass_fields__ if getattr(cb, k) != getattr(cd, k)]
-        raise SpliceError(f"base and donor are different models (config differs in {', '.join(diff)})")
     bad = [i for i in layers if i >= cb.n_layer]
     if bad:
         raise SpliceError(f"layer {bad[0]} selected, the model has layers 0-{cb.n_layer - 1}")
