@@ -157,7 +157,7 @@ def attend(q, keys, mask, sinks, scale):
     T, H, d = q.shape
     out = np.zeros((T, H, d), np.float32)
     sinks = np.ascontiguousarray(sinks, dtype=np.float32)
-    if T * H * keys.shape[0] * d < PARALLEL_MIN_WORK or nb.get_num_threads() == 1:
+    if T * H * keys.shape[0] * d < PARALLEL_MIN_WORK // 4 or nb.get_num_threads() == 1:
         _attend_rows(q, keys, mask, sinks, np.float32(scale), out, 0, T * H)
     else:
         _attend_par(q, keys, mask, sinks, np.float32(scale), out, 1)
@@ -305,7 +305,7 @@ def _dense_par(w, x, out, step):
         _dense_rows(w, x, out, b * step, min(O, (b + 1) * step), buf, p)
 
 
-PARALLEL_MIN_WEIGHTS = 1 << 22  # weights × (tokens + 1) below which a thread launch costs more than it saves
+PARALLEL_MIN_WEIGHTS = 1 << 21  # weights × (tokens + 1) below which a thread launch costs more than it saves
 
 
 def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -626,7 +626,7 @@ def moe_dense(Wg, Wu, Wd, Sg, Su, Sd, x, ids, wts, limit, want_mid=False):
     limit = np.float32(limit)
     count, start, order, experts = _moe_plan(ids, Wg.shape[0])
     ys = np.empty((T, k, x.shape[1]), np.float32)
-    run = _moe_experts_par if nb.get_num_threads() > 1 and T > 1 else _moe_experts
+    run = _moe_experts_par if nb.get_num_threads() > 1 and len(experts) > 1 else _moe_experts
     run(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid)
     _moe_finish(Sg, Su, Sd, x, ids, limit, ys, out)
     return out, (mid if want_mid else None)
@@ -667,22 +667,32 @@ def _unit_rms_rows_eps(x, eps, out):
 # ---- sublayer entry points used by the forward pass (model + tensor names) -------------------------
 def hc_block(model, X, fn_name, scale_name, base_name, norm_name):
     """mHC pre of X [T, n, D] with the named weights, then the sublayer's RMSNorm: (a, post, comb)."""
+    key = ("hc", fn_name)
+    w = model.plans.get(key)
+    if w is None:
+        w = model.plans[key] = (model.dense(fn_name), np.asarray(model.w(scale_name), np.float32),
+                                np.asarray(model.w(base_name), np.float32), np.asarray(model.w(norm_name), np.float32))
     cfg = model.config
-    return hc_pre_norm(X, model.dense(fn_name), model.w(scale_name), model.w(base_name), model.w(norm_name),
-                       cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters)
+    return hc_pre_norm(X, *w, cfg.rms_eps, cfg.hc_eps, cfg.sinkhorn_iters)
 
 
 def moe(model, li, b, ids, w, limit, want_mid):
     """Routed + shared experts of layer li in one kernel when every expert weight is a float
     tensor; None when some are block-quantized (the forward then runs its per-expert loop)."""
-    from ds4.gguf_tools import constants as C
+    key = ("moe", li)
+    if key not in model.plans:
+        from ds4.gguf_tools import constants as C
 
-    L = C.LayerTensor
-    names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS,
-                                    L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP)]
-    if any(model.quantized(n) is not None for n in names):
-        return None
-    ws = [model.dense(n) for n in names]
-    if len({a.dtype for a in ws[:3]}) != 1 or len({a.dtype for a in ws[3:]}) != 1:
+        L = C.LayerTensor
+        names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS,
+                                        L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP)]
+        ws = None
+        if all(model.quantized(n) is None for n in names):
+            ws = [model.dense(n) for n in names]
+            if len({a.dtype for a in ws[:3]}) != 1 or len({a.dtype for a in ws[3:]}) != 1:
+                ws = None
+        model.plans[key] = ws
+    ws = model.plans[key]
+    if ws is None:
         return None
     return moe_dense(*ws, b, ids, w, limit, want_mid)

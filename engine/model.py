@@ -37,6 +37,7 @@ class Model:
         self._cache: dict[str, np.ndarray] = {}
         self._tcache: dict[tuple, np.ndarray] = {}
         self._dense: dict[str, np.ndarray] = {}
+        self.plans: dict = {}  # per-layer argument tuples the kernels build once (ds4.engine.kernels)
         self._tokenizer = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -71,6 +72,7 @@ class Model:
         other._cache = self._cache
         other._tcache = self._tcache
         other._dense = self._dense
+        other.plans = self.plans
         other._tokenizer = self._tokenizer
         return other
 
