@@ -7,8 +7,8 @@ transformers on the same weights, measured in one run (issue 3's benchmark).
 For each preset the random checkpoint (`ds4-quantize synth`, seed 0) is converted once to an F16
 GGUF (models/ds4-<preset>.gguf, as `make setup` does for tiny); the peers read the same weights:
 
-* ours: `Session` on that GGUF (official numerics on unless --no-rounding-sim, weights converted to
-  float32 at first use);
+* ours: `Session` on that GGUF (official numerics on unless --no-rounding-sim; F16 weights multiplied
+  straight from the mmap, no float32 copy);
 * llama.cpp (llama-cpp-python): a copy with llama.cpp-compatible metadata
   (`ds4.engine.llamacpp_gguf`), default F16 KV cache, its own CPU kernels;
 * transformers: `DeepseekV4ForCausalLM` in float32 from the same checkpoint
@@ -20,6 +20,11 @@ on the same prompt ids (the speed-bench text, tokenized by our tokenizer): one u
 one call followed by `--decode` greedy decode steps; the fastest prefill and the fastest decode are
 reported (on a shared machine other load only ever slows a run). Ratios are ours / peer (> 1 = ours
 faster). The greedy tokens of each peer are compared with ours as a check that all run the same model.
+
+Decode on CPU streams the weights from memory, so the report ends with the decode floor of each
+preset: weight bytes read per decoded token (output head, every non-expert layer tensor, the
+n_expert_used routed experts of each layer, one embedding row) over this machine's read bandwidth
+measured with the same thread count.
 """
 
 from __future__ import annotations
@@ -222,6 +227,62 @@ def measure(peer: str, model: Path, ids_file: Path, n_decode: int, threads: int,
     return json.loads(lines[-1][6:])
 
 
+# ---- decode floor -----------------------------------------------------------------------------------
+def decode_bytes_per_token(gguf: Path) -> dict[str, float]:
+    """Weight bytes one decode step reads from the GGUF (as stored), by part."""
+    from ds4.gguf_tools.reader import open_model
+
+    f = open_model(gguf)
+    cfg = f.config
+    parts = {"head": 0.0, "layers": 0.0, "experts": 0.0, "embedding row": 0.0}
+    for name, t in f.tensors.items():
+        if name == "output.weight":
+            parts["head"] += t.nbytes
+        elif name == "token_embd.weight":
+            parts["embedding row"] += t.nbytes / cfg.vocab_size
+        elif name.startswith("blk.") and "tid2eid" not in name:
+            if "_exps." in name:
+                parts["experts"] += t.nbytes * cfg.n_expert_used / cfg.n_expert
+            else:
+                parts["layers"] += t.nbytes
+    f.close()
+    return parts
+
+
+def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Best read bandwidth (bytes/s) of a float32 sum over `mib` MiB with `threads` numba threads."""
+    import numba
+
+    from ds4.engine.kernels import read_sum
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    a = np.ones(mib * (1 << 20) // 4, np.float32)
+    read_sum(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        read_sum(a)
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def floor_lines(models_dir: Path, presets: list[str], threads: int, rows: list[dict]) -> list[str]:
+    bw = read_bandwidth(threads)
+    out = [f"read bandwidth, {threads} threads: {bw / 1e9:.1f} GB/s"]
+    for preset in presets:
+        gguf = models_dir / f"ds4-{preset}.gguf"
+        if not gguf.exists():
+            continue
+        parts = decode_bytes_per_token(gguf)
+        total = sum(parts.values())
+        ours = next((r for r in rows if r["preset"] == preset and r["peer"] == "ours" and "decode_tps" in r), None)
+        got = f"; ours {ours['decode_tps']:.1f} t/s = {ours['decode_tps'] / (bw / total):.2f} of the floor" if ours else ""
+        detail = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in parts.items())
+        out.append(f"{preset}: {total / 1e6:.1f} MB of weights per decoded token ({detail}); "
+                   f"floor {bw / total:.1f} t/s{got}")
+    return out
+
+
 # ---- report -----------------------------------------------------------------------------------------
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
@@ -313,6 +374,8 @@ def main(argv=None) -> int:
             extra = f", experts={r['experts']}" if "experts" in r else ""
             print(f"  {r['preset']} {r['peer']} {r.get('version', '')}: greedy tokens equal to ours "
                   f"{r['greedy_same_as_ours']}{extra}")
+    for line in floor_lines(Path(args.models_dir), presets, args.threads, rows):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

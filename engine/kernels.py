@@ -15,10 +15,10 @@ import math
 
 import numba as nb
 import numpy as np
-from numba.extending import overload
+from llvmlite import ir
+from numba.extending import intrinsic, overload
 
 from ds4.gguf_tools.quants import fused
-from ds4.gguf_tools.quants._numeric import bits_f32, f32_bits
 
 if nb.config.THREADING_LAYER == "default":
     # GNU OpenMP worker threads spin after each parallel region and starve the BLAS calls that
@@ -175,19 +175,28 @@ def attend(q, keys, mask, sinks, scale):
 LANES = fused.LANES
 
 
-@nb.njit(inline="always")
-def f16_value(h):
+@intrinsic
+def f16_value(typingctx, h):
     """float32 value of the IEEE half whose bits are h (uint16), exact for every code.
 
-    Branch-free so loops over uint16 rows vectorise: shifting the 15 magnitude bits into a float32
+    Branch-free 32-bit integer code (written in LLVM IR because numba widens integer arithmetic
+    to 64 bits, which halves the SIMD width): shifting the 15 magnitude bits into a float32
     exponent/mantissa and multiplying by 2^112 rebias normals and subnormals alike (a power-of-two
     product, exact); exponent 31 (inf, NaN with its payload) is selected apart; the sign is or-ed in.
     """
-    a = np.uint32(h)
-    m = (a & np.uint32(0x7FFF)) << np.uint32(13)
-    v = bits_f32(np.int32(m)) * np.float32(5.192296858534828e+33)  # 2^112
-    v = bits_f32(np.int32(m | np.uint32(0x7F800000))) if m >= np.uint32(0x0F800000) else v
-    return bits_f32(np.int32(f32_bits(v) | np.int32((a & np.uint32(0x8000)) << np.uint32(16))))
+    sig = nb.types.float32(nb.types.uint16)
+
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        a = builder.zext(args[0], i32)
+        m = builder.shl(builder.and_(a, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
+        v = builder.bitcast(builder.fmul(builder.bitcast(m, f32), ir.Constant(f32, 2.0 ** 112)), i32)
+        special = builder.icmp_unsigned(">=", m, ir.Constant(i32, 0x0F800000))
+        v = builder.select(special, builder.or_(m, ir.Constant(i32, 0x7F800000)), v)
+        sign = builder.shl(builder.and_(a, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
+        return builder.bitcast(builder.or_(v, sign), f32)
+
+    return sig, codegen
 
 
 def _weight_value(v):
@@ -696,3 +705,29 @@ def moe(model, li, b, ids, w, limit, want_mid):
     if ws is None:
         return None
     return moe_dense(*ws, b, ids, w, limit, want_mid)
+
+
+# ---- machine probe -----------------------------------------------------------------------------------
+@nb.njit(cache=True)
+def _read_block(a):
+    p = np.zeros(LANES, np.float32)
+    n = a.shape[0]
+    full = n - n % LANES
+    for j in range(0, full, LANES):
+        for l in range(LANES):
+            p[l] += a[j + l]
+    return _tree(p)
+
+
+@nb.njit(cache=True, parallel=True)
+def _read_sum(a, blocks):
+    step = a.shape[0] // blocks
+    part = np.zeros(blocks, np.float32)
+    for b in nb.prange(blocks):
+        part[b] = _read_block(a[b * step:(b + 1) * step])
+    return part.sum()
+
+
+def read_sum(a: np.ndarray) -> float:
+    """Sum of a large float32 array with numba's threads: a read-bandwidth probe (ds4.engine.bench)."""
+    return float(_read_sum(a, 64 * nb.get_num_threads()))
