@@ -167,6 +167,18 @@ def test_f16_converter_matches_numpy_on_every_code():
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+def test_dense_matmul_reads_every_half_code_exactly():
+    """The products convert weights with the CPU's half → float (vcvtph2ps): every finite code,
+    subnormals included, and ±inf must give the value numpy gives."""
+    codes = np.arange(65536, dtype=np.uint16)
+    finite = codes[np.isfinite(codes.view(np.float16))]
+    w = finite.reshape(-1, 64)
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(F32)
+    np.testing.assert_array_equal(kernels.dense_matmul(w, x), kernels.dense_matmul_ref(w, x))
+    inf = np.array([[0x7C00, 0x3C00], [0xFC00, 0x3C00]], np.uint16)
+    assert kernels.dense_matmul(inf, np.ones((1, 2), F32)).tolist() == [[np.inf, -np.inf]]
+
+
 @pytest.mark.parametrize("T,K,O", [(1, 64, 24), (7, 128, 1000), (33, 96, 513), (9, 200, 70)])
 @pytest.mark.parametrize("half", [False, True])
 def test_dense_matmul_lane_order_and_batch_invariance(T, K, O, half):
