@@ -17,7 +17,7 @@ whose frontier lives in the state, so any chunking gives the same rows.
 The hot loops (weight products, compressor scan, indexer scores, attention with sink) have numba
 versions in `ds4.engine.kernels`, held to the `*_ref` functions here by tests; `impl="ref"` runs
 this file only. The numba path is batch-invariant: a token's logits are the same bits whether it
-was decoded alone or prefilled in any chunking (see kernels.matmul_t).
+was decoded alone or prefilled in any chunking (see kernels.dense_matmul).
 
 Numerics follow the official reference (model-spec §7): FP8 e4m3 rounding of the non-RoPE KV dims
 (raw and compressed rows) and Hadamard + FP4 rounding of indexer q/keys, both on by default and
@@ -189,7 +189,7 @@ def topk_rows(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 class _RefKernels:
-    """Plain numpy: the readable definition (BLAS matmuls are not batch-invariant; see kernels.matmul_t)."""
+    """Plain numpy: the readable definition (BLAS matmuls are not batch-invariant; see kernels.dense_matmul)."""
 
     compressor_scan = staticmethod(compressor_scan_ref)
     indexer_scores = staticmethod(indexer_scores_ref)

@@ -1,9 +1,14 @@
 """A loaded DeepSeek V4 model: config, the GGUF file, weights by GGUF tensor name, tokenizer.
 
-Weights stay in the file's mmap. `Model.w(name)` returns a float32 array: F32 tensors are zero-copy
-views; F16/BF16 tensors (and quantized ones when asked for) are converted once on first use and
-cached. Quantized tensors (Q8_0, Q4_K, Q2_K, IQ2_XXS) are by default never converted: the kernels
-multiply them straight from their blocks (`Model.quantized(name)`, `ds4.gguf_tools.quants.fused`).
+Weights stay in the file's mmap and the CPU forward pass never copies a whole tensor: F16 tensors
+are multiplied as their half bits (`Model.dense(name)`, a uint16 view converted on the fly by the
+kernels), quantized ones (Q8_0, Q4_K, Q2_K, IQ2_XXS) straight from their blocks
+(`Model.quantized(name)`, `ds4.gguf_tools.quants.fused`), and row lookups (token embedding, APE,
+tid2eid) convert only the rows they take (`Model.rows`, `Model.id_rows`). So the resident memory is
+the pages of the file actually read plus activations.
+
+`Model.w(name)` still gives any tensor as float32 for other users (tests, the GPU upload, the
+numpy reference path): F32 tensors as zero-copy views, others converted once and cached.
 
 `Model.from_tensors(config, tensors)` builds a model from an in-memory mapping of GGUF names to
 arrays (tests, oracle comparisons) without any file.
@@ -35,7 +40,6 @@ class Model:
         self.path = path
         self._source = tensors  # name -> array (numpy) or a DS4File-backed loader
         self._cache: dict[str, np.ndarray] = {}
-        self._tcache: dict[tuple, np.ndarray] = {}
         self._dense: dict[str, np.ndarray] = {}
         self.plans: dict = {}  # per-layer argument tuples the kernels build once (ds4.engine.kernels)
         self._tokenizer = None
@@ -70,7 +74,6 @@ class Model:
         other = Model(self.config.with_numerics(fp8_kv=fp8_kv, indexer_qat=indexer_qat), self._source,
                       file=self.file, path=self.path, fused_quant=self.fused_quant)
         other._cache = self._cache
-        other._tcache = self._tcache
         other._dense = self._dense
         other.plans = self.plans
         other._tokenizer = self._tokenizer
@@ -106,22 +109,6 @@ class Model:
             self._cache[name] = arr
         return arr
 
-    def transposed(self, name: str, groups: int | None = None) -> np.ndarray:
-        """Contiguous Wᵀ for the batch-invariant kernels, cached: [in, out] for a 2-D weight,
-        [E, in, out] for experts, [G, in_g, out_g] for a grouped projection."""
-        key = (name, groups)
-        arr = self._tcache.get(key)
-        if arr is None:
-            w = self._cache.get(name)
-            if w is None:  # convert without caching the row-major copy as well
-                src = self._source[name]
-                w = src.load() if isinstance(src, _Lazy) else np.asarray(src, dtype=F32)
-            if groups is not None:
-                w = w.reshape(groups, w.shape[0] // groups, w.shape[1])
-            arr = np.ascontiguousarray(np.swapaxes(w, -1, -2), dtype=F32)
-            self._tcache[key] = arr
-        return arr
-
     def dense(self, name: str) -> np.ndarray:
         """A float (non-block) weight in the form the dense kernels multiply: F16 file tensors as
         their half bits (uint16, a zero-copy view of the mmap: never converted or copied), F32 file
@@ -134,10 +121,8 @@ class Model:
                 raise ModelError(f"tensor '{name}' is missing from the model")
             if isinstance(src, _Lazy) and src.qtype == C.QuantType.F16:
                 arr = self.file.raw(name).view(np.uint16).reshape(src.shape)
-            elif isinstance(src, _Lazy) and src.qtype != C.QuantType.F32:
+            else:  # F32 file tensor or in-memory array: zero-copy; BF16: converted once
                 arr = self.w(name)
-            else:
-                arr = self.w(name)  # zero-copy view (file F32) or the in-memory array
             self._dense[name] = arr
         return arr
 
@@ -189,7 +174,7 @@ class Model:
         return self._tokenizer
 
     def warm(self) -> None:
-        """Convert every weight the fast path multiplies by now (keeps conversion out of timings)."""
+        """Look up every weight view the fast path multiplies by (no conversion: F16 stays in the mmap)."""
         from ds4.engine.forward import warm_weights
 
         warm_weights(self)
