@@ -157,7 +157,7 @@ def attend(q, keys, mask, sinks, scale):
     T, H, d = q.shape
     out = np.zeros((T, H, d), np.float32)
     sinks = np.ascontiguousarray(sinks, dtype=np.float32)
-    if T * H * keys.shape[0] * d < PARALLEL_MIN_WORK // 4 or nb.get_num_threads() == 1:
+    if T == 1 or T * H * keys.shape[0] * d < PARALLEL_MIN_WORK // 4 or nb.get_num_threads() == 1:
         _attend_rows(q, keys, mask, sinks, np.float32(scale), out, 0, T * H)
     else:
         _attend_par(q, keys, mask, sinks, np.float32(scale), out, 1)
@@ -329,6 +329,10 @@ def _dense_par(w, x, out, step):
 
 
 PARALLEL_MIN_WEIGHTS = 1 << 21  # weights × (tokens + 1) below which a thread launch costs more than it saves
+# Decode (one token) threads only products of at least this many weights (the output head): every
+# parallel region waits for all threads, and on a machine whose other cores are busy a worker can
+# be descheduled for a whole time slice, so a few dozen regions per token cost more than they save.
+DECODE_PARALLEL_MIN_WEIGHTS = 1 << 23
 
 
 def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -337,7 +341,9 @@ def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     O = w.shape[0]
-    if nb.get_num_threads() > 1 and O * w.shape[1] * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS and O >= 64:
+    big = O * w.shape[1] >= DECODE_PARALLEL_MIN_WEIGHTS if x.shape[0] == 1 else \
+        O * w.shape[1] * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS
+    if big and O >= 64 and nb.get_num_threads() > 1:
         _dense_par(w, x, out, max(16, min(1024, O // (8 * nb.get_num_threads()))))
     else:
         _dense_serial(w, x, out)
@@ -649,7 +655,7 @@ def moe_dense(Wg, Wu, Wd, Sg, Su, Sd, x, ids, wts, limit, want_mid=False):
     limit = np.float32(limit)
     count, start, order, experts = _moe_plan(ids, Wg.shape[0])
     ys = np.empty((T, k, x.shape[1]), np.float32)
-    run = _moe_experts_par if nb.get_num_threads() > 1 and len(experts) > 1 else _moe_experts
+    run = _moe_experts_par if nb.get_num_threads() > 1 and T > 1 else _moe_experts
     run(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid)
     _moe_finish(Sg, Su, Sd, x, ids, limit, ys, out)
     return out, (mid if want_mid else None)
