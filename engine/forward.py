@@ -194,6 +194,8 @@ class _RefKernels:
     compressor_scan = staticmethod(compressor_scan_ref)
     indexer_scores = staticmethod(indexer_scores_ref)
     attend = staticmethod(attend_ref)
+    rms_norm = staticmethod(rms_norm)
+    fp8_kv_round = staticmethod(fp8_kv_round)
 
     @staticmethod
     def matmul(model, name, x):
@@ -237,6 +239,8 @@ class _ReportingKernels:
         self.expert_matmul = kernels.expert_matmul
         self.hc_post = kernels.hc_post
         self.swiglu = kernels.swiglu
+        self.rms_norm = kernels.rms_norm
+        self.fp8_kv_round = kernels.fp8_kv_round
 
     def _report(self, name: str, x: np.ndarray) -> None:
         if name.startswith("blk."):
@@ -314,14 +318,16 @@ def hc_block_ref(model, K, X: np.ndarray, fn_name: str, scale_name: str, base_na
     return rms_norm(u, model.w(norm_name), cfg.rms_eps), post, comb
 
 
-def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: int, cfg: Config, indexer: bool) -> np.ndarray:
+def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: int, cfg: Config, indexer: bool,
+                 K=None) -> np.ndarray:
     """Norm, RoPE at position i·r (compressed-layer RoPE) and the official rounding of new rows."""
-    rows = rms_norm(pooled, norm, cfg.rms_eps)
+    K = K or _RefKernels
+    rows = K.rms_norm(pooled, norm, cfg.rms_eps)
     cos, sin = cos_sin(inv_freq(cfg, True), (first_row + np.arange(len(rows))) * ratio)
     rows = apply_tail(rows, cos, sin, cfg.rope_dim)
     if indexer:
         return indexer_qat(rows) if cfg.indexer_qat else rows
-    return fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
+    return K.fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
 
 
 def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, state_score,
@@ -339,7 +345,7 @@ def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, stat
     if n:
         if n_rows + n > rows.shape[0]:
             raise ValueError("compressed rows exceed the context the state was built for")
-        rows[n_rows:n_rows + n] = _finish_rows(pooled[:n], model.w(C.blk(li, norm_name)), n_rows, ratio, cfg, indexer)
+        rows[n_rows:n_rows + n] = _finish_rows(pooled[:n], model.w(C.blk(li, norm_name)), n_rows, ratio, cfg, indexer, K)
     return n_rows + n
 
 
@@ -377,13 +383,13 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     pos = pos0 + np.arange(T)
     cos, sin = cos_sin(inv_freq(cfg, ratio != 0), pos)
 
-    c = rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_A), a), model.w(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
-    q = rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
+    c = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_A), a), model.w(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
+    q = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
     q = apply_tail(q, cos, sin, cfg.rope_dim)
-    kv = rms_norm(K.matmul(model, C.blk(li, L.ATTN_KV), a), model.w(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
+    kv = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_KV), a), model.w(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
     kv = apply_tail(kv, cos, sin, cfg.rope_dim)
     if cfg.fp8_kv:
-        kv = fp8_kv_round(kv, cfg.n_nope)
+        kv = K.fp8_kv_round(kv, cfg.n_nope)
 
     # Raw window: earlier positions come from the ring, the chunk's own rows from kv.
     W, cap = state.raw_window, state.raw_cap
@@ -474,7 +480,7 @@ def head(model, K, X: np.ndarray) -> np.ndarray:
     mix = _hc_mix(model, K, X, C.OUTPUT_HC_FN)
     wts = sigmoid(mix * model.w(C.OUTPUT_HC_SCALE)[0] + model.w(C.OUTPUT_HC_BASE)) + F32(cfg.hc_eps)
     h = stream_sum(wts, X)
-    return K.matmul(model, C.OUTPUT, rms_norm(h, model.w(C.OUTPUT_NORM), cfg.rms_eps))
+    return K.matmul(model, C.OUTPUT, K.rms_norm(h, model.w(C.OUTPUT_NORM), cfg.rms_eps))
 
 
 # ---- the model -----------------------------------------------------------------------------------

@@ -751,3 +751,64 @@ def _read_sum(a, blocks):
 def read_sum(a: np.ndarray) -> float:
     """Sum of a large float32 array with numba's threads: a read-bandwidth probe (ds4.engine.bench)."""
     return float(_read_sum(a, 64 * nb.get_num_threads()))
+
+
+# ---- norms and the official KV rounding, one call each (numerics.py is the reference) ------------
+@nb.njit(cache=True)
+def _rms_norm_rows(x, w, has_w, eps, out):
+    p = np.empty(LANES, np.float32)
+    for r in range(x.shape[0]):
+        inv = _rms_scale(x[r], eps, p)
+        for j in range(x.shape[1]):
+            v = x[r, j] * inv
+            out[r, j] = v * w[j] if has_w else v
+
+
+def rms_norm(x, weight, eps):
+    """numerics.rms_norm over the last axis in one call (sum of squares in the lane order)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    has_w = weight is not None
+    w = np.asarray(weight, np.float32) if has_w else flat[0]
+    _rms_norm_rows(flat, w, has_w, np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+@nb.njit(inline="always")
+def _pow2_ceil(v):
+    m, e = math.frexp(v)
+    if m == 0.5:
+        e -= 1
+    return np.float32(math.ldexp(1.0, e))
+
+
+@nb.njit(cache=True)
+def _fp8_rows(x, n_nope, out):
+    """numerics.fp8_kv_round, the same float32 operations per value."""
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[r, j] = x[r, j]
+        for b0 in range(0, n_nope, 64):
+            amax = np.float32(0.0)
+            for j in range(64):
+                amax = max(amax, abs(x[r, b0 + j]))
+            amax = max(amax, np.float32(1e-4))
+            scale = _pow2_ceil(np.float32(amax / np.float32(448.0)))
+            for j in range(64):
+                q = np.float32(x[r, b0 + j] / scale)
+                q = min(max(q, np.float32(-448.0)), np.float32(448.0))
+                aq = abs(q)
+                e = math.frexp(aq if aq > 0 else np.float32(1.0))[1]
+                e = max(e - 1, -6)
+                step = np.float32(math.ldexp(1.0, e - 3))
+                out[r, b0 + j] = np.float32(np.rint(np.float32(q / step)) * step) * scale
+
+
+def fp8_kv_round(x, n_nope):
+    """numerics.fp8_kv_round in one call (bit for bit; tests check)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    _fp8_rows(flat, int(n_nope), out)
+    return out.reshape(x.shape)

@@ -290,3 +290,16 @@ def test_hc_pre_sinkhorn_is_doubly_stochastic():
     np.testing.assert_allclose(comb.sum(axis=1), 1, atol=1e-4)
     np.testing.assert_allclose(comb.sum(axis=2), 1, atol=1e-3)
     assert ((post > 0) & (post < 2)).all() and u.shape == (3, cfg.n_embd)
+
+
+def test_fp8_and_rms_norm_kernels_match_numerics():
+    rng = np.random.default_rng(21)
+    x = (rng.standard_normal((200, 512)) * np.exp2(rng.integers(-14, 10, (200, 1)))).astype(F32)
+    x[0, :64] = 0.0  # amax floor
+    x[1, :64] = np.arange(64, dtype=F32) * F32(0.25) - 8  # ties
+    np.testing.assert_array_equal(kernels.fp8_kv_round(x, 448), numerics.fp8_kv_round(x, 448))
+    w = rng.standard_normal(512).astype(F32)
+    for weight in (w, None):
+        got = kernels.rms_norm(x.reshape(4, 50, 512), weight, 1e-6)
+        np.testing.assert_allclose(got, numerics.rms_norm(x.reshape(4, 50, 512), weight, 1e-6), rtol=2e-6, atol=1e-30)
+        assert np.array_equal(kernels.rms_norm(x[7:8], weight, 1e-6)[0], got.reshape(200, 512)[7])
