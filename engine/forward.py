@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from ds4.gguf_tools import constants as C
 
 F32 = np.float32
 L = C.LayerTensor
+_blk = lru_cache(maxsize=None)(C.blk)  # layer tensor names, built once (decode asks ~180 per token)
 ROUTE_DENOM_MIN = 6.1035e-5  # ds4 clamps the routing-weight denominator here
 
 
@@ -196,6 +198,8 @@ class _RefKernels:
     attend = staticmethod(attend_ref)
     rms_norm = staticmethod(rms_norm)
     fp8_kv_round = staticmethod(fp8_kv_round)
+    apply_tail = staticmethod(apply_tail)
+    indexer_qat = staticmethod(indexer_qat)
 
     @staticmethod
     def matmul(model, name, x):
@@ -241,6 +245,8 @@ class _ReportingKernels:
         self.swiglu = kernels.swiglu
         self.rms_norm = kernels.rms_norm
         self.fp8_kv_round = kernels.fp8_kv_round
+        self.apply_tail = kernels.apply_tail
+        self.indexer_qat = kernels.indexer_qat
 
     def _report(self, name: str, x: np.ndarray) -> None:
         if name.startswith("blk."):
@@ -324,9 +330,9 @@ def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: in
     K = K or _RefKernels
     rows = K.rms_norm(pooled, norm, cfg.rms_eps)
     cos, sin = cos_sin(inv_freq(cfg, True), (first_row + np.arange(len(rows))) * ratio)
-    rows = apply_tail(rows, cos, sin, cfg.rope_dim)
+    rows = K.apply_tail(rows, cos, sin, cfg.rope_dim)
     if indexer:
-        return indexer_qat(rows) if cfg.indexer_qat else rows
+        return K.indexer_qat(rows) if cfg.indexer_qat else rows
     return K.fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
 
 
@@ -336,16 +342,16 @@ def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, stat
     cfg = model.config
     ratio = cfg.ratio(li)
     kv_name, gate_name, ape_name, norm_name = names
-    kv = K.matmul(model, C.blk(li, kv_name), a)
+    kv = K.matmul(model, _blk(li, kv_name), a)
     positions = pos0 + np.arange(a.shape[0])
-    score = K.matmul(model, C.blk(li, gate_name), a) + model.rows(C.blk(li, ape_name), positions % ratio)
+    score = K.matmul(model, _blk(li, gate_name), a) + model.rows(_blk(li, ape_name), positions % ratio)
     pooled = np.empty((a.shape[0] // ratio + 1, kv.shape[1] // 2 if ratio == 4 else kv.shape[1]), F32)
     n = K.compressor_scan(np.ascontiguousarray(kv), np.ascontiguousarray(score, dtype=F32), pos0, ratio,
                           state_kv, state_score, pooled)
     if n:
         if n_rows + n > rows.shape[0]:
             raise ValueError("compressed rows exceed the context the state was built for")
-        rows[n_rows:n_rows + n] = _finish_rows(pooled[:n], model.w(C.blk(li, norm_name)), n_rows, ratio, cfg, indexer, K)
+        rows[n_rows:n_rows + n] = _finish_rows(pooled[:n], model.w(_blk(li, norm_name)), n_rows, ratio, cfg, indexer, K)
     return n_rows + n
 
 
@@ -360,12 +366,12 @@ def _indexer_mask(model, li: int, c: np.ndarray, a: np.ndarray, pos: np.ndarray,
         return visible
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
     rows = np.nonzero(sel)[0]
-    q = K.matmul(model, C.blk(li, L.IDX_Q_B), c[rows]).reshape(len(rows), Hi, di)
+    q = K.matmul(model, _blk(li, L.IDX_Q_B), c[rows]).reshape(len(rows), Hi, di)
     cos, sin = cos_sin(inv_freq(cfg, True), pos[rows])
-    q = apply_tail(q, cos, sin, cfg.rope_dim)
+    q = K.apply_tail(q, cos, sin, cfg.rope_dim)
     if cfg.indexer_qat:
-        q = indexer_qat(q)
-    w = K.matmul(model, C.blk(li, L.IDX_PROJ), a[rows]) * F32(1.0 / math.sqrt(di * Hi))
+        q = K.indexer_qat(q)
+    w = K.matmul(model, _blk(li, L.IDX_PROJ), a[rows]) * F32(1.0 / math.sqrt(di * Hi))
     scores = K.indexer_scores(np.ascontiguousarray(q), np.ascontiguousarray(w, dtype=F32), st.idx[:n])
     scores = np.where(visible[rows], scores, -np.inf)
     chosen = topk_rows(scores, cfg.indexer_top_k)
@@ -383,11 +389,11 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     pos = pos0 + np.arange(T)
     cos, sin = cos_sin(inv_freq(cfg, ratio != 0), pos)
 
-    c = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_A), a), model.w(C.blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
-    q = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
-    q = apply_tail(q, cos, sin, cfg.rope_dim)
-    kv = K.rms_norm(K.matmul(model, C.blk(li, L.ATTN_KV), a), model.w(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
-    kv = apply_tail(kv, cos, sin, cfg.rope_dim)
+    c = K.rms_norm(K.matmul(model, _blk(li, L.ATTN_Q_A), a), model.w(_blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
+    q = K.rms_norm(K.matmul(model, _blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
+    q = K.apply_tail(q, cos, sin, cfg.rope_dim)
+    kv = K.rms_norm(K.matmul(model, _blk(li, L.ATTN_KV), a), model.w(_blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
+    kv = K.apply_tail(kv, cos, sin, cfg.rope_dim)
     if cfg.fp8_kv:
         kv = K.fp8_kv_round(kv, cfg.n_nope)
 
@@ -415,22 +421,22 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
         mask = np.concatenate([mask, comp_mask], axis=1)
 
     o = K.attend(np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(mask),
-                 model.w(C.blk(li, L.ATTN_SINKS)), 1.0 / math.sqrt(d))
-    o = apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
+                 model.w(_blk(li, L.ATTN_SINKS)), 1.0 / math.sqrt(d))
+    o = K.apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
 
     G = cfg.o_groups
-    low = K.group_matmul(model, C.blk(li, L.ATTN_OUTPUT_A), G, o.reshape(T, G, H * d // G)).reshape(T, -1)
-    return K.matmul(model, C.blk(li, L.ATTN_OUTPUT_B), low)
+    low = K.group_matmul(model, _blk(li, L.ATTN_OUTPUT_A), G, o.reshape(T, G, H * d // G)).reshape(T, -1)
+    return K.matmul(model, _blk(li, L.ATTN_OUTPUT_B), low)
 
 
 def route(model, K, li: int, b: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Expert ids [T, k] and routing weights [T, k] (model-spec §3.7 steps 1-3)."""
     cfg = model.config
-    s = np.sqrt(softplus(K.matmul(model, C.blk(li, L.FFN_GATE_INP), b)))
+    s = np.sqrt(softplus(K.matmul(model, _blk(li, L.FFN_GATE_INP), b)))
     if cfg.is_hash_layer(li):
-        ids = model.id_rows(C.blk(li, L.FFN_GATE_TID2EID), tokens)
+        ids = model.id_rows(_blk(li, L.FFN_GATE_TID2EID), tokens)
     else:
-        bias_name = C.blk(li, L.EXP_PROBS_B)
+        bias_name = _blk(li, L.EXP_PROBS_B)
         biased = s + model.w(bias_name) if model.has(bias_name) else s
         ids = topk_rows(biased, cfg.n_expert_used)
     w = np.take_along_axis(s, ids, axis=1)
@@ -458,7 +464,7 @@ def moe(model, K, li: int, b: np.ndarray, tokens: np.ndarray, hooks: Hooks | Non
     else:
         mid = np.zeros((T, k, cfg.expert_ffn), F32) if want_mid else None
         out = np.zeros((T, cfg.n_embd), F32)
-        W1, W3, W2 = (C.blk(li, n) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
+        W1, W3, W2 = (_blk(li, n) for n in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS))
         for e in np.unique(ids):
             tt, slot = np.nonzero(ids == e)
             x = b[tt]
@@ -466,9 +472,9 @@ def moe(model, K, li: int, b: np.ndarray, tokens: np.ndarray, hooks: Hooks | Non
             if mid is not None:
                 mid[tt, slot] = h
             np.add.at(out, tt, K.expert_matmul(model, W2, e, h))
-        sh = K.swiglu(K.matmul(model, C.blk(li, L.FFN_GATE_SHEXP), b), K.matmul(model, C.blk(li, L.FFN_UP_SHEXP), b),
+        sh = K.swiglu(K.matmul(model, _blk(li, L.FFN_GATE_SHEXP), b), K.matmul(model, _blk(li, L.FFN_UP_SHEXP), b),
                       limit)
-        out = (out + K.matmul(model, C.blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
+        out = (out + K.matmul(model, _blk(li, L.FFN_DOWN_SHEXP), sh)).astype(F32)
     if want_mid:
         hooks.routed_inputs(li, b, ids, w, mid)
     return out
@@ -516,13 +522,13 @@ def forward_chunk(model, state: KVState, tokens, hooks: Hooks | None = None, *, 
     X = np.repeat(e[:, None, :], cfg.n_hc, axis=1).astype(F32)
     for li in range(cfg.n_layer):
         st = state.layers[li]
-        a, post, comb = K.hc_block(model, X, C.blk(li, L.HC_ATTN_FN), C.blk(li, L.HC_ATTN_SCALE),
-                                   C.blk(li, L.HC_ATTN_BASE), C.blk(li, L.ATTN_NORM))
+        a, post, comb = K.hc_block(model, X, _blk(li, L.HC_ATTN_FN), _blk(li, L.HC_ATTN_SCALE),
+                                   _blk(li, L.HC_ATTN_BASE), _blk(li, L.ATTN_NORM))
         y = _edit(hooks, li, "attn", attention(model, li, a, pos0, st, state, K))
         X = K.hc_post(X, y, post, comb)
 
-        b, post, comb = K.hc_block(model, X, C.blk(li, L.HC_FFN_FN), C.blk(li, L.HC_FFN_SCALE),
-                                   C.blk(li, L.HC_FFN_BASE), C.blk(li, L.FFN_NORM))
+        b, post, comb = K.hc_block(model, X, _blk(li, L.HC_FFN_FN), _blk(li, L.HC_FFN_SCALE),
+                                   _blk(li, L.HC_FFN_BASE), _blk(li, L.FFN_NORM))
         y = _edit(hooks, li, "ffn", moe(model, K, li, b, tokens, hooks))
         X = K.hc_post(X, y, post, comb)
         if hooks is not None:
@@ -542,8 +548,8 @@ def warm_weights(model) -> None:
                   L.FFN_GATE_INP, L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP, L.FFN_GATE_EXPS,
                   L.FFN_UP_EXPS, L.FFN_DOWN_EXPS, L.COMP_KV, L.COMP_GATE, L.IDX_COMP_KV, L.IDX_COMP_GATE,
                   L.IDX_Q_B, L.IDX_PROJ):
-            if model.has(C.blk(li, t)):
-                names.append(C.blk(li, t))
+            if model.has(_blk(li, t)):
+                names.append(_blk(li, t))
     for name in names:
         if model.quantized(name) is None:
             model.dense(name)

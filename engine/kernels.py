@@ -812,3 +812,76 @@ def fp8_kv_round(x, n_nope):
     out = np.empty_like(flat)
     _fp8_rows(flat, int(n_nope), out)
     return out.reshape(x.shape)
+
+
+@nb.njit(cache=True)
+def _rope_tail(x, cos, sin, rope_dim, sign, out):
+    """x [T, M, hd] → out: pairs (x[2i], x[2i+1]) of the last rope_dim dims rotated by ±angle."""
+    T, M, hd = x.shape
+    base = hd - rope_dim
+    for t in range(T):
+        for m in range(M):
+            for j in range(base):
+                out[t, m, j] = x[t, m, j]
+            for i in range(rope_dim // 2):
+                c = cos[t, i]
+                s = sin[t, i] * sign
+                x0 = x[t, m, base + 2 * i]
+                x1 = x[t, m, base + 2 * i + 1]
+                out[t, m, base + 2 * i] = x0 * c - x1 * s
+                out[t, m, base + 2 * i + 1] = x0 * s + x1 * c
+
+
+def apply_tail(x, cos, sin, rope_dim, inverse=False):
+    """rope.apply_tail in one call (the same float32 operations: bit for bit)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    out = np.empty_like(flat)
+    _rope_tail(flat, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+               int(rope_dim), np.float32(-1.0 if inverse else 1.0), out)
+    return out.reshape(x.shape)
+
+
+@nb.njit(cache=True)
+def _indexer_qat_rows(x, inv_sqrt_n, out):
+    """numerics.indexer_qat per row: Walsh-Hadamard butterflies (a+b, a−b), scale, then FP4 e2m1
+    per 32 values with a power-of-two scale; the same float32 operations as the numpy version."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        y = out[r]
+        for j in range(n):
+            y[j] = x[r, j]
+        h = 1
+        while h < n:
+            for s in range(0, n, 2 * h):
+                for i in range(h):
+                    a = y[s + i]
+                    b = y[s + h + i]
+                    y[s + i] = a + b
+                    y[s + h + i] = a - b
+            h *= 2
+        for j in range(n):
+            y[j] = y[j] * inv_sqrt_n
+        for b0 in range(0, n, 32):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(y[b0 + j]))
+            amax = max(amax, np.float32(6.0 * 2.0 ** -126))
+            scale = _pow2_ceil(np.float32(amax / np.float32(6.0)))
+            for j in range(32):
+                q = np.float32(y[b0 + j] / scale)
+                q = min(max(q, np.float32(-6.0)), np.float32(6.0))
+                aq = abs(q)
+                e = math.frexp(aq if aq > 0 else np.float32(1.0))[1]
+                e = max(e - 1, 0)
+                step = np.float32(math.ldexp(1.0, e - 1))
+                y[b0 + j] = np.float32(np.rint(np.float32(q / step)) * step) * scale
+
+
+def indexer_qat(x):
+    """numerics.indexer_qat (Hadamard + FP4) in one call, bit for bit (tests check)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    _indexer_qat_rows(flat, np.float32(1.0 / np.sqrt(x.shape[-1])), out)
+    return out.reshape(x.shape)

@@ -303,3 +303,22 @@ def test_fp8_and_rms_norm_kernels_match_numerics():
         got = kernels.rms_norm(x.reshape(4, 50, 512), weight, 1e-6)
         np.testing.assert_allclose(got, numerics.rms_norm(x.reshape(4, 50, 512), weight, 1e-6), rtol=2e-6, atol=1e-30)
         assert np.array_equal(kernels.rms_norm(x[7:8], weight, 1e-6)[0], got.reshape(200, 512)[7])
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_is_apply_tail_bit_for_bit(inverse):
+    cfg = preset("tiny")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 3, cfg.head_dim)).astype(F32)
+    cos, sin = cos_sin(inv_freq(cfg, True), np.arange(100, 106))
+    np.testing.assert_array_equal(kernels.apply_tail(x, cos, sin, cfg.rope_dim, inverse),
+                                  apply_tail(x, cos, sin, cfg.rope_dim, inverse))
+    np.testing.assert_array_equal(kernels.apply_tail(x[:, 0], cos, sin, cfg.rope_dim, inverse),
+                                  apply_tail(x[:, 0], cos, sin, cfg.rope_dim, inverse))
+
+
+def test_indexer_qat_kernel_is_numerics_bit_for_bit():
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((30, 4, 128)) * np.exp2(rng.integers(-20, 10, (30, 4, 1)))).astype(F32)
+    x[0, 0] = 0.0
+    np.testing.assert_array_equal(kernels.indexer_qat(x), numerics.indexer_qat(x))
