@@ -71,10 +71,11 @@ def test_pause_select_switch_quit(backend, tmp_path):
             assert app.selected == 1
             await pilot.press("enter")          # run case 2 next; case 1 is abandoned
             await pilot.press("p")              # resume
-            await _wait(pilot, lambda: run.active == 1 and run.results[1].generated == 0
-                        and run.results[1].progress is not None
+            # Case 1 now runs before case 0. On a loaded machine the poll may first see it after it
+            # has finished (its progress stays), and case 0 may already be running again.
+            await _wait(pilot, lambda: run.results[1].progress is not None
                         and run.results[1].progress.generated > 1)
-            assert run.results[0].state == "PENDING"
+            assert run.results[0].state in ("PENDING", "RUNNING")
             await pilot.press("q")
             await _wait(pilot, lambda: not app.worker_thread.is_alive())
         return app
