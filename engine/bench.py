@@ -253,7 +253,7 @@ def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
     """Best read bandwidth (bytes/s) of a float32 sum over `mib` MiB with `threads` numba threads."""
     import numba
 
-    from ds4.engine.kernels import read_sum
+    from ds4.engine.dense import read_sum
 
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     a = np.ones(mib * (1 << 20) // 4, np.float32)

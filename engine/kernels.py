@@ -15,16 +15,10 @@ import math
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
-from numba.extending import intrinsic, overload
 
-from ds4.gguf_tools.quants import fused
-
-if nb.config.THREADING_LAYER == "default":
-    # GNU OpenMP worker threads spin after each parallel region and starve the BLAS calls that
-    # run between kernels (measured 5x slower matmuls on 2 cores); the workqueue layer sleeps.
-    nb.config.THREADING_LAYER = "workqueue"
-
+from ds4.engine.dense import (LANES, _dense_rows, _dot_lanes, _tree, dense_matmul, dense_matmul_ref,  # noqa: F401
+                              f16_fpext, f16_to_f32, f16_value, read_sum)
+from ds4.gguf_tools.quants import fused  # (importing dense selects numba's workqueue threading layer)
 
 
 @nb.njit(cache=True)
@@ -164,199 +158,7 @@ def attend(q, keys, mask, sinks, scale):
     return out
 
 
-# ---- dense weight products straight from the file ----------------------------------------------
-# Weights are used as stored: float32 rows (F32 tensors, in-memory models) or IEEE half bits as
-# uint16 rows (F16 tensors, a zero-copy view of the mmap), converted on the fly by the CPU's
-# half → float instruction (one vcvtph2ps per 16 weights; `f16_fpext`). Half → float32 is exact, and every
-# output is summed in the one lane order of `ds4.gguf_tools.quants.fused` (64 lane sums over
-# k ≡ l mod 64 in increasing k, then a fixed halving tree), so an F16 model gives the same bits as
-# its float32 conversion, quantized and dense products share one order, and a token's result does
-# not depend on the batch it is in or on the thread that computed it.
-
-LANES = fused.LANES
-
-
-@intrinsic
-def f16_value(typingctx, h):
-    """float32 value of the IEEE half whose bits are h (uint16), exact for every code.
-
-    Branch-free 32-bit integer code (written in LLVM IR because numba widens integer arithmetic
-    to 64 bits, which halves the SIMD width): shifting the 15 magnitude bits into a float32
-    exponent/mantissa and multiplying by 2^112 rebias normals and subnormals alike (a power-of-two
-    product, exact); exponent 31 (inf, NaN with its payload) is selected apart; the sign is or-ed in.
-    """
-    sig = nb.types.float32(nb.types.uint16)
-
-    def codegen(context, builder, signature, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        a = builder.zext(args[0], i32)
-        m = builder.shl(builder.and_(a, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
-        v = builder.bitcast(builder.fmul(builder.bitcast(m, f32), ir.Constant(f32, 2.0 ** 112)), i32)
-        special = builder.icmp_unsigned(">=", m, ir.Constant(i32, 0x0F800000))
-        v = builder.select(special, builder.or_(m, ir.Constant(i32, 0x7F800000)), v)
-        sign = builder.shl(builder.and_(a, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
-        return builder.bitcast(builder.or_(v, sign), f32)
-
-    return sig, codegen
-
-
-@intrinsic
-def f16_fpext(typingctx, h):
-    """float32 of half bits h through LLVM's half → float extension (vcvtph2ps with F16C/AVX-512):
-    the same value as `f16_value` for every non-NaN code (NaN stays NaN, possibly quietened)."""
-    sig = nb.types.float32(nb.types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-def _weight_value(v):
-    """A stored weight as float32 (uint16: half bits; float32: itself). numba only."""
-    raise NotImplementedError
-
-
-@overload(_weight_value)
-def _weight_value_impl(v):
-    if isinstance(v, nb.types.Integer):
-        return lambda v: f16_fpext(v)
-    return lambda v: v
-
-
-@nb.njit(cache=True)
-def _f16_to_f32_flat(h, out):
-    for i in range(h.shape[0]):
-        out[i] = f16_value(h[i])
-
-
-@nb.njit(inline="always")
-def _to_f32(w, buf):
-    for j in range(w.shape[0]):
-        buf[j] = _weight_value(w[j])
-
-
-def f16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """float32 values of an array of half bits (uint16), bit for bit numpy's float16 → float32 cast
-    (NaN payloads included; tests check all 65536 codes). The products use `f16_fpext`, which
-    agrees with it on every non-NaN code (tests check those too)."""
-    h = np.ascontiguousarray(bits, dtype=np.uint16)
-    out = np.empty(h.shape, np.float32)
-    _f16_to_f32_flat(h.reshape(-1), out.reshape(-1))
-    return out
-
-
-@nb.njit(inline="always")
-def _tree(p):
-    """The halving tree over the 64 lane sums (lane l += lane l + h for h = 32, 16, …, 1), written
-    out so LLVM unrolls and vectorises it."""
-    for l in range(32):
-        p[l] += p[l + 32]
-    for l in range(16):
-        p[l] += p[l + 16]
-    for l in range(8):
-        p[l] += p[l + 8]
-    for l in range(4):
-        p[l] += p[l + 4]
-    for l in range(2):
-        p[l] += p[l + 2]
-    return p[0] + p[1]
-
-
-@nb.njit(inline="always")
-def _dot_lanes(w, x, p):
-    """w · x in the fixed lane order (w float32 or half bits, converted on the fly); p: scratch[LANES]."""
-    n = w.shape[0]
-    for l in range(LANES):
-        p[l] = 0.0
-    full = n - n % LANES
-    for j in range(0, full, LANES):
-        for l in range(LANES):
-            p[l] += _weight_value(w[j + l]) * x[j + l]
-    for l in range(n - full):
-        p[l] += _weight_value(w[full + l]) * x[full + l]
-    return _tree(p)
-
-
-@nb.njit(inline="always")
-def _dense_rows(w, x, out, r0, r1, buf, p):
-    """Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
-    convert the row once into buf, then run the lane sums of 4 tokens at a time against it (same
-    values, same order per token as the one-token pass). p: scratch [4, LANES]."""
-    T, K = x.shape
-    if T == 1:
-        for o in range(r0, r1):
-            out[0, o] = _dot_lanes(w[o], x[0], p[0])
-        return
-    full = K - K % LANES
-    T4 = T - T % 4
-    for o in range(r0, r1):
-        _to_f32(w[o], buf)
-        for t0 in range(0, T4, 4):
-            for tt in range(4):
-                for l in range(LANES):
-                    p[tt, l] = 0.0
-            for j in range(0, full, LANES):
-                for tt in range(4):
-                    xt = x[t0 + tt]
-                    pt = p[tt]
-                    for l in range(LANES):
-                        pt[l] += buf[j + l] * xt[j + l]
-            for tt in range(4):
-                xt = x[t0 + tt]
-                pt = p[tt]
-                for l in range(K - full):
-                    pt[l] += buf[full + l] * xt[full + l]
-                out[t0 + tt, o] = _tree(pt)
-        for t in range(T4, T):
-            out[t, o] = _dot_lanes(buf, x[t], p[0])
-
-
-@nb.njit(cache=True)
-def _dense_serial(w, x, out):
-    buf = np.empty(x.shape[1], np.float32)
-    p = np.empty((4, LANES), np.float32)
-    _dense_rows(w, x, out, 0, w.shape[0], buf, p)
-
-
-@nb.njit(cache=True, parallel=True)
-def _dense_par(w, x, out, step):
-    O = w.shape[0]
-    for b in nb.prange((O + step - 1) // step):
-        buf = np.empty(x.shape[1], np.float32)
-        p = np.empty((4, LANES), np.float32)
-        _dense_rows(w, x, out, b * step, min(O, (b + 1) * step), buf, p)
-
-
-PARALLEL_MIN_WEIGHTS = 1 << 21  # weights × (tokens + 1) below which a thread launch costs more than it saves
-# Decode (one token) threads products of at least this many weights (the head, q_b, compressors,
-# grouped output) and the routed experts: ~40 parallel regions per token. With both cores free that
-# is the fastest split measured (small: 10.4 ms/token vs 12.8 threading the head only); every region
-# waits for all threads, so while another process holds a core it is slower than the head alone
-# (18.6 vs 15.0 ms beside a busy loop) and than one thread: set numba's threads to 1 there.
-DECODE_PARALLEL_MIN_WEIGHTS = 1 << 20
-DECODE_PARALLEL_EXPERTS = True  # split a decode step's routed experts across threads
-
-
-def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """out[t, o] = x[t] · W[o] for W [O, K] stored as float32 or as half bits (uint16), in the lane
-    order; threads take blocks of output rows (each output is computed by one thread, in order)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    O = w.shape[0]
-    big = O * w.shape[1] >= DECODE_PARALLEL_MIN_WEIGHTS if x.shape[0] == 1 else \
-        O * w.shape[1] * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS
-    if big and O >= 64 and nb.get_num_threads() > 1:
-        _dense_par(w, x, out, max(16, min(1024, O // (8 * nb.get_num_threads()))))
-    else:
-        _dense_serial(w, x, out)
-    return out
-
-
-def dense_matmul_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Readable definition of `dense_matmul`: convert, then the lane-order product in numpy."""
-    wf = w.view(np.float16).astype(np.float32) if w.dtype == np.uint16 else np.asarray(w, np.float32)
-    return fused.lane_dot_reference(wf, x)
+DECODE_PARALLEL_EXPERTS = False  # split a decode step's routed experts across threads (see dense.py)
 
 
 # ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
@@ -728,32 +530,6 @@ def moe(model, li, b, ids, w, limit, want_mid):
     if ws is None:
         return None
     return moe_dense(*ws, b, ids, w, limit, want_mid)
-
-
-# ---- machine probe -----------------------------------------------------------------------------------
-@nb.njit(cache=True)
-def _read_block(a):
-    p = np.zeros(LANES, np.float32)
-    n = a.shape[0]
-    full = n - n % LANES
-    for j in range(0, full, LANES):
-        for l in range(LANES):
-            p[l] += a[j + l]
-    return _tree(p)
-
-
-@nb.njit(cache=True, parallel=True)
-def _read_sum(a, blocks):
-    step = a.shape[0] // blocks
-    part = np.zeros(blocks, np.float32)
-    for b in nb.prange(blocks):
-        part[b] = _read_block(a[b * step:(b + 1) * step])
-    return part.sum()
-
-
-def read_sum(a: np.ndarray) -> float:
-    """Sum of a large float32 array with numba's threads: a read-bandwidth probe (ds4.engine.bench)."""
-    return float(_read_sum(a, 64 * nb.get_num_threads()))
 
 
 # ---- norms and the official KV rounding, one call each (numerics.py is the reference) ------------
