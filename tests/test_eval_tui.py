@@ -42,7 +42,9 @@ async def _wait(pilot, predicate, timeout=30.0):
 
 
 def test_pause_select_switch_quit(backend, tmp_path):
-    run = _run(backend, tmp_path / "tui.trace")
+    # Each case runs to its token limit on the random model (~4 ms/token here): 4000 tokens keep
+    # case 1 running until q even when a loaded machine starves the UI loop of the GIL.
+    run = _run(backend, tmp_path / "tui.trace", tokens=4000)
 
     async def drive():
         app = EvalApp(run, pause_ms=0)
