@@ -12,12 +12,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2_mad, make_qkx3, make_qp, nearest_int
+from ._numeric import (F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2_mad_batched, make_qkx3_batched,
+                       make_qp_batched, nearest_int, trial_scratch)
 from ._rows import dequantize_blocks, empty_blocks, float_rows, importance_arg
 
 BLOCK_BYTES = 84
 BLOCK_DTYPE = np.dtype([("scales", "u1", (16,)), ("qs", "u1", (64,)), ("d", "<f2"), ("dmin", "<f2")])
 assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
+TRIAL_SCRATCH = trial_scratch(16).size
 
 
 # ---------------------------------------------------------------- numpy reference (decoding)
@@ -64,14 +66,14 @@ def _finish_block(x, out, o, L, s, dh, mh):
 
 
 @njit(error_model="numpy")
-def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
+def _block_ref(x, out, o, L, S, w, s, scales, mins):
     max_scale = F32(0.0)
     max_min = F32(0.0)
     for j in range(16):
         xs = x[16 * j : 16 * j + 16]
         for i in range(16):
             w[i] = abs(xs[i])
-        sc, mn = make_qkx2_mad(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.5), F32(0.1), 15)
+        sc, mn = make_qkx2_mad_batched(16, 3, xs, w, L[16 * j : 16 * j + 16], F32(-0.5), F32(0.1), 15, S)
         scales[j] = sc
         mins[j] = mn
         if sc > max_scale:
@@ -97,7 +99,7 @@ def _block_ref(x, out, o, L, Laux, w, s, scales, mins):
 
 
 @njit(error_model="numpy")
-def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
+def _block_weighted(x, qw, out, o, L, S, w, s, scales, mins, sw, Ls, Lm):
     sum_x2 = F32(0.0)
     for i in range(QK_K):
         sum_x2 += x[i] * x[i]
@@ -110,11 +112,11 @@ def _block_weighted(x, qw, out, o, L, Laux, w, s, scales, mins, sw, Ls, Lm):
         for i in range(16):
             acc += w[i]
         sw[j] = acc
-        sc, mn = make_qkx3(16, 3, xs, w, L[16 * j : 16 * j + 16], Laux, F32(-0.9), F32(0.05), 36)
+        sc, mn = make_qkx3_batched(16, 3, xs, w, L[16 * j : 16 * j + 16], F32(-0.9), F32(0.05), 36, S)
         scales[j] = sc
         mins[j] = mn
-    dm = make_qp(16, 15, scales, Ls, sw)
-    mm = make_qp(16, 15, mins, Lm, sw)
+    dm = make_qp_batched(16, 15, scales, Ls, sw, S)
+    mm = make_qp_batched(16, 15, mins, Lm, sw, S)
     for j in range(16):
         s[j] = np.uint8((np.int32(Ls[j]) | (np.int32(Lm[j]) << 4)) & 0xFF)
     _finish_block(x, out, o, L, s, fp32_to_fp16_bits(dm), fp32_to_fp16_bits(mm))
@@ -126,7 +128,7 @@ def _quantize_rows(x, qw, weighted, out):
     nb = cols // QK_K
     for r in prange(rows):
         L = np.zeros(QK_K, dtype=np.uint8)
-        Laux = np.zeros(16, dtype=np.uint8)
+        S = np.zeros(TRIAL_SCRATCH, dtype=np.float32)
         w = np.zeros(16, dtype=np.float32)
         s = np.zeros(16, dtype=np.uint8)
         scales = np.zeros(16, dtype=np.float32)
@@ -137,9 +139,9 @@ def _quantize_rows(x, qw, weighted, out):
         for b in range(nb):
             xb = x[r, b * QK_K : (b + 1) * QK_K]
             if weighted:
-                _block_weighted(xb, qw[b * QK_K : (b + 1) * QK_K], out[r], b * BLOCK_BYTES, L, Laux, w, s, scales, mins, sw, Ls, Lm)
+                _block_weighted(xb, qw[b * QK_K : (b + 1) * QK_K], out[r], b * BLOCK_BYTES, L, S, w, s, scales, mins, sw, Ls, Lm)
             else:
-                _block_ref(xb, out[r], b * BLOCK_BYTES, L, Laux, w, s, scales, mins)
+                _block_ref(xb, out[r], b * BLOCK_BYTES, L, S, w, s, scales, mins)
 
 
 @njit(inline="always")

@@ -1,0 +1,78 @@
+"""The batched (trial-parallel) searches of _numeric against the scalar ones they replace
+(tooling-spec §2.3): same returned floats bit for bit and the same codes, for the (n, nmax, rmin,
+rdelta, nstep) of every caller, with and without importance-like weights, on data that exercises
+the degenerate, one-signed, tied and min-updating branches. The scalar versions are themselves held
+to ggml's bytes by test_quants_golden."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.gguf_tools.quants import _numeric as N
+
+F32 = np.float32
+
+QKX_CASES = [  # (name, scalar, batched, n, nmax, rmin, rdelta, nstep): Q2_K ref/imp, Q4_K ref/imp
+    ("qkx2_mad_q2k", N.make_qkx2_mad, N.make_qkx2_mad_batched, 16, 3, -0.5, 0.1, 15),
+    ("qkx3_q2k", N.make_qkx3, N.make_qkx3_batched, 16, 3, -0.9, 0.05, 36),
+    ("qkx2_q4k", N.make_qkx2, N.make_qkx2_batched, 32, 15, -1.0, 0.1, 20),
+    ("qkx3_q4k", N.make_qkx3, N.make_qkx3_batched, 32, 15, -0.9, 0.05, 36),
+]
+
+
+def _groups(rng: np.random.Generator, n: int, count: int) -> list[np.ndarray]:
+    out = []
+    for t in range(count):
+        kind = t % 8
+        if kind == 0:
+            x = rng.standard_normal(n) * 0.02
+        elif kind == 1:
+            x = np.abs(rng.standard_normal(n))  # one-signed: min clamps to 0
+        elif kind == 2:
+            x = -np.abs(rng.standard_normal(n)) * 1e3
+        elif kind == 3:
+            x = np.full(n, 0.75) if t % 16 == 3 else np.zeros(n)  # degenerate
+        elif kind == 4:
+            x = rng.integers(-3, 4, n) * 0.5  # exact ties on the code grid
+        elif kind == 5:
+            x = rng.standard_normal(n) * (rng.random(n) < 0.3)
+        elif kind == 6:
+            x = np.clip(rng.standard_t(2, n), -20, 20)
+        else:
+            x = rng.standard_normal(n) * 1e-20
+        out.append(x.astype(F32))
+    return out
+
+
+@pytest.mark.parametrize("case", QKX_CASES, ids=[c[0] for c in QKX_CASES])
+def test_batched_make_qkx_equals_scalar(case):
+    _, scalar, batched, n, nmax, rmin, rdelta, nstep = case
+    rng = np.random.default_rng(n * 100 + nstep)
+    S = N.trial_scratch(n)
+    for t, x in enumerate(_groups(rng, n, 1600)):
+        if t % 3 == 0:
+            w = np.abs(x)  # the no-importance weights of Q2_K
+        elif t % 3 == 1:
+            w = (rng.random(n) ** 3 * np.sqrt(F32(np.mean(x * x)) + x * x)).astype(F32)
+        else:
+            w = (x * x).astype(F32)
+        L1, Laux, L2 = np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+        a = scalar(n, nmax, x, w, L1, Laux, F32(rmin), F32(rdelta), nstep)
+        b = batched(n, nmax, x, w, L2, F32(rmin), F32(rdelta), nstep, S)
+        assert np.array(a, F32).view(np.uint32).tolist() == np.array(b, F32).view(np.uint32).tolist(), (t, x)
+        np.testing.assert_array_equal(L1, L2, err_msg=f"group {t}")
+
+
+@pytest.mark.parametrize("n,nmax", [(16, 15), (8, 63), (32, 4)])
+def test_batched_make_qp_equals_scalar(n, nmax):
+    rng = np.random.default_rng(nmax)
+    S = N.trial_scratch(n)
+    for t, x in enumerate(_groups(rng, n, 1200)):
+        x = np.abs(x) if t % 5 else x  # make_qp sees non-negative scales/mins (and the odd negative)
+        qw = (rng.random(n) * (rng.random(n) < 0.9)).astype(F32)
+        L1, L2 = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+        a = N.make_qp(n, nmax, x, L1, qw)
+        b = N.make_qp_batched(n, nmax, x, L2, qw, S)
+        assert F32(a).view(np.uint32) == F32(b).view(np.uint32), (t, x)
+        np.testing.assert_array_equal(L1, L2, err_msg=f"group {t}")
