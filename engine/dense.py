@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from llvmlite import ir
-from numba.extending import intrinsic, overload
 
 from ds4.gguf_tools.quants import fused
+from ds4.gguf_tools.quants.lanes import LANES, f16_fpext, f16_value  # noqa: F401
+from ds4.gguf_tools.quants.lanes import dot_lanes as _dot_lanes
+from ds4.gguf_tools.quants.lanes import lane_sums4 as _lane_sums4
+from ds4.gguf_tools.quants.lanes import tree as _tree
+from ds4.gguf_tools.quants.lanes import weight_value as _weight_value
 
 if nb.config.THREADING_LAYER == "default":
     # GNU OpenMP worker threads spin after each parallel region and starve the BLAS calls that
     # run between kernels (measured 5x slower matmuls on 2 cores); the workqueue layer sleeps.
     nb.config.THREADING_LAYER = "workqueue"
-
 
 # ---- dense weight products straight from the file ----------------------------------------------
 # Weights are used as stored: float32 rows (F32 tensors, in-memory models) or IEEE half bits as
@@ -32,57 +34,8 @@ if nb.config.THREADING_LAYER == "default":
 # output is summed in the one lane order of `ds4.gguf_tools.quants.fused` (64 lane sums over
 # k ≡ l mod 64 in increasing k, then a fixed halving tree), so an F16 model gives the same bits as
 # its float32 conversion, quantized and dense products share one order, and a token's result does
-# not depend on the batch it is in or on the thread that computed it.
-
-LANES = fused.LANES
-
-
-@intrinsic
-def f16_value(typingctx, h):
-    """float32 value of the IEEE half whose bits are h (uint16), exact for every code.
-
-    Branch-free 32-bit integer code (written in LLVM IR because numba widens integer arithmetic
-    to 64 bits, which halves the SIMD width): shifting the 15 magnitude bits into a float32
-    exponent/mantissa and multiplying by 2^112 rebias normals and subnormals alike (a power-of-two
-    product, exact); exponent 31 (inf, NaN with its payload) is selected apart; the sign is or-ed in.
-    """
-    sig = nb.types.float32(nb.types.uint16)
-
-    def codegen(context, builder, signature, args):
-        i32, f32 = ir.IntType(32), ir.FloatType()
-        a = builder.zext(args[0], i32)
-        m = builder.shl(builder.and_(a, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
-        v = builder.bitcast(builder.fmul(builder.bitcast(m, f32), ir.Constant(f32, 2.0 ** 112)), i32)
-        special = builder.icmp_unsigned(">=", m, ir.Constant(i32, 0x0F800000))
-        v = builder.select(special, builder.or_(m, ir.Constant(i32, 0x7F800000)), v)
-        sign = builder.shl(builder.and_(a, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
-        return builder.bitcast(builder.or_(v, sign), f32)
-
-    return sig, codegen
-
-
-@intrinsic
-def f16_fpext(typingctx, h):
-    """float32 of half bits h through LLVM's half → float extension (vcvtph2ps with F16C/AVX-512):
-    the same value as `f16_value` for every non-NaN code (NaN stays NaN, possibly quietened)."""
-    sig = nb.types.float32(nb.types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-def _weight_value(v):
-    """A stored weight as float32 (uint16: half bits; float32: itself). numba only."""
-    raise NotImplementedError
-
-
-@overload(_weight_value)
-def _weight_value_impl(v):
-    if isinstance(v, nb.types.Integer):
-        return lambda v: f16_fpext(v)
-    return lambda v: v
+# not depend on the batch it is in or on the thread that computed it. The lane kernels themselves
+# (vector registers, `dot_lanes` / `lane_sums4`) live in `ds4.gguf_tools.quants.lanes`.
 
 
 @nb.njit(cache=True)
@@ -108,38 +61,6 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 @nb.njit(inline="always")
-def _tree(p):
-    """The halving tree over the 64 lane sums (lane l += lane l + h for h = 32, 16, …, 1), written
-    out so LLVM unrolls and vectorises it."""
-    for l in range(32):
-        p[l] += p[l + 32]
-    for l in range(16):
-        p[l] += p[l + 16]
-    for l in range(8):
-        p[l] += p[l + 8]
-    for l in range(4):
-        p[l] += p[l + 4]
-    for l in range(2):
-        p[l] += p[l + 2]
-    return p[0] + p[1]
-
-
-@nb.njit(inline="always")
-def _dot_lanes(w, x, p):
-    """w · x in the fixed lane order (w float32 or half bits, converted on the fly); p: scratch[LANES]."""
-    n = w.shape[0]
-    for l in range(LANES):
-        p[l] = 0.0
-    full = n - n % LANES
-    for j in range(0, full, LANES):
-        for l in range(LANES):
-            p[l] += _weight_value(w[j + l]) * x[j + l]
-    for l in range(n - full):
-        p[l] += _weight_value(w[full + l]) * x[full + l]
-    return _tree(p)
-
-
-@nb.njit(inline="always")
 def _dense_rows(w, x, out, r0, r1, buf, p):
     """Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
     convert the row once into buf, then run the lane sums of 4 tokens at a time against it (same
@@ -154,15 +75,7 @@ def _dense_rows(w, x, out, r0, r1, buf, p):
     for o in range(r0, r1):
         _to_f32(w[o], buf)
         for t0 in range(0, T4, 4):
-            for tt in range(4):
-                for l in range(LANES):
-                    p[tt, l] = 0.0
-            for j in range(0, full, LANES):
-                for tt in range(4):
-                    xt = x[t0 + tt]
-                    pt = p[tt]
-                    for l in range(LANES):
-                        pt[l] += buf[j + l] * xt[j + l]
+            _lane_sums4(buf, x, t0, full, p)
             for tt in range(4):
                 xt = x[t0 + tt]
                 pt = p[tt]

@@ -6,8 +6,8 @@ Each output is out[t, o] = x[t] · dequant(raw)[o] summed in one fixed order, wh
 64 lane sums, lane l taking the products of columns k ≡ l (mod 64) in increasing k, then a fixed
 halving tree (lane l += lane l + 32, l += l + 16, …, 1). A token therefore gets the same bits alone
 (decode) as in any batch (prefill) or thread split, which keeps the engine's decode == prefill
-guarantee through its FP8/FP4 roundings. 64 lanes is what LLVM vectorises without fastmath
-(a 64-wide loop body it does not unroll; 8 or 16 scalar partial sums stay scalar).
+guarantee through its FP8/FP4 roundings. The lane sums run in vector registers (`.lanes`:
+four <16 x float> per token, four tokens per pass over a decoded row).
 
 Per output row the kernel decodes the row's blocks once into a float32 buffer (the exact values of
 `dequantize`, with branch-free decoders written for SIMD), then runs the lane sums for every
@@ -26,8 +26,8 @@ from numba import njit, prange
 from ..constants import QuantType
 from . import iq2_xxs
 from ._numeric import F32, fp16_bits_to_fp32
+from .lanes import LANES, dot_lanes, lane_sums4, tree
 
-LANES = 64
 FUSED = (QuantType.Q8_0, QuantType.Q2_K, QuantType.Q4_K, QuantType.IQ2_XXS)
 _Q8_0, _Q2_K, _Q4_K, _IQ2_XXS = (int(q) for q in FUSED)
 _SHAPE = {QuantType.Q8_0: (32, 34), QuantType.Q2_K: (256, 84), QuantType.Q4_K: (256, 144),
@@ -136,35 +136,24 @@ def _decode_row(qt, row, codes, buf, grid, sign):
 # ---------------------------------------------------------------- products
 
 
-@njit(inline="always")
-def _dot_lanes(w, x, p):
-    """w · x in the fixed lane order of the module doc; p is a float32[LANES] scratch."""
-    n = w.shape[0]
-    for l in range(LANES):
-        p[l] = 0.0
-    full = n - n % LANES
-    for j in range(0, full, LANES):
-        for l in range(LANES):
-            p[l] += w[j + l] * x[j + l]
-    for l in range(n - full):
-        p[l] += w[full + l] * x[full + l]
-    half = LANES // 2
-    while half >= 1:
-        for l in range(half):
-            p[l] += p[l + half]
-        half //= 2
-    return p[0]
-
-
 @njit(cache=True, error_model="numpy")
 def _rows(qt, raw, codes, x, out, r0, r1, grid, sign):
     T, K = x.shape
     buf = np.empty(K, np.float32)
-    p = np.empty(LANES, np.float32)
+    p = np.empty((4, LANES), np.float32)
+    full = K - K % LANES
+    T4 = T - T % 4
     for o in range(r0, r1):
         _decode_row(qt, raw[o], codes[o], buf, grid, sign)
-        for t in range(T):
-            out[t, o] = _dot_lanes(buf, x[t], p)
+        for t0 in range(0, T4, 4):  # four tokens per pass over the decoded row
+            lane_sums4(buf, x, t0, full, p)
+            for tt in range(4):
+                pt = p[tt]
+                for l in range(K - full):
+                    pt[l] += buf[full + l] * x[t0 + tt, full + l]
+                out[t0 + tt, o] = tree(pt)
+        for t in range(T4, T):
+            out[t, o] = dot_lanes(buf, x[t], p[0])
 
 
 @njit(cache=True, parallel=True, error_model="numpy")

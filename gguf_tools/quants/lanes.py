@@ -1,0 +1,280 @@
+"""The fixed lane order every CPU weight product uses, and its kernels in vector registers.
+
+A dot product w · x is summed in 64 lane sums (lane l takes the products of elements k ≡ l mod 64
+in increasing k), then a fixed halving tree (lane l += lane l + 32, += l + 16, …, += l + 1). The
+order does not depend on the batch, the thread or the weight's storage (float32, IEEE half bits,
+or a quantized row decoded into float32), so decode == prefill bit for bit in the engine.
+
+`dot_lanes(w, x, p)` and `lane_sums4(buf, x, t0, full, p)` are the numba entry points (numba only).
+Contiguous arrays go through LLVM intrinsics that keep the lanes in four <16 x float> registers:
+numba's scalar loop keeps them in the scratch array (it cannot prove the scratch does not alias
+the weights), which costs a load and a store per 16 lanes and halves the speed. Each lane still
+gets `lane += w * x` (an IEEE multiply, then an add: no fused multiply-add, no reassociation) in
+increasing k, and the tree pairs lanes exactly as `tree`, so the bits equal the scalar loop's
+(tests hold both to `ds4.gguf_tools.quants.fused.lane_dot_reference`). Other layouts take the loop.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+from llvmlite import ir
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+LANES = 64
+
+
+@intrinsic
+def f16_value(typingctx, h):
+    """float32 value of the IEEE half whose bits are h (uint16), exact for every code.
+
+    Branch-free 32-bit integer code (written in LLVM IR because numba widens integer arithmetic
+    to 64 bits, which halves the SIMD width): shifting the 15 magnitude bits into a float32
+    exponent/mantissa and multiplying by 2^112 rebias normals and subnormals alike (a power-of-two
+    product, exact); exponent 31 (inf, NaN with its payload) is selected apart; the sign is or-ed in.
+    """
+    sig = nb.types.float32(nb.types.uint16)
+
+    def codegen(context, builder, signature, args):
+        i32, f32 = ir.IntType(32), ir.FloatType()
+        a = builder.zext(args[0], i32)
+        m = builder.shl(builder.and_(a, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
+        v = builder.bitcast(builder.fmul(builder.bitcast(m, f32), ir.Constant(f32, 2.0 ** 112)), i32)
+        special = builder.icmp_unsigned(">=", m, ir.Constant(i32, 0x0F800000))
+        v = builder.select(special, builder.or_(m, ir.Constant(i32, 0x7F800000)), v)
+        sign = builder.shl(builder.and_(a, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
+        return builder.bitcast(builder.or_(v, sign), f32)
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_fpext(typingctx, h):
+    """float32 of half bits h through LLVM's half → float extension (vcvtph2ps with F16C/AVX-512):
+    the same value as `f16_value` for every non-NaN code (NaN stays NaN, possibly quietened)."""
+    sig = nb.types.float32(nb.types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def weight_value(v):
+    """A stored weight as float32 (uint16: half bits; float32: itself). numba only."""
+    raise NotImplementedError
+
+
+@overload(weight_value)
+def _weight_value_impl(v):
+    if isinstance(v, nb.types.Integer):
+        return lambda v: f16_fpext(v)
+    return lambda v: v
+
+
+@nb.njit(inline="always")
+def tree(p):
+    """The halving tree over the 64 lane sums (lane l += lane l + h for h = 32, 16, …, 1), written
+    out so LLVM unrolls and vectorises it."""
+    for l in range(32):
+        p[l] += p[l + 32]
+    for l in range(16):
+        p[l] += p[l + 16]
+    for l in range(8):
+        p[l] += p[l + 8]
+    for l in range(4):
+        p[l] += p[l + 4]
+    for l in range(2):
+        p[l] += p[l + 2]
+    return p[0] + p[1]
+
+
+# ---- the lane sums in vector registers (see the module doc) ------------------------------------
+_V16 = ir.VectorType(ir.FloatType(), 16)
+
+
+def _i64(builder, v):
+    i64 = ir.IntType(64)
+    return v if v.type.width == 64 else builder.sext(v, i64)
+
+
+def _emit_lane_sums(builder, w_data, half, x_rows, n_full):
+    """IR: for each x row pointer, the four 16-lane sum registers of w · x over the first n_full
+    (a multiple of 64) elements; one weight load serves every row."""
+    i64 = ir.IntType(64)
+    w_vec_ptr = ir.PointerType(ir.VectorType(ir.HalfType() if half else ir.FloatType(), 16))
+    x_vec_ptr = ir.PointerType(_V16)
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(_V16, None)) for _ in range(4)] for _ in x_rows]
+    chunks = builder.udiv(_i64(builder, n_full), ir.Constant(i64, LANES))
+    with cgutils.for_range(builder, chunks) as loop:
+        base = builder.mul(loop.index, ir.Constant(i64, LANES))
+        for i in range(4):
+            at = builder.add(base, ir.Constant(i64, 16 * i))
+            wv = builder.load(builder.bitcast(builder.gep(w_data, [at]), w_vec_ptr), align=2 if half else 4)
+            if half:
+                wv = builder.fpext(wv, _V16)
+            for x_data, row_accs in zip(x_rows, accs):
+                xv = builder.load(builder.bitcast(builder.gep(x_data, [at]), x_vec_ptr), align=4)
+                acc = row_accs[i]
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(wv, xv)), acc)
+    return [[builder.load(acc) for acc in row_accs] for row_accs in accs]
+
+
+def _emit_tree(builder, accs):
+    """IR: `tree` over four 16-lane registers (lanes 0-15, 16-31, 32-47, 48-63)."""
+    a0, a1, a2, a3 = accs
+    v = builder.fadd(builder.fadd(a0, a2), builder.fadd(a1, a3))     # p[l] += p[l + 32]; += p[l + 16]
+    for width in (8, 4, 2):                                           # p[l] += p[l + width]
+        idx = ir.VectorType(ir.IntType(32), width)
+        lo = builder.shuffle_vector(v, v, ir.Constant(idx, list(range(width))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(idx, list(range(width, 2 * width))))
+        v = builder.fadd(lo, hi)
+    i32 = ir.IntType(32)
+    return builder.fadd(builder.extract_element(v, ir.Constant(i32, 0)),
+                        builder.extract_element(v, ir.Constant(i32, 1)))
+
+
+def _store_lanes(builder, p_data, accs):
+    for i, acc in enumerate(accs):
+        ptr = builder.gep(p_data, [ir.Constant(ir.IntType(64), 16 * i)])
+        builder.store(acc, builder.bitcast(ptr, ir.PointerType(_V16)), align=4)
+
+
+def _is_c_array(a, ndim, dtypes):
+    return isinstance(a, nb.types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype in dtypes
+
+
+_WEIGHT_DTYPES = (nb.types.uint16, nb.types.float32)
+
+
+def _lane_sums_typing(w, x, n_full):
+    return (_is_c_array(w, 1, _WEIGHT_DTYPES) and _is_c_array(x, 1, (nb.types.float32,))
+            and isinstance(n_full, nb.types.Integer))
+
+
+@intrinsic
+def _lane_dot_vec(typingctx, w, x, n_full):
+    """w · x over n_full elements (a multiple of 64, = the whole dot: no tail) in the lane order."""
+    if not _lane_sums_typing(w, x, n_full):
+        return None
+    sig = nb.types.float32(w, x, n_full)
+
+    def codegen(context, builder, signature, args):
+        w_ty, x_ty = signature.args[:2]
+        w_data = context.make_array(w_ty)(context, builder, args[0]).data
+        x_data = context.make_array(x_ty)(context, builder, args[1]).data
+        (accs,) = _emit_lane_sums(builder, w_data, w_ty.dtype == nb.types.uint16, [x_data], args[2])
+        return _emit_tree(builder, accs)
+
+    return sig, codegen
+
+
+@intrinsic
+def _lane_sums_vec(typingctx, w, x, n_full, p):
+    """p[0:64] = the lane sums of w · x over the first n_full elements (a multiple of 64)."""
+    if not (_lane_sums_typing(w, x, n_full) and _is_c_array(p, 1, (nb.types.float32,))):
+        return None
+    sig = nb.types.void(w, x, n_full, p)
+
+    def codegen(context, builder, signature, args):
+        w_ty, x_ty, _, p_ty = signature.args
+        w_data = context.make_array(w_ty)(context, builder, args[0]).data
+        x_data = context.make_array(x_ty)(context, builder, args[1]).data
+        (accs,) = _emit_lane_sums(builder, w_data, w_ty.dtype == nb.types.uint16, [x_data], args[2])
+        _store_lanes(builder, context.make_array(p_ty)(context, builder, args[3]).data, accs)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _lane_sums4_vec(typingctx, w, x, t0, n_full, p):
+    """p[tt, 0:64] = the lane sums of w · x[t0 + tt] over the first n_full elements, tt = 0..3
+    (x [T, K] C-contiguous, K ≥ n_full; one pass over w for the four tokens)."""
+    if not (_is_c_array(w, 1, _WEIGHT_DTYPES) and _is_c_array(x, 2, (nb.types.float32,))
+            and _is_c_array(p, 2, (nb.types.float32,)) and isinstance(t0, nb.types.Integer)
+            and isinstance(n_full, nb.types.Integer)):
+        return None
+    sig = nb.types.void(w, x, t0, n_full, p)
+
+    def codegen(context, builder, signature, args):
+        w_ty, x_ty, _, _, p_ty = signature.args
+        w_data = context.make_array(w_ty)(context, builder, args[0]).data
+        xa = context.make_array(x_ty)(context, builder, args[1])
+        K = builder.extract_value(xa.shape, 1)
+        rows = [builder.gep(xa.data, [builder.mul(builder.add(_i64(builder, args[2]),
+                                                              ir.Constant(ir.IntType(64), tt)), K)])
+                for tt in range(4)]
+        per_token = _emit_lane_sums(builder, w_data, w_ty.dtype == nb.types.uint16, rows, args[3])
+        p_data = context.make_array(p_ty)(context, builder, args[4]).data
+        for tt, accs in enumerate(per_token):
+            _store_lanes(builder, builder.gep(p_data, [ir.Constant(ir.IntType(64), LANES * tt)]), accs)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def dot_lanes(w, x, p):
+    """w · x in the fixed lane order (w float32 or half bits, converted on the fly); p: scratch[LANES].
+    numba only: contiguous rows go through the vector-register intrinsics, others the scalar loop."""
+    raise NotImplementedError
+
+
+def _dot_lanes_loop(w, x, p):
+    n = w.shape[0]
+    for l in range(LANES):
+        p[l] = 0.0
+    full = n - n % LANES
+    for j in range(0, full, LANES):
+        for l in range(LANES):
+            p[l] += weight_value(w[j + l]) * x[j + l]
+    for l in range(n - full):
+        p[l] += weight_value(w[full + l]) * x[full + l]
+    return tree(p)
+
+
+def _dot_lanes_vec(w, x, p):
+    n = w.shape[0]
+    full = n - n % LANES
+    if full == n:
+        return _lane_dot_vec(w, x, n)
+    _lane_sums_vec(w, x, full, p)
+    for l in range(n - full):
+        p[l] += weight_value(w[full + l]) * x[full + l]
+    return tree(p)
+
+
+@overload(dot_lanes, inline="always")
+def _dot_lanes_impl(w, x, p):
+    if _lane_sums_typing(w, x, nb.types.int64) and isinstance(p, nb.types.Array) and p.layout == "C":
+        return _dot_lanes_vec
+    return _dot_lanes_loop
+
+
+def lane_sums4(buf, x, t0, full, p):
+    """p[tt] = lane sums of buf · x[t0 + tt] over the first `full` elements, tt = 0..3. numba only."""
+    raise NotImplementedError
+
+
+def _lane_sums4_loop(buf, x, t0, full, p):
+    for tt in range(4):
+        for l in range(LANES):
+            p[tt, l] = 0.0
+    for j in range(0, full, LANES):
+        for tt in range(4):
+            xt = x[t0 + tt]
+            pt = p[tt]
+            for l in range(LANES):
+                pt[l] += buf[j + l] * xt[j + l]
+
+
+def _lane_sums4_regs(buf, x, t0, full, p):
+    _lane_sums4_vec(buf, x, t0, full, p)
+
+
+@overload(lane_sums4, inline="always")
+def _lane_sums4_impl(buf, x, t0, full, p):
+    if _is_c_array(buf, 1, _WEIGHT_DTYPES) and _is_c_array(x, 2, (nb.types.float32,)) \
+            and _is_c_array(p, 2, (nb.types.float32,)):
+        return _lane_sums4_regs
+    return _lane_sums4_loop
