@@ -141,6 +141,27 @@ def test_oracle_aborts_on_iq2_xxs_without_importance():
         ggml_oracle.quantize(QuantType.IQ2_XXS, x, None)
 
 
+@needs_ggml
+@pytest.mark.parametrize("qtype", [QuantType.Q2_K, QuantType.IQ2_XXS], ids=lambda q: q.name)
+def test_batched_searches_match_live_ggml_on_many_blocks(qtype):
+    """Q2_K and IQ2_XXS batch their trial steps (make_qkx/make_qp trials, the 13 IQ2 scales):
+    many blocks of varied data (Gaussian at several scales, heavy tails, FP4 grid values, sparse,
+    one-signed), with and without importance, must still give ggml's bytes."""
+    rng = np.random.default_rng(int(qtype) + 77)
+    rows, cols = 48, 1024
+    x = (rng.standard_normal((rows, cols)) * rng.gamma(1.0, 0.05, (rows, 1))).astype(np.float32)
+    x[0:8] = np.clip(rng.standard_t(3, (8, cols)), -30, 30)
+    x[8:16] = _fp4_like(rng, 8 * cols).reshape(8, cols)
+    x[16:24] *= rng.random((8, cols)) < 0.2
+    x[24:28] = np.abs(x[24:28])
+    x[28:32] = -np.abs(x[28:32]) * 1e-4
+    imp = (rng.gamma(0.5, 1.0, cols) * (rng.random(cols) < 0.95)).astype(np.float32)
+    requests = [(qtype, x, _importance_for(qtype, x, imp, weighted)) for weighted in (False, True)]
+    for weighted, want in zip((False, True), ggml_oracle.quantize_many(requests)):
+        ours = quantize(qtype, x, imp if weighted else None)
+        np.testing.assert_array_equal(ours, want, err_msg=_key(qtype, weighted))
+
+
 if __name__ == "__main__":
     if not ggml_oracle.available():
         sys.exit("llama-cpp-python is not installed: cannot regenerate the golden fixture")

@@ -10,7 +10,9 @@ of the weight matrix as importance (`synthetic_importance`); `quantize(x, None)`
 Speed: the search is ggml's (13 trial scales x 4 sub-groups, snapping off-grid codes to the best
 of their precomputed neighbours), with the same float32 operations in the same order, so the bytes
 are identical. What is faster: rows run in parallel; the neighbour distance uses a 24-entry term
-table (grid levels take 3 values), see `_best_neighbour`.
+table (grid levels take 3 values), see `_best_neighbour`; the 13 trial scales are batched (codes of
+all trials computed together, then both sums of all trials advanced together, each trial keeping
+ggml's summation order), see `_quantize_block`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
 
 MAP_SIZE = 43692  # codes u < 4**8 whose 2-bit fields can be 0..2 (max is 0b1010...10 = 43690)
 FLT_MAX = np.float32(3.4028234663852886e38)
+STEP_LANES = 16  # the 13 trial scales of the search, padded to a 16-lane vector
 GRID_BYTES = np.array([0x08, 0x19, 0x2B], dtype=np.uint8)  # decoder magnitude of level 0/1/2
 
 
@@ -93,6 +96,7 @@ def build_tables():
 
 
 GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS = build_tables()
+
 GRID_F = GRID_Q.astype(np.float32)
 KSIGNS = _ksigns()
 
@@ -160,13 +164,18 @@ def _best_neighbour(u, xval, waux, g0, scale, nb_start, nb_count, nb_index, nb_t
 
 @njit(error_model="numpy")
 def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, weight, waux, xval, L, Laux, Lqp, T,
-                    scales, words, signs, wx, wq2):
+                    scales, words, signs, wx, wq2, Q, U, SF):
     """One 256-block: ggml's quantize_row_iq2_xxs_impl, operation for operation.
 
     The trailing arguments are per-thread scratch. wx[i] = w_i*xval_i and wq2[3i+l] = (w_i*q)*q
-    for q = 2l+1 are the products ggml forms first in its sumqx/sumq2 loops, hoisted out of the
-    13 trial steps (same operations, same order, same values).
+    for q = 2l+1 are the products ggml forms first in its sumqx/sumq2 loops, hoisted (same
+    operations, same order, same values). Q [32 x STEP_LANES] holds the codes of every trial scale,
+    U [4 x STEP_LANES] their sub-group grid codes, SF the per-trial inverse scale, scale and sums.
     """
+    sinv = SF[0:STEP_LANES]
+    sscale = SF[STEP_LANES : 2 * STEP_LANES]
+    sqx = SF[2 * STEP_LANES : 3 * STEP_LANES]
+    sq2 = SF[3 * STEP_LANES : 4 * STEP_LANES]
     for j in range(16):
         words[j] = 0
     max_scale = F32(0.0)
@@ -220,31 +229,49 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
         if eff_max <= 0:
             scales[ib] = F32(0.0)
             continue
-        best = F32(0.0)
-        for step in range(-6, 7):
-            inv = (F32(5.0) + F32(step) * F32(0.1)) / eff_max
-            this_scale = F32(1.0) / inv
+        # The 13 trial scales, batched: lane c of each 16-wide row is trial step c - 6. Codes for
+        # every trial first (one vector op per element), then the off-grid snaps trial by trial,
+        # then both sums of every trial together, each adding its 32 terms in ggml's order.
+        for c in range(STEP_LANES):
+            inv = (F32(5.0) + F32(min(c, 12) - 6) * F32(0.1)) / eff_max
+            sinv[c] = inv
+            sscale[c] = F32(1.0) / inv
+            sqx[c] = F32(0.0)
+            sq2[c] = F32(0.0)
+        for k in range(4):
+            for c in range(STEP_LANES):
+                U[STEP_LANES * k + c] = 0
+            for i in range(8):
+                xi = xval[8 * k + i]
+                row = STEP_LANES * (8 * k + i)
+                for c in range(STEP_LANES):
+                    q = max(np.int32(0), min(np.int32(2), nearest_int(F32(0.5) * (sinv[c] * xi - F32(1.0)))))
+                    Q[row + c] = q
+                    U[STEP_LANES * k + c] |= q << (2 * i)
+        for c in range(13):
             for k in range(4):
-                u = 0
-                for i in range(8):
-                    q = nearest_int(F32(0.5) * (inv * xval[8 * k + i] - F32(1.0)))
-                    q = max(0, min(2, q))
-                    Laux[8 * k + i] = q
-                    u |= q << (2 * i)
+                u = U[STEP_LANES * k + c]
                 if gmap[u] < 0:
-                    gi = _best_neighbour(u, xval, waux, 8 * k, this_scale, nb_start, nb_count, nb_index, nb_terms, T)
+                    gi = _best_neighbour(u, xval, waux, 8 * k, sscale[c], nb_start, nb_count, nb_index, nb_terms, T)
                     for i in range(8):
-                        Laux[8 * k + i] = (grid_q[gi, i] - 1) // 2
-            sumqx = F32(0.0)
-            sumq2 = F32(0.0)
-            for i in range(32):
-                sumqx += wx[i] * F32(2 * Laux[i] + 1)
-                sumq2 += wq2[3 * i + Laux[i]]
+                        Q[STEP_LANES * (8 * k + i) + c] = (grid_q[gi, i] - 1) // 2
+        for i in range(32):
+            wxi = wx[i]
+            wi = weight[i]
+            row = STEP_LANES * i
+            for c in range(STEP_LANES):
+                q = F32(2 * Q[row + c] + 1)
+                sqx[c] += wxi * q
+                sq2[c] += wi * q * q
+        best = F32(0.0)
+        for c in range(13):
+            sumqx = sqx[c]
+            sumq2 = sq2[c]
             if sumq2 > 0 and sumqx * sumqx > best * sumq2:
                 scale = sumqx / sumq2
                 best = scale * sumqx
                 for i in range(32):
-                    L[i] = Laux[i]
+                    L[i] = Q[STEP_LANES * i + c]
         if scale > 0:
             inv = F32(1.0) / scale
             for k in range(4):
@@ -318,11 +345,14 @@ def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_te
         signs = np.zeros(4, dtype=np.int32)
         wx = np.zeros(32, dtype=np.float32)
         wq2 = np.zeros(96, dtype=np.float32)
+        Q = np.zeros(32 * STEP_LANES, dtype=np.int32)
+        U = np.zeros(4 * STEP_LANES, dtype=np.int32)
+        SF = np.zeros(4 * STEP_LANES, dtype=np.float32)
         for b in range(nb):
             _quantize_block(
                 x[r, b * QK_K : (b + 1) * QK_K], qw[b * QK_K : (b + 1) * QK_K], out[r], b * BLOCK_BYTES,
                 grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, weight, waux, xval, L, Laux, Lqp, T,
-                scales, words, signs, wx, wq2,
+                scales, words, signs, wx, wq2, Q, U, SF,
             )
 
 
