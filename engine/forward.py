@@ -397,15 +397,21 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     if cfg.fp8_kv:
         kv = K.fp8_kv_round(kv, cfg.n_nope)
 
-    # Raw window: earlier positions come from the ring, the chunk's own rows from kv.
+    # Raw window: earlier positions come from the ring, the chunk's own rows from kv. A decoded
+    # token (fast kernels) attends over the ring in place once its own row is written.
     W, cap = state.raw_window, state.raw_cap
-    old = np.arange(max(0, pos0 - W + 1), pos0)
-    keys = np.concatenate([st.raw[old % cap], kv])
-    key_pos = np.concatenate([old, pos])
-    keep = pos[-min(T, cap):]
-    st.raw[keep % cap] = kv[T - len(keep):]
-    mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
+    decode = T == 1 and hasattr(K, "attend_decode")
+    if decode:
+        st.raw[pos0 % cap] = kv[0]
+    else:
+        old = np.arange(max(0, pos0 - W + 1), pos0)
+        keys = np.concatenate([st.raw[old % cap], kv])
+        key_pos = np.concatenate([old, pos])
+        keep = pos[-min(T, cap):]
+        st.raw[keep % cap] = kv[T - len(keep):]
+        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - W)
 
+    comp_mask = None
     if ratio:
         st.n_comp = _compress(model, li, a, pos0, K, (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM),
                               st.comp_kv, st.comp_score, st.comp, st.n_comp, indexer=False)
@@ -417,11 +423,18 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
             comp_mask = _indexer_mask(model, li, c, a, pos, st, n_vis, K)
         else:
             comp_mask = np.arange(st.n_comp)[None, :] < n_vis[:, None]
-        keys = np.concatenate([keys, st.comp[:st.n_comp]])
-        mask = np.concatenate([mask, comp_mask], axis=1)
+        if not decode:
+            keys = np.concatenate([keys, st.comp[:st.n_comp]])
+            mask = np.concatenate([mask, comp_mask], axis=1)
 
-    o = K.attend(np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(mask),
-                 model.w(_blk(li, L.ATTN_SINKS)), 1.0 / math.sqrt(d))
+    sinks, scale = model.w(_blk(li, L.ATTN_SINKS)), 1.0 / math.sqrt(d)
+    if decode:
+        comp_rows = st.comp[:st.n_comp] if comp_mask is not None else st.raw[:0]
+        comp_mask = comp_mask[0] if comp_mask is not None else np.zeros(0, bool)
+        o = K.attend_decode(q, st.raw, pos0, W, comp_rows, comp_mask, sinks, scale)
+    else:
+        o = K.attend(np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(mask),
+                     sinks, scale)
     o = K.apply_tail(o, cos, sin, cfg.rope_dim, inverse=True)
 
     G = cfg.o_groups

@@ -158,6 +158,51 @@ def attend(q, keys, mask, sinks, scale):
     return out
 
 
+@nb.njit(cache=True)
+def _attend_decode(q, ring, first, n_win, comp, comp_mask, sinks, scale, out):
+    """`_attend_rows` for one query whose keys are the ring rows of positions first..first+n_win-1
+    (row = position mod ring size) followed by the visible compressed rows: the same operations in
+    the same key order, without assembling the key matrix."""
+    H, d = q.shape
+    cap = ring.shape[0]
+    nc = comp.shape[0]
+    s = np.empty(n_win + nc, np.float32)
+    lanes = np.empty(LANES, np.float32)
+    for h in range(H):
+        m = np.float32(sinks[h])
+        for i in range(n_win + nc):
+            if i < n_win or comp_mask[i - n_win]:
+                key = ring[(first + i) % cap] if i < n_win else comp[i - n_win]
+                dot = _dot_lanes(q[h], key, lanes) * scale
+                s[i] = dot
+                if dot > m:
+                    m = dot
+        denom = math.exp(sinks[h] - m)
+        for i in range(n_win + nc):
+            if i < n_win or comp_mask[i - n_win]:
+                e = math.exp(s[i] - m)
+                s[i] = e
+                denom += e
+        inv = 1.0 / denom
+        for i in range(n_win + nc):
+            if i < n_win or comp_mask[i - n_win]:
+                key = ring[(first + i) % cap] if i < n_win else comp[i - n_win]
+                p = np.float32(s[i] * inv)
+                for j in range(d):
+                    out[h, j] += p * key[j]
+
+
+def attend_decode(q, ring, pos, window, comp, comp_mask, sinks, scale):
+    """`attend` for one decoded token at `pos` (q [1, H, d]) whose own key row is already in the
+    ring: keys = the window's ring rows in position order, then comp rows where comp_mask."""
+    first = max(0, pos - window + 1)
+    out = np.zeros(q.shape, np.float32)
+    _attend_decode(np.ascontiguousarray(q[0], dtype=np.float32), ring, first, pos + 1 - first,
+                   np.ascontiguousarray(comp, dtype=np.float32), np.ascontiguousarray(comp_mask, dtype=np.bool_),
+                   np.ascontiguousarray(sinks, dtype=np.float32), np.float32(scale), out[0])
+    return out
+
+
 DECODE_PARALLEL_EXPERTS = False  # split a decode step's routed experts across threads (see dense.py)
 
 

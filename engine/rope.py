@@ -30,6 +30,7 @@ def _inv_freq(rope_dim: int, base: float, yarn: tuple | None) -> np.ndarray:
     return (theta / np.float32(factor) * ramp + theta * (np.float32(1.0) - ramp)).astype(F32)
 
 
+@lru_cache(maxsize=64)
 def inv_freq(cfg: Config, compressed: bool) -> np.ndarray:
     """θ_i for the pairs of the RoPE tail: plain for window-only layers, YaRN-blended for compressed ones."""
     if not compressed:
