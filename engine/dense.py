@@ -17,8 +17,8 @@ import numpy as np
 
 from ds4.gguf_tools.quants import fused
 from ds4.gguf_tools.quants.lanes import LANES, f16_fpext, f16_value  # noqa: F401
-from ds4.gguf_tools.quants.lanes import dot_lanes as _dot_lanes
-from ds4.gguf_tools.quants.lanes import lane_sums4 as _lane_sums4
+from ds4.gguf_tools.quants.lanes import dot_lanes as _dot_lanes  # noqa: F401
+from ds4.gguf_tools.quants.lanes import dot_rows, lane_sums4, tree_row
 from ds4.gguf_tools.quants.lanes import tree as _tree
 from ds4.gguf_tools.quants.lanes import weight_value as _weight_value
 
@@ -45,9 +45,9 @@ def _f16_to_f32_flat(h, out):
 
 
 @nb.njit(inline="always")
-def _to_f32(w, buf):
-    for j in range(w.shape[0]):
-        buf[j] = _weight_value(w[j])
+def _to_f32(w, o, buf):
+    for j in range(w.shape[1]):
+        buf[j] = _weight_value(w[o, j])
 
 
 def f16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -60,30 +60,30 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-@nb.njit(inline="always")
+@nb.njit(cache=True)
 def _dense_rows(w, x, out, r0, r1, buf, p):
-    """Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
+    """A compiled function of its own, not inlined: two inlined copies in one loop body (the MoE's
+    gate and up) made LLVM's code for both about 5x slower. Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
     convert the row once into buf, then run the lane sums of 4 tokens at a time against it (same
     values, same order per token as the one-token pass). p: scratch [4, LANES]."""
     T, K = x.shape
+    lanes = p.reshape(4 * LANES)
     if T == 1:
         for o in range(r0, r1):
-            out[0, o] = _dot_lanes(w[o], x[0], p[0])
+            out[0, o] = dot_rows(w, o, x, 0, lanes)
         return
     full = K - K % LANES
     T4 = T - T % 4
     for o in range(r0, r1):
-        _to_f32(w[o], buf)
+        _to_f32(w, o, buf)
         for t0 in range(0, T4, 4):
-            _lane_sums4(buf, x, t0, full, p)
+            lane_sums4(buf, x, t0, full, p)
             for tt in range(4):
-                xt = x[t0 + tt]
-                pt = p[tt]
                 for l in range(K - full):
-                    pt[l] += buf[full + l] * xt[full + l]
-                out[t0 + tt, o] = _tree(pt)
+                    p[tt, l] += buf[full + l] * x[t0 + tt, full + l]
+                out[t0 + tt, o] = tree_row(p, tt)
         for t in range(T4, T):
-            out[t, o] = _dot_lanes(buf, x[t], p[0])
+            out[t, o] = dot_rows(buf, 0, x, t, lanes)
 
 
 @nb.njit(cache=True)

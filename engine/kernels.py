@@ -16,7 +16,7 @@ import math
 import numba as nb
 import numpy as np
 
-from ds4.engine.dense import (LANES, _dense_rows, _dot_lanes, _tree, dense_matmul, dense_matmul_ref,  # noqa: F401
+from ds4.engine.dense import (LANES, _dense_rows, _dot_lanes, _tree, dense_matmul, dense_matmul_ref, dot_rows,  # noqa: F401
                               f16_fpext, f16_to_f32, f16_value, read_sum)
 from ds4.gguf_tools.quants import fused  # (importing dense selects numba's workqueue threading layer)
 
@@ -81,11 +81,12 @@ def _indexer_rows(q, w, keys, out, lo, hi):
     Hi = q.shape[1]
     N = keys.shape[0]
     p = np.empty(LANES, np.float32)
+    q2 = q.reshape(q.shape[0] * Hi, q.shape[2])
     for tc in range(lo, hi):
         t, c = tc // N, tc % N
         total = np.float32(0.0)
         for h in range(Hi):
-            dot = _dot_lanes(q[t, h], keys[c], p)
+            dot = dot_rows(q2, t * Hi + h, keys, c, p)
             if dot > 0:
                 total += w[t, h] * dot
         out[t, c] = total
@@ -115,12 +116,13 @@ def _attend_rows(q, keys, mask, sinks, scale, out, lo, hi):
     N = keys.shape[0]
     s = np.empty(N, np.float32)
     lanes = np.empty(LANES, np.float32)
+    q2 = q.reshape(q.shape[0] * H, d)
     for th in range(lo, hi):
         t, h = th // H, th % H
         m = np.float32(sinks[h])
         for n in range(N):
             if mask[t, n]:
-                dot = _dot_lanes(q[t, h], keys[n], lanes) * scale
+                dot = dot_rows(q2, th, keys, n, lanes) * scale
                 s[n] = dot
                 if dot > m:
                     m = dot
@@ -171,12 +173,15 @@ def _attend_decode(q, ring, first, n_win, comp, comp_mask, sinks, scale, out):
     for h in range(H):
         m = np.float32(sinks[h])
         for i in range(n_win + nc):
-            if i < n_win or comp_mask[i - n_win]:
-                key = ring[(first + i) % cap] if i < n_win else comp[i - n_win]
-                dot = _dot_lanes(q[h], key, lanes) * scale
-                s[i] = dot
-                if dot > m:
-                    m = dot
+            if i < n_win:
+                dot = dot_rows(q, h, ring, (first + i) % cap, lanes) * scale
+            elif comp_mask[i - n_win]:
+                dot = dot_rows(q, h, comp, i - n_win, lanes) * scale
+            else:
+                continue
+            s[i] = dot
+            if dot > m:
+                m = dot
         denom = math.exp(sinks[h] - m)
         for i in range(n_win + nc):
             if i < n_win or comp_mask[i - n_win]:
@@ -184,12 +189,16 @@ def _attend_decode(q, ring, first, n_win, comp, comp_mask, sinks, scale, out):
                 s[i] = e
                 denom += e
         inv = 1.0 / denom
-        for i in range(n_win + nc):
-            if i < n_win or comp_mask[i - n_win]:
-                key = ring[(first + i) % cap] if i < n_win else comp[i - n_win]
-                p = np.float32(s[i] * inv)
+        for i in range(n_win):
+            p = np.float32(s[i] * inv)
+            row = (first + i) % cap
+            for j in range(d):
+                out[h, j] += p * ring[row, j]
+        for c in range(nc):
+            if comp_mask[c]:
+                p = np.float32(s[n_win + c] * inv)
                 for j in range(d):
-                    out[h, j] += p * key[j]
+                    out[h, j] += p * comp[c, j]
 
 
 def attend_decode(q, ring, pos, window, comp, comp_mask, sinks, scale):
@@ -276,7 +285,7 @@ def _hc_pre_token(X, fn, scale, base, norm, rms_eps, hc_eps, iters, a, post, com
     for j in range(flat.shape[0]):
         flat[j] = flat[j] * inv
     for r in range(fn.shape[0]):
-        mix[r] = _dot_lanes(fn[r], flat, p)
+        mix[r] = dot_rows(fn, r, flat, 0, p)
     for i in range(n):
         post[i] = np.float32(2.0) * _sigmoid(mix[n + i] * scale[1] + base[n + i])
     for r in range(n):

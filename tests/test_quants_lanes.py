@@ -8,13 +8,25 @@ import numpy as np
 import pytest
 
 from ds4.gguf_tools.quants.fused import lane_dot_reference
-from ds4.gguf_tools.quants.lanes import LANES, dot_lanes, lane_sums4, tree
+from ds4.gguf_tools.quants.lanes import LANES, dot_lanes, dot_rows, lane_sums4, tree_row
 
 F32 = np.float32
 
 
 @nb.njit
 def _dots(w, x):
+    """Rows addressed by index (dot_rows on the 2-D arrays)."""
+    p = np.empty(LANES, np.float32)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    for t in range(x.shape[0]):
+        for o in range(w.shape[0]):
+            out[t, o] = dot_rows(w, o, x, t, p)
+    return out
+
+
+@nb.njit
+def _dots_1d(w, x):
+    """Rows as 1-D arrays (dot_lanes)."""
     p = np.empty(LANES, np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     for t in range(x.shape[0]):
@@ -36,7 +48,7 @@ def _dots4(w, x):
             for tt in range(4):
                 for l in range(K - full):
                     p[tt, l] += w[o, full + l] * x[t0 + tt, full + l]
-                out[t0 + tt, o] = tree(p[tt])
+                out[t0 + tt, o] = tree_row(p, tt)
     return out
 
 
@@ -52,6 +64,7 @@ def test_register_kernels_equal_the_lane_reference(K):
     w, x = _case(K, K)
     ref = lane_dot_reference(w, x)
     np.testing.assert_array_equal(_dots(w, x), ref)
+    np.testing.assert_array_equal(_dots_1d(w, x), ref)
     np.testing.assert_array_equal(_dots4(w, x), ref)
     half = w.astype(np.float16)
     np.testing.assert_array_equal(_dots(half.view(np.uint16), x), lane_dot_reference(half.astype(F32), x))
@@ -68,6 +81,7 @@ def test_strided_arrays_take_the_loop_and_give_the_same_bits(K):
     assert not strided_w.flags.c_contiguous and not strided_x.flags.c_contiguous
     ref = _dots(w, x)
     np.testing.assert_array_equal(_dots(strided_w, strided_x), ref)
+    np.testing.assert_array_equal(_dots_1d(strided_w, strided_x), ref)
     np.testing.assert_array_equal(_dots4(w, strided_x), ref)
     assert np.abs(ref - x.astype(np.float64) @ w.astype(np.float64).T).max() < 1e-3
 

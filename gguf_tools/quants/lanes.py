@@ -5,7 +5,10 @@ in increasing k), then a fixed halving tree (lane l += lane l + 32, += l + 16, �
 order does not depend on the batch, the thread or the weight's storage (float32, IEEE half bits,
 or a quantized row decoded into float32), so decode == prefill bit for bit in the engine.
 
-`dot_lanes(w, x, p)` and `lane_sums4(buf, x, t0, full, p)` are the numba entry points (numba only).
+`dot_rows(a, i, b, j, p)` (a[i] · b[j]), `dot_lanes(w, x, p)` (1-D), `lane_sums4(buf, x, t0, full, p)`
+(four tokens against one row) and `tree_row(p, r)` are the numba entry points (numba only). They
+address rows by index, never by building a row view: a view per row costs two atomic reference
+count updates, which measured 5x slower products inside larger kernels (the MoE).
 Contiguous arrays go through LLVM intrinsics that keep the lanes in four <16 x float> registers:
 numba's scalar loop keeps them in the scratch array (it cannot prove the scratch does not alias
 the weights), which costs a load and a store per 16 lanes and halves the speed. Each lane still
@@ -147,41 +150,53 @@ def _is_c_array(a, ndim, dtypes):
 _WEIGHT_DTYPES = (nb.types.uint16, nb.types.float32)
 
 
-def _lane_sums_typing(w, x, n_full):
-    return (_is_c_array(w, 1, _WEIGHT_DTYPES) and _is_c_array(x, 1, (nb.types.float32,))
-            and isinstance(n_full, nb.types.Integer))
+def _row_data(context, builder, ty, val, index):
+    """Pointer to row `index` of a C-contiguous 2-D array, or to a 1-D array's data (index unused):
+    no array view is built, so no reference count is touched per row."""
+    arr = context.make_array(ty)(context, builder, val)
+    if ty.ndim == 1:
+        return arr.data
+    cols = builder.extract_value(arr.shape, 1)
+    return builder.gep(arr.data, [builder.mul(_i64(builder, index), cols)])
+
+
+def _rows_typing(a, b, n_full):
+    """a: weights (float32 or half bits), b: float32; each 1-D or 2-D, C-contiguous."""
+    return (isinstance(a, nb.types.Array) and a.ndim in (1, 2) and a.layout == "C" and a.dtype in _WEIGHT_DTYPES
+            and isinstance(b, nb.types.Array) and b.ndim in (1, 2) and b.layout == "C"
+            and b.dtype == nb.types.float32 and isinstance(n_full, nb.types.Integer))
 
 
 @intrinsic
-def _lane_dot_vec(typingctx, w, x, n_full):
-    """w · x over n_full elements (a multiple of 64, = the whole dot: no tail) in the lane order."""
-    if not _lane_sums_typing(w, x, n_full):
+def _lane_dot_at(typingctx, a, i, b, j, n_full):
+    """a[i] · b[j] over n_full elements (a multiple of 64, = the whole row: no tail), lane order."""
+    if not _rows_typing(a, b, n_full):
         return None
-    sig = nb.types.float32(w, x, n_full)
+    sig = nb.types.float32(a, i, b, j, n_full)
 
     def codegen(context, builder, signature, args):
-        w_ty, x_ty = signature.args[:2]
-        w_data = context.make_array(w_ty)(context, builder, args[0]).data
-        x_data = context.make_array(x_ty)(context, builder, args[1]).data
-        (accs,) = _emit_lane_sums(builder, w_data, w_ty.dtype == nb.types.uint16, [x_data], args[2])
+        a_ty, _, b_ty = signature.args[:3]
+        a_data = _row_data(context, builder, a_ty, args[0], args[1])
+        b_data = _row_data(context, builder, b_ty, args[2], args[3])
+        (accs,) = _emit_lane_sums(builder, a_data, a_ty.dtype == nb.types.uint16, [b_data], args[4])
         return _emit_tree(builder, accs)
 
     return sig, codegen
 
 
 @intrinsic
-def _lane_sums_vec(typingctx, w, x, n_full, p):
-    """p[0:64] = the lane sums of w · x over the first n_full elements (a multiple of 64)."""
-    if not (_lane_sums_typing(w, x, n_full) and _is_c_array(p, 1, (nb.types.float32,))):
+def _lane_sums_at(typingctx, a, i, b, j, n_full, p):
+    """p[0:64] = the lane sums of a[i] · b[j] over the first n_full elements (a multiple of 64)."""
+    if not (_rows_typing(a, b, n_full) and _is_c_array(p, 1, (nb.types.float32,))):
         return None
-    sig = nb.types.void(w, x, n_full, p)
+    sig = nb.types.void(a, i, b, j, n_full, p)
 
     def codegen(context, builder, signature, args):
-        w_ty, x_ty, _, p_ty = signature.args
-        w_data = context.make_array(w_ty)(context, builder, args[0]).data
-        x_data = context.make_array(x_ty)(context, builder, args[1]).data
-        (accs,) = _emit_lane_sums(builder, w_data, w_ty.dtype == nb.types.uint16, [x_data], args[2])
-        _store_lanes(builder, context.make_array(p_ty)(context, builder, args[3]).data, accs)
+        a_ty, _, b_ty, _, _, p_ty = signature.args
+        a_data = _row_data(context, builder, a_ty, args[0], args[1])
+        b_data = _row_data(context, builder, b_ty, args[2], args[3])
+        (accs,) = _emit_lane_sums(builder, a_data, a_ty.dtype == nb.types.uint16, [b_data], args[4])
+        _store_lanes(builder, context.make_array(p_ty)(context, builder, args[5]).data, accs)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -214,41 +229,86 @@ def _lane_sums4_vec(typingctx, w, x, t0, n_full, p):
     return sig, codegen
 
 
-def dot_lanes(w, x, p):
-    """w · x in the fixed lane order (w float32 or half bits, converted on the fly); p: scratch[LANES].
-    numba only: contiguous rows go through the vector-register intrinsics, others the scalar loop."""
+def dot_rows(a, i, b, j, p):
+    """a[i] · b[j] in the fixed lane order; a float32 or half bits (converted on the fly), b float32,
+    each 2-D (row i / j) or 1-D (the index is ignored); p: a float32[LANES] scratch. numba only:
+    C-contiguous arrays go through the vector-register intrinsics, others the scalar loop."""
     raise NotImplementedError
 
 
-def _dot_lanes_loop(w, x, p):
-    n = w.shape[0]
+def dot_lanes(w, x, p):
+    """w · x for 1-D w (float32 or half bits) and x (float32): `dot_rows(w, 0, x, 0, p)`."""
+    raise NotImplementedError
+
+
+def _at(a, i, k):
+    """a[i, k] for 2-D a, a[k] for 1-D a. numba only."""
+    raise NotImplementedError
+
+
+@overload(_at, inline="always")
+def _at_impl(a, i, k):
+    if a.ndim == 1:
+        return lambda a, i, k: a[k]
+    return lambda a, i, k: a[i, k]
+
+
+def _dot_rows_loop(a, i, b, j, p):
+    n = a.shape[a.ndim - 1]
     for l in range(LANES):
         p[l] = 0.0
     full = n - n % LANES
-    for j in range(0, full, LANES):
+    for k in range(0, full, LANES):
         for l in range(LANES):
-            p[l] += weight_value(w[j + l]) * x[j + l]
+            p[l] += weight_value(_at(a, i, k + l)) * _at(b, j, k + l)
     for l in range(n - full):
-        p[l] += weight_value(w[full + l]) * x[full + l]
+        p[l] += weight_value(_at(a, i, full + l)) * _at(b, j, full + l)
     return tree(p)
 
 
-def _dot_lanes_vec(w, x, p):
-    n = w.shape[0]
+def _dot_rows_vec(a, i, b, j, p):
+    n = a.shape[a.ndim - 1]
     full = n - n % LANES
     if full == n:
-        return _lane_dot_vec(w, x, n)
-    _lane_sums_vec(w, x, full, p)
+        return _lane_dot_at(a, i, b, j, n)
+    _lane_sums_at(a, i, b, j, full, p)
     for l in range(n - full):
-        p[l] += weight_value(w[full + l]) * x[full + l]
+        p[l] += weight_value(_at(a, i, full + l)) * _at(b, j, full + l)
     return tree(p)
+
+
+@overload(dot_rows, inline="always")
+def _dot_rows_impl(a, i, b, j, p):
+    if _rows_typing(a, b, nb.types.int64) and _is_c_array(p, 1, (nb.types.float32,)):
+        return _dot_rows_vec
+    return _dot_rows_loop
 
 
 @overload(dot_lanes, inline="always")
 def _dot_lanes_impl(w, x, p):
-    if _lane_sums_typing(w, x, nb.types.int64) and isinstance(p, nb.types.Array) and p.layout == "C":
-        return _dot_lanes_vec
-    return _dot_lanes_loop
+    return lambda w, x, p: dot_rows(w, 0, x, 0, p)
+
+
+def tree_row(p, r):
+    """`tree` of the lane sums in row r of a 2-D p (indexing in place: no row view). numba only."""
+    raise NotImplementedError
+
+
+@overload(tree_row, inline="always")
+def _tree_row_impl(p, r):
+    def impl(p, r):
+        for l in range(32):
+            p[r, l] += p[r, l + 32]
+        for l in range(16):
+            p[r, l] += p[r, l + 16]
+        for l in range(8):
+            p[r, l] += p[r, l + 8]
+        for l in range(4):
+            p[r, l] += p[r, l + 4]
+        for l in range(2):
+            p[r, l] += p[r, l + 2]
+        return p[r, 0] + p[r, 1]
+    return impl
 
 
 def lane_sums4(buf, x, t0, full, p):
@@ -262,10 +322,8 @@ def _lane_sums4_loop(buf, x, t0, full, p):
             p[tt, l] = 0.0
     for j in range(0, full, LANES):
         for tt in range(4):
-            xt = x[t0 + tt]
-            pt = p[tt]
             for l in range(LANES):
-                pt[l] += buf[j + l] * xt[j + l]
+                p[tt, l] += buf[j + l] * x[t0 + tt, j + l]
 
 
 def _lane_sums4_regs(buf, x, t0, full, p):
