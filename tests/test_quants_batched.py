@@ -76,3 +76,33 @@ def test_batched_make_qp_equals_scalar(n, nmax):
         b = N.make_qp_batched(n, nmax, x, L2, qw, S)
         assert F32(a).view(np.uint32) == F32(b).view(np.uint32), (t, x)
         np.testing.assert_array_equal(L1, L2, err_msg=f"group {t}")
+
+
+LANE_CASES = [  # (name, scalar, lanes version, n, nmax, rmin, rdelta, nstep)
+    ("qkx2_mad_q2k", N.make_qkx2_mad, N.make_qkx2_mad_lanes, 16, 3, -0.5, 0.1, 15),
+    ("qkx3_q2k", N.make_qkx3, N.make_qkx3_lanes, 16, 3, -0.9, 0.05, 36),
+    ("qkx2_q4k", N.make_qkx2, N.make_qkx2_lanes, 32, 15, -1.0, 0.1, 20),
+    ("qkx3_q4k", N.make_qkx3, N.make_qkx3_lanes, 32, 15, -0.9, 0.05, 36),
+]
+
+
+@pytest.mark.parametrize("lanes", [1, 37, 640])
+@pytest.mark.parametrize("case", LANE_CASES, ids=[c[0] for c in LANE_CASES])
+def test_lane_make_qkx_equals_scalar(case, lanes):
+    """Groups searched in lock step (one lane each) give the scalar search's floats and codes."""
+    _, scalar, lane_fn, n, nmax, rmin, rdelta, nstep = case
+    rng = np.random.default_rng(lanes + n)
+    X = np.stack(_groups(rng, n, lanes))
+    kind = np.arange(lanes)[:, None] % 3
+    W = np.where(kind == 0, np.abs(X), np.where(kind == 1, rng.random(X.shape) ** 3, X * X)).astype(F32)
+    XT, WT = np.ascontiguousarray(X.T), np.ascontiguousarray(W.T)
+    LT, LA = np.zeros_like(XT), np.zeros_like(XT)
+    V = np.zeros((N.LANE_ROWS, lanes), F32)
+    scale, the_min = np.zeros(lanes, F32), np.zeros(lanes, F32)
+    lane_fn(n, nmax, XT, WT, LT, F32(rmin), F32(rdelta), nstep, LA, V, scale, the_min)
+    for g in range(lanes):
+        L, Laux = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+        want = np.array(scalar(n, nmax, X[g], W[g], L, Laux, F32(rmin), F32(rdelta), nstep), F32)
+        got = np.array([scale[g], the_min[g]], F32)
+        assert want.view(np.uint32).tolist() == got.view(np.uint32).tolist(), (g, X[g])
+        np.testing.assert_array_equal(L, LT[:, g].astype(np.uint8), err_msg=f"lane {g}")

@@ -450,3 +450,136 @@ def make_qp_batched(n, nmax, x, L, qw, S):
         if n_changed == 0:
             break
     return sumlx / suml2 if suml2 > F32(0.0) else F32(0.0)
+
+
+# ---------------------------------------------------------------- searches batched across groups
+#
+# A row holds many independent groups (Q2_K: 16 sub-blocks per 256-block), each searched by ggml
+# one after the other. `make_qkx_lanes` runs the same search for all of them in lock step: group
+# g is lane g, element i of every group lives in row i of a transposed [n, lanes] array, and each
+# operation of the scalar search becomes a loop over lanes (vectorised by LLVM). Every lane does
+# exactly the scalar search's float32 operations in its order, including the sequential trial
+# loop with the `min` carried from one improvement to the next trials, so the results are equal
+# bit for bit; the data-dependent branches become per-lane selects.
+
+LANE_ROWS = 15  # per-lane scratch rows of make_qkx_lanes
+
+
+def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
+    """make_qkx2 / make_qkx3 over lanes: XT, WT float32 [n, lanes] (element i of group g at [i, g]),
+    LT float32 [n, lanes] receives the codes, LA float32 [n, lanes] and V float32 [LANE_ROWS, lanes]
+    are scratch; scale and the_min (float32 [lanes]) receive what make_qkx returns. nstep >= 1."""
+
+    @njit(error_model="numpy")
+    def make_qkx_lanes(n, nmax, XT, WT, LT, rmin, rdelta, nstep, LA, V, scale_out, min_out):
+        lanes = XT.shape[1]
+        fnmax = F32(nmax)
+        inmax = np.int32(nmax)
+        mn = V[0]
+        mx = V[1]
+        sum_w = V[2]
+        sum_x = V[3]
+        best = V[4]
+        scale = V[5]
+        isc = V[6]
+        sl = V[7]
+        sl2 = V[8]
+        sxl = V[9]
+        ts = V[10]
+        tm = V[11]
+        err = V[12]
+        dd = V[13]
+        mn_start = V[14]
+        x0 = XT[0]
+        w0 = WT[0]
+        for g in range(lanes):
+            mn[g] = x0[g]
+            mx[g] = x0[g]
+            sum_w[g] = w0[g]
+            sum_x[g] = w0[g] * x0[g]
+        for i in range(1, n):
+            xi = XT[i]
+            wi = WT[i]
+            for g in range(lanes):
+                v = xi[g]
+                mn[g] = v if v < mn[g] else mn[g]
+                mx[g] = v if v > mx[g] else mx[g]
+                sum_w[g] += wi[g]
+                sum_x[g] += wi[g] * v
+        for g in range(lanes):
+            if mn[g] > 0:
+                mn[g] = F32(0.0)
+            mn_start[g] = mn[g]
+            isc[g] = fnmax / (mx[g] - mn[g])
+            scale[g] = F32(1.0) / isc[g]
+            best[g] = F32(0.0)
+        for i in range(n):
+            xi = XT[i]
+            wi = WT[i]
+            li = LT[i]
+            for g in range(lanes):
+                q = F32(max(np.int32(0), min(inmax, nearest_int(isc[g] * (xi[g] - mn[g])))))
+                li[g] = q
+                diff = scale[g] * q + mn[g] - xi[g]
+                best[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
+        for step in range(nstep + 1):
+            for g in range(lanes):
+                isc[g] = (rmin + rdelta * F32(step) + fnmax) / (mx[g] - mn[g])
+                sl[g] = F32(0.0)
+                sl2[g] = F32(0.0)
+                sxl[g] = F32(0.0)
+                err[g] = F32(0.0)
+            for i in range(n):
+                xi = XT[i]
+                wi = WT[i]
+                la = LA[i]
+                for g in range(lanes):
+                    q = F32(max(np.int32(0), min(inmax, nearest_int(isc[g] * (xi[g] - mn[g])))))
+                    la[g] = q
+                    wl = wi[g] * q
+                    sl[g] += wl
+                    sl2[g] += wl * q
+                    sxl[g] += wl * xi[g]
+            for g in range(lanes):
+                D = sum_w[g] * sl2[g] - sl[g] * sl[g]
+                this_scale = (sum_w[g] * sxl[g] - sum_x[g] * sl[g]) / D
+                this_min = (sl2[g] * sum_x[g] - sl[g] * sxl[g]) / D
+                clamp = this_min > 0
+                dd[g] = D
+                ts[g] = sxl[g] / sl2[g] if clamp else this_scale
+                tm[g] = F32(0.0) if clamp else this_min
+            for i in range(n):
+                xi = XT[i]
+                wi = WT[i]
+                la = LA[i]
+                for g in range(lanes):
+                    diff = ts[g] * la[g] + tm[g] - xi[g]
+                    err[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
+            for g in range(lanes):
+                # dd becomes the update mask: 1 where this trial improves the lane
+                up = dd[g] > 0 and err[g] < best[g]
+                best[g] = err[g] if up else best[g]
+                scale[g] = ts[g] if up else scale[g]
+                mn[g] = tm[g] if up else mn[g]
+                dd[g] = F32(1.0) if up else F32(0.0)
+            for i in range(n):
+                la = LA[i]
+                li = LT[i]
+                for g in range(lanes):
+                    li[g] = la[g] if dd[g] != 0 else li[g]
+        for g in range(lanes):
+            degenerate = (mx[g] <= mn_start[g]) if qkx3 else (mx[g] == mn_start[g])
+            scale_out[g] = F32(0.0) if degenerate else scale[g]
+            min_out[g] = -mn_start[g] if degenerate else -mn[g]
+            dd[g] = F32(1.0) if degenerate else F32(0.0)
+        for i in range(n):
+            li = LT[i]
+            for g in range(lanes):
+                li[g] = F32(0.0) if dd[g] != 0 else li[g]
+
+    return make_qkx_lanes
+
+
+make_qkx2_lanes = _make_qkx_lanes_variant(use_mad=False, qkx3=False)
+make_qkx2_mad_lanes = _make_qkx_lanes_variant(use_mad=True, qkx3=False)
+make_qkx3_lanes = _make_qkx_lanes_variant(use_mad=False, qkx3=True)
