@@ -336,6 +336,16 @@ def _finish_rows(pooled: np.ndarray, norm: np.ndarray, first_row: int, ratio: in
     return K.fp8_kv_round(rows, cfg.n_nope) if cfg.fp8_kv else rows
 
 
+def _freq(model, compressed: bool) -> np.ndarray:
+    """rope.inv_freq for the model's config, kept in model.plans (hashing the config per call costs
+    more than the lookup saves)."""
+    key = ("inv_freq", compressed)
+    freq = model.plans.get(key)
+    if freq is None:
+        freq = model.plans[key] = inv_freq(model.config, compressed)
+    return freq
+
+
 def _compress(model, li: int, a: np.ndarray, pos0: int, K, names, state_kv, state_score,
               rows: np.ndarray, n_rows: int, indexer: bool) -> int:
     """Run one compressor over the chunk; append finished rows; return the new row count."""
@@ -367,7 +377,7 @@ def _indexer_mask(model, li: int, c: np.ndarray, a: np.ndarray, pos: np.ndarray,
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
     rows = np.nonzero(sel)[0]
     q = K.matmul(model, _blk(li, L.IDX_Q_B), c[rows]).reshape(len(rows), Hi, di)
-    cos, sin = cos_sin(inv_freq(cfg, True), pos[rows])
+    cos, sin = cos_sin(_freq(model, True), pos[rows])
     q = K.apply_tail(q, cos, sin, cfg.rope_dim)
     if cfg.indexer_qat:
         q = K.indexer_qat(q)
@@ -387,7 +397,7 @@ def attention(model, li: int, a: np.ndarray, pos0: int, st: LayerState, state: K
     T, H, d = a.shape[0], cfg.n_head, cfg.head_dim
     ratio = cfg.ratio(li)
     pos = pos0 + np.arange(T)
-    cos, sin = cos_sin(inv_freq(cfg, ratio != 0), pos)
+    cos, sin = cos_sin(_freq(model, ratio != 0), pos)
 
     c = K.rms_norm(K.matmul(model, _blk(li, L.ATTN_Q_A), a), model.w(_blk(li, L.ATTN_Q_A_NORM)), cfg.rms_eps)
     q = K.rms_norm(K.matmul(model, _blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
