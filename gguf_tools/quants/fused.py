@@ -43,97 +43,96 @@ _IQ2_SIGN = np.where((iq2_xxs.KSIGNS[:, None] >> np.arange(8)) & 1, np.float32(-
 
 
 @njit(inline="always")
-def _f16_at(row, o):
-    return fp16_bits_to_fp32(np.int32(row[o]) | (np.int32(row[o + 1]) << 8))
+def _f16_at(raw, r, o):
+    return fp16_bits_to_fp32(np.int32(raw[r, o]) | (np.int32(raw[r, o + 1]) << 8))
 
 
 @njit(inline="always")
-def _decode_q8_0(row, codes, o, buf):
-    d = _f16_at(row, o)
+def _decode_q8_0(raw, codes, r, o, buf, bo):
+    d = _f16_at(raw, r, o)
     for j in range(32):
-        buf[j] = d * F32(codes[o + 2 + j])
+        buf[bo + j] = d * F32(codes[r, o + 2 + j])
 
 
 @njit(inline="always")
-def _q4_k_scale_min(row, s, j):
+def _q4_k_scale_min(raw, r, s, j):
     if j < 4:
-        return np.int32(row[s + j]) & 63, np.int32(row[s + j + 4]) & 63
-    sc = (np.int32(row[s + j + 4]) & 0xF) | ((np.int32(row[s + j - 4]) >> 6) << 4)
-    m = (np.int32(row[s + j + 4]) >> 4) | ((np.int32(row[s + j]) >> 6) << 4)
+        return np.int32(raw[r, s + j]) & 63, np.int32(raw[r, s + j + 4]) & 63
+    sc = (np.int32(raw[r, s + j + 4]) & 0xF) | ((np.int32(raw[r, s + j - 4]) >> 6) << 4)
+    m = (np.int32(raw[r, s + j + 4]) >> 4) | ((np.int32(raw[r, s + j]) >> 6) << 4)
     return sc, m
 
 
 @njit(inline="always")
-def _decode_q4_k(row, o, buf):
-    d_all = _f16_at(row, o)
-    m_all = _f16_at(row, o + 2)
+def _decode_q4_k(raw, r, o, buf, bo):
+    d_all = _f16_at(raw, r, o)
+    m_all = _f16_at(raw, r, o + 2)
     for p in range(4):
-        sc0, m0 = _q4_k_scale_min(row, o + 4, 2 * p)
-        sc1, m1 = _q4_k_scale_min(row, o + 4, 2 * p + 1)
+        sc0, m0 = _q4_k_scale_min(raw, r, o + 4, 2 * p)
+        sc1, m1 = _q4_k_scale_min(raw, r, o + 4, 2 * p + 1)
         d0 = d_all * F32(sc0)
         dm0 = m_all * F32(m0)
         d1 = d_all * F32(sc1)
         dm1 = m_all * F32(m1)
         q = o + 16 + 32 * p
         for i in range(32):
-            c = np.int32(row[q + i])
-            buf[64 * p + i] = d0 * F32(c & 0xF) - dm0
-            buf[64 * p + 32 + i] = d1 * F32(c >> 4) - dm1
+            c = np.int32(raw[r, q + i])
+            buf[bo + 64 * p + i] = d0 * F32(c & 0xF) - dm0
+            buf[bo + 64 * p + 32 + i] = d1 * F32(c >> 4) - dm1
 
 
 @njit(inline="always")
-def _decode_q2_k(row, o, buf):
-    d_all = _f16_at(row, o + 80)
-    m_all = _f16_at(row, o + 82)
+def _decode_q2_k(raw, r, o, buf, bo):
+    d_all = _f16_at(raw, r, o + 80)
+    m_all = _f16_at(raw, r, o + 82)
     for h in range(2):
         for half in range(2):
             q = o + 16 + 32 * h + 16 * half
             j = 8 * h + half  # sub-blocks j, j+2, j+4, j+6 take the 2-bit fields at shifts 0, 2, 4, 6
-            s0, s1, s2, s3 = np.int32(row[o + j]), np.int32(row[o + j + 2]), np.int32(row[o + j + 4]), np.int32(row[o + j + 6])
+            s0, s1, s2, s3 = np.int32(raw[r, o + j]), np.int32(raw[r, o + j + 2]), np.int32(raw[r, o + j + 4]), np.int32(raw[r, o + j + 6])
             d0, m0 = d_all * F32(s0 & 0xF), m_all * F32(s0 >> 4)
             d1, m1 = d_all * F32(s1 & 0xF), m_all * F32(s1 >> 4)
             d2, m2 = d_all * F32(s2 & 0xF), m_all * F32(s2 >> 4)
             d3, m3 = d_all * F32(s3 & 0xF), m_all * F32(s3 >> 4)
             for i in range(16):
-                c = np.int32(row[q + i])
-                buf[16 * j + i] = d0 * F32(c & 3) - m0
-                buf[16 * j + 32 + i] = d1 * F32((c >> 2) & 3) - m1
-                buf[16 * j + 64 + i] = d2 * F32((c >> 4) & 3) - m2
-                buf[16 * j + 96 + i] = d3 * F32(c >> 6) - m3
+                c = np.int32(raw[r, q + i])
+                buf[bo + 16 * j + i] = d0 * F32(c & 3) - m0
+                buf[bo + 16 * j + 32 + i] = d1 * F32((c >> 2) & 3) - m1
+                buf[bo + 16 * j + 64 + i] = d2 * F32((c >> 4) & 3) - m2
+                buf[bo + 16 * j + 96 + i] = d3 * F32(c >> 6) - m3
 
 
 @njit(inline="always")
-def _decode_iq2_xxs(row, o, buf, grid, sign):
-    d = _f16_at(row, o)
+def _decode_iq2_xxs(raw, r, o, buf, bo, grid, sign):
+    d = _f16_at(raw, r, o)
     for g in range(8):
         p = o + 2 + 8 * g
-        sw = np.int64(row[p + 4]) | (np.int64(row[p + 5]) << 8) | (np.int64(row[p + 6]) << 16) | (np.int64(row[p + 7]) << 24)
+        sw = np.int64(raw[r, p + 4]) | (np.int64(raw[r, p + 5]) << 8) | (np.int64(raw[r, p + 6]) << 16) | (np.int64(raw[r, p + 7]) << 24)
         db = d * (F32(0.5) + F32(sw >> 28)) * F32(0.25)
         for k in range(4):
-            gi = np.int64(row[p + k])
+            gi = np.int64(raw[r, p + k])
             si = (sw >> (7 * k)) & 127
             for i in range(8):
-                buf[32 * g + 8 * k + i] = (db * grid[gi, i]) * sign[si, i]
+                buf[bo + 32 * g + 8 * k + i] = (db * grid[gi, i]) * sign[si, i]
 
 
 @njit(inline="always")
-def _decode_row(qt, row, codes, buf, grid, sign):
-    """The whole raw row → buf[0 : cols], the values `dequantize` gives (bit for bit)."""
+def _decode_row(qt, raw, codes, r, buf, grid, sign):
+    """Row r of the raw blocks → buf[0 : cols], the values `dequantize` gives (bit for bit). Rows and
+    blocks are addressed by index: a view per row or block costs atomic reference-count updates."""
+    nbytes = raw.shape[1]
     if qt == _Q8_0:
-        for b in range(row.shape[0] // 34):
-            _decode_q8_0(row, codes, 34 * b, buf[32 * b:32 * (b + 1)])
+        for b in range(nbytes // 34):
+            _decode_q8_0(raw, codes, r, 34 * b, buf, 32 * b)
     elif qt == _Q4_K:
-        for b in range(row.shape[0] // 144):
-            _decode_q4_k(row, 144 * b, buf[256 * b:256 * (b + 1)])
+        for b in range(nbytes // 144):
+            _decode_q4_k(raw, r, 144 * b, buf, 256 * b)
     elif qt == _Q2_K:
-        for b in range(row.shape[0] // 84):
-            _decode_q2_k(row, 84 * b, buf[256 * b:256 * (b + 1)])
+        for b in range(nbytes // 84):
+            _decode_q2_k(raw, r, 84 * b, buf, 256 * b)
     else:
-        for b in range(row.shape[0] // 66):
-            _decode_iq2_xxs(row, 66 * b, buf[256 * b:256 * (b + 1)], grid, sign)
-
-
-# ---------------------------------------------------------------- products
+        for b in range(nbytes // 66):
+            _decode_iq2_xxs(raw, r, 66 * b, buf, 256 * b, grid, sign)
 
 
 @njit(cache=True, error_model="numpy")
@@ -145,7 +144,7 @@ def _rows(qt, raw, codes, x, out, r0, r1, grid, sign):
     full = K - K % LANES
     T4 = T - T % 4
     for o in range(r0, r1):
-        _decode_row(qt, raw[o], codes[o], buf, grid, sign)
+        _decode_row(qt, raw, codes, o, buf, grid, sign)
         for t0 in range(0, T4, 4):  # four tokens per pass over the decoded row
             lane_sums4(buf, x, t0, full, p)
             for tt in range(4):
@@ -166,7 +165,7 @@ def _rows_par(qt, raw, codes, x, out, step, grid, sign):
 @njit(cache=True, parallel=True, error_model="numpy")
 def _decode_par(qt, raw, codes, out, grid, sign):
     for o in prange(raw.shape[0]):
-        _decode_row(qt, raw[o], codes[o], out[o], grid, sign)
+        _decode_row(qt, raw, codes, o, out[o], grid, sign)
 
 
 def _check(qtype: QuantType, raw: np.ndarray, cols: int) -> tuple[int, np.ndarray]:
