@@ -97,12 +97,25 @@ def test_lane_make_qkx_equals_scalar(case, lanes):
     W = np.where(kind == 0, np.abs(X), np.where(kind == 1, rng.random(X.shape) ** 3, X * X)).astype(F32)
     XT, WT = np.ascontiguousarray(X.T), np.ascontiguousarray(W.T)
     LT, LA = np.zeros_like(XT), np.zeros_like(XT)
-    V = np.zeros((N.LANE_ROWS, lanes), F32)
     scale, the_min = np.zeros(lanes, F32), np.zeros(lanes, F32)
-    lane_fn(n, nmax, XT, WT, LT, F32(rmin), F32(rdelta), nstep, LA, V, scale, the_min)
+    lane_fn(n, nmax, XT, WT, LT, F32(rmin), F32(rdelta), nstep, LA, scale, the_min)
     for g in range(lanes):
         L, Laux = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
         want = np.array(scalar(n, nmax, X[g], W[g], L, Laux, F32(rmin), F32(rdelta), nstep), F32)
         got = np.array([scale[g], the_min[g]], F32)
         assert want.view(np.uint32).tolist() == got.view(np.uint32).tolist(), (g, X[g])
         np.testing.assert_array_equal(L, LT[:, g].astype(np.uint8), err_msg=f"lane {g}")
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 256), (2, 768), (2, 4096)])
+def test_iq2_xxs_lane_rows_equal_blockwise_search(rows, cols):
+    """IQ2_XXS's row kernel (groups in lock step) gives the block-at-a-time search's bytes."""
+    from ds4.gguf_tools.quants import iq2_xxs
+
+    rng = np.random.default_rng(rows * cols)
+    x = (rng.standard_normal((rows, cols)) * rng.gamma(1.0, 0.05, (rows, 1))).astype(F32)
+    x[0, : cols // 4] = 0  # whole zero groups (no scale) beside live ones
+    x[-1] *= rng.random(cols) < 0.3
+    imp = (rng.gamma(0.5, 1.0, cols) * (rng.random(cols) < 0.9)).astype(F32)
+    for importance in (imp, None):
+        np.testing.assert_array_equal(iq2_xxs.quantize(x, importance), iq2_xxs.quantize_blockwise(x, importance))

@@ -462,34 +462,45 @@ def make_qp_batched(n, nmax, x, L, qw, S):
 # loop with the `min` carried from one improvement to the next trials, so the results are equal
 # bit for bit; the data-dependent branches become per-lane selects.
 
-LANE_ROWS = 15  # per-lane scratch rows of make_qkx_lanes
+@njit(inline="always")
+def _imin(a, b):
+    """min of two int32 as a plain select (the builtin's generic form keeps LLVM from vectorising)."""
+    return a if a < b else b
+
+
+@njit(inline="always")
+def _iclamp(q, hi):
+    """max(0, min(hi, q)) for int32, as selects."""
+    q = q if q < hi else hi
+    return q if q > np.int32(0) else np.int32(0)
 
 
 def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
     """make_qkx2 / make_qkx3 over lanes: XT, WT float32 [n, lanes] (element i of group g at [i, g]),
-    LT float32 [n, lanes] receives the codes, LA float32 [n, lanes] and V float32 [LANE_ROWS, lanes]
-    are scratch; scale and the_min (float32 [lanes]) receive what make_qkx returns. nstep >= 1."""
+    LT float32 [n, lanes] receives the codes, LA float32 [n, lanes] is scratch; scale_out and
+    min_out (float32 [lanes]) receive what make_qkx returns (scale, the_min). nstep >= 1."""
 
     @njit(error_model="numpy")
-    def make_qkx_lanes(n, nmax, XT, WT, LT, rmin, rdelta, nstep, LA, V, scale_out, min_out):
+    def make_qkx_lanes(n, nmax, XT, WT, LT, rmin, rdelta, nstep, LA, scale_out, min_out):
         lanes = XT.shape[1]
         fnmax = F32(nmax)
         inmax = np.int32(nmax)
-        mn = V[0]
-        mx = V[1]
-        sum_w = V[2]
-        sum_x = V[3]
-        best = V[4]
-        scale = V[5]
-        isc = V[6]
-        sl = V[7]
-        sl2 = V[8]
-        sxl = V[9]
-        ts = V[10]
-        tm = V[11]
-        err = V[12]
-        dd = V[13]
-        mn_start = V[14]
+        # separate allocations, not rows of one array: LLVM then vectorises loops touching several
+        mn = np.empty(lanes, dtype=np.float32)
+        mx = np.empty(lanes, dtype=np.float32)
+        sum_w = np.empty(lanes, dtype=np.float32)
+        sum_x = np.empty(lanes, dtype=np.float32)
+        best = np.empty(lanes, dtype=np.float32)
+        scale = np.empty(lanes, dtype=np.float32)
+        isc = np.empty(lanes, dtype=np.float32)
+        sl = np.empty(lanes, dtype=np.float32)
+        sl2 = np.empty(lanes, dtype=np.float32)
+        sxl = np.empty(lanes, dtype=np.float32)
+        ts = np.empty(lanes, dtype=np.float32)
+        tm = np.empty(lanes, dtype=np.float32)
+        err = np.empty(lanes, dtype=np.float32)
+        dd = np.empty(lanes, dtype=np.float32)
+        mn_start = np.empty(lanes, dtype=np.float32)
         x0 = XT[0]
         w0 = WT[0]
         for g in range(lanes):
@@ -501,9 +512,12 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
             xi = XT[i]
             wi = WT[i]
             for g in range(lanes):
+                # selects between values already loaded: LLVM vectorises these, not `a[g] = b if c else a[g]`
                 v = xi[g]
-                mn[g] = v if v < mn[g] else mn[g]
-                mx[g] = v if v > mx[g] else mx[g]
+                lo = mn[g]
+                hi = mx[g]
+                mn[g] = v if v < lo else lo
+                mx[g] = v if v > hi else hi
                 sum_w[g] += wi[g]
                 sum_x[g] += wi[g] * v
         for g in range(lanes):
@@ -518,7 +532,7 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
             wi = WT[i]
             li = LT[i]
             for g in range(lanes):
-                q = F32(max(np.int32(0), min(inmax, nearest_int(isc[g] * (xi[g] - mn[g])))))
+                q = F32(_iclamp(nearest_int(isc[g] * (xi[g] - mn[g])), inmax))
                 li[g] = q
                 diff = scale[g] * q + mn[g] - xi[g]
                 best[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
@@ -534,7 +548,7 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
                 wi = WT[i]
                 la = LA[i]
                 for g in range(lanes):
-                    q = F32(max(np.int32(0), min(inmax, nearest_int(isc[g] * (xi[g] - mn[g])))))
+                    q = F32(_iclamp(nearest_int(isc[g] * (xi[g] - mn[g])), inmax))
                     la[g] = q
                     wl = wi[g] * q
                     sl[g] += wl
@@ -555,27 +569,45 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
                 for g in range(lanes):
                     diff = ts[g] * la[g] + tm[g] - xi[g]
                     err[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
+            # dd becomes the update mask: 1 where this trial improves the lane (one array written
+            # per loop: LLVM vectorises these, not a loop that writes several rows of V)
             for g in range(lanes):
-                # dd becomes the update mask: 1 where this trial improves the lane
-                up = dd[g] > 0 and err[g] < best[g]
-                best[g] = err[g] if up else best[g]
-                scale[g] = ts[g] if up else scale[g]
-                mn[g] = tm[g] if up else mn[g]
-                dd[g] = F32(1.0) if up else F32(0.0)
+                d = dd[g]
+                e = err[g]
+                b = best[g]
+                dd[g] = F32(1.0) if (d > 0) & (e < b) else F32(0.0)
+            for g in range(lanes):
+                e = err[g]
+                b = best[g]
+                best[g] = e if dd[g] != 0 else b
+            for g in range(lanes):
+                t = ts[g]
+                v = scale[g]
+                scale[g] = t if dd[g] != 0 else v
+            for g in range(lanes):
+                t = tm[g]
+                v = mn[g]
+                mn[g] = t if dd[g] != 0 else v
             for i in range(n):
                 la = LA[i]
                 li = LT[i]
                 for g in range(lanes):
-                    li[g] = la[g] if dd[g] != 0 else li[g]
+                    a = la[g]
+                    b = li[g]
+                    li[g] = a if dd[g] != 0 else b
         for g in range(lanes):
-            degenerate = (mx[g] <= mn_start[g]) if qkx3 else (mx[g] == mn_start[g])
-            scale_out[g] = F32(0.0) if degenerate else scale[g]
-            min_out[g] = -mn_start[g] if degenerate else -mn[g]
+            m0 = mn_start[g]
+            m1 = mn[g]
+            sc = scale[g]
+            degenerate = (mx[g] <= m0) if qkx3 else (mx[g] == m0)
+            scale_out[g] = F32(0.0) if degenerate else sc
+            min_out[g] = -m0 if degenerate else -m1
             dd[g] = F32(1.0) if degenerate else F32(0.0)
         for i in range(n):
             li = LT[i]
             for g in range(lanes):
-                li[g] = F32(0.0) if dd[g] != 0 else li[g]
+                b = li[g]
+                li[g] = F32(0.0) if dd[g] != 0 else b
 
     return make_qkx_lanes
 
@@ -583,3 +615,120 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
 make_qkx2_lanes = _make_qkx_lanes_variant(use_mad=False, qkx3=False)
 make_qkx2_mad_lanes = _make_qkx_lanes_variant(use_mad=True, qkx3=False)
 make_qkx3_lanes = _make_qkx_lanes_variant(use_mad=False, qkx3=True)
+
+
+@njit(error_model="numpy")
+def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
+    """make_qp over lanes (layout as make_qkx_lanes; LT int32 [n, lanes] gets the codes as ggml's
+    uint8 stores leave them). The refit sweeps run while any
+    lane still changes: a sweep that changes nothing in a lane leaves it as it was, so a lane
+    that ggml would have stopped goes on unchanged."""
+    lanes = XT.shape[1]
+    fnmax = F32(nmax)
+    inmax = np.int32(nmax)
+    mx = np.empty(lanes, dtype=np.float32)
+    iscale = np.empty(lanes, dtype=np.float32)
+    best = np.empty(lanes, dtype=np.float32)
+    isc = np.empty(lanes, dtype=np.float32)
+    ssc = np.empty(lanes, dtype=np.float32)
+    mse = np.empty(lanes, dtype=np.float32)
+    sumlx = np.empty(lanes, dtype=np.float32)
+    suml2 = np.empty(lanes, dtype=np.float32)
+    changed = np.empty(lanes, dtype=np.float32)
+    for g in range(lanes):
+        mx[g] = F32(0.0)
+    for i in range(n):
+        xi = XT[i]
+        for g in range(lanes):
+            m = mx[g]
+            v = xi[g]
+            mx[g] = m if m > v else v
+    for g in range(lanes):
+        iscale[g] = fnmax / mx[g]
+        ssc[g] = F32(1.0) / iscale[g]
+        best[g] = F32(0.0)
+    for i in range(n):
+        xi = XT[i]
+        wi = WT[i]
+        for g in range(lanes):
+            li = F32(nearest_int(iscale[g] * xi[g]) & 0xFF)
+            diff = xi[g] - ssc[g] * li
+            best[g] += wi[g] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        for g in range(lanes):
+            isc[g] = (F32(0.1) * F32(step) + fnmax) / mx[g]
+            ssc[g] = F32(1.0) / isc[g]
+            mse[g] = F32(0.0)
+        for i in range(n):
+            xi = XT[i]
+            wi = WT[i]
+            for g in range(lanes):
+                q = _imin(inmax, nearest_int(isc[g] * xi[g]))
+                diff = xi[g] - ssc[g] * F32(q)
+                mse[g] += wi[g] * diff * diff
+        for g in range(lanes):
+            e = mse[g]
+            b = best[g]
+            a = isc[g]
+            c = iscale[g]
+            iscale[g] = a if e < b else c
+        for g in range(lanes):
+            e = mse[g]
+            b = best[g]
+            best[g] = e if e < b else b
+    for g in range(lanes):
+        sumlx[g] = F32(0.0)
+        suml2[g] = F32(0.0)
+    for i in range(n):
+        xi = XT[i]
+        wi = WT[i]
+        li = LT[i]
+        for g in range(lanes):
+            q = _imin(inmax, nearest_int(iscale[g] * xi[g]))
+            li[g] = q & 0xFF
+            sumlx[g] += wi[g] * xi[g] * F32(q)
+            suml2[g] += wi[g] * F32(q) * F32(q)
+    for _ in range(5):
+        for g in range(lanes):
+            changed[g] = F32(0.0)
+        for i in range(n):
+            xi = XT[i]
+            wi = WT[i]
+            li = LT[i]
+            for g in range(lanes):
+                w = wi[g]
+                x = xi[g]
+                l_old = li[g]
+                lf = F32(l_old)
+                sx_old = sumlx[g]
+                s2_old = suml2[g]
+                ch_old = changed[g]
+                slx = sumlx[g] - w * x * lf
+                sl2 = suml2[g] - w * lf * lf
+                new_l = _imin(inmax, nearest_int(x * sl2 / slx))
+                slx_new = slx + w * x * F32(new_l)
+                sl2_new = sl2 + w * F32(new_l) * F32(new_l)
+                accept = ((slx > 0) & (sl2 > 0) & (new_l != l_old)
+                          & (slx_new * slx_new * s2_old > sx_old * sx_old * sl2_new))
+                li[g] = (new_l & 0xFF) if accept else l_old
+                sumlx[g] = slx_new if accept else sx_old
+                suml2[g] = sl2_new if accept else s2_old
+                changed[g] = F32(1.0) if accept else ch_old
+        any_changed = False
+        for g in range(lanes):
+            any_changed |= changed[g] != 0
+        if not any_changed:
+            break
+    for g in range(lanes):
+        zero = mx[g] < GROUP_MAX_EPS
+        sx = sumlx[g]
+        s2 = suml2[g]
+        scale_out[g] = F32(0.0) if zero | (not s2 > F32(0.0)) else sx / s2
+        changed[g] = F32(1.0) if zero else F32(0.0)
+    for i in range(n):
+        li = LT[i]
+        for g in range(lanes):
+            b = li[g]
+            li[g] = 0 if changed[g] != 0 else b

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, GROUP_MAX_EPS, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, nearest_int
+from ._numeric import F32, GROUP_MAX_EPS, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, make_qp_lanes, nearest_int
 from ._rows import dequantize_blocks, empty_blocks, float_rows
 
 BLOCK_BYTES = 66
@@ -328,6 +328,220 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
             out[o + 2 + 4 * j + t] = (wv >> np.uint32(8 * t)) & np.uint32(0xFF)
 
 
+@njit(error_model="numpy")
+def _group_setup(xr, qw, g, sigma2, XV, WT, WX, XVr, WAr, signs):
+    """Weights, sign-folded values and sign fields of group g of a row (ggml's per-group setup)."""
+    o = 32 * g
+    for i in range(32):
+        w = qw[o + i] * np.sqrt(sigma2 + xr[o + i] * xr[o + i])
+        WT[i, g] = w
+        WAr[o + i] = np.sqrt(w)
+    for k in range(4):
+        nflip = 0
+        sg = 0
+        for i in range(8):
+            v = xr[o + 8 * k + i]
+            if v >= 0:
+                XVr[o + 8 * k + i] = v
+            else:
+                XVr[o + 8 * k + i] = -v
+                nflip += 1
+                sg |= 1 << i
+        if nflip % 2:
+            imin = 0
+            vmin = WT[8 * k, g] * xr[o + 8 * k] * xr[o + 8 * k]
+            for i in range(1, 8):
+                ax = WT[8 * k + i, g] * xr[o + 8 * k + i] * xr[o + 8 * k + i]
+                if ax < vmin:
+                    vmin = ax
+                    imin = i
+            XVr[o + 8 * k + imin] = -XVr[o + 8 * k + imin]
+            sg ^= 1 << imin
+        signs[4 * g + k] = sg & 127
+    for i in range(32):
+        XV[i, g] = XVr[o + i]
+        WX[i, g] = WT[i, g] * XVr[o + i]
+
+
+@njit(error_model="numpy")
+def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, XVr, WAr, WT, WX, T, signs, words):
+    """ggml's last requantization of group g at its best scale, then its two words; returns the scale."""
+    o = 32 * g
+    if scale > 0:
+        inv = F32(1.0) / scale
+        for k in range(4):
+            u = 0
+            for i in range(8):
+                q = nearest_int(F32(0.5) * (inv * XVr[o + 8 * k + i] - F32(1.0)))
+                u |= max(0, min(2, q)) << (2 * i)
+            gi = gmap[u]
+            if gi < 0:
+                gi = _best_neighbour(u, XVr, WAr, o + 8 * k, scale, nb_start, nb_count, nb_index, nb_terms, T)
+            for i in range(8):
+                L[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
+        sumqx = F32(0.0)
+        sumq2 = F32(0.0)
+        for i in range(32):
+            q = F32(2 * L[i, g] + 1)
+            sumqx += WX[i, g] * q
+            sumq2 += WT[i, g] * q * q
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    if scale < 0:
+        scale = -scale
+        for k in range(4):
+            signs[4 * g + k] = (~signs[4 * g + k]) & 127
+    a = np.uint32(0)
+    b = np.uint32(0)
+    for k in range(4):
+        u = 0
+        for i in range(8):
+            u |= L[8 * k + i, g] << (2 * i)
+        a |= np.uint32(gmap[u]) << np.uint32(8 * k)
+        b |= np.uint32(signs[4 * g + k]) << np.uint32(7 * k)
+    words[2 * g] = a
+    words[2 * g + 1] = b
+    return scale
+
+
+@njit(error_model="numpy")
+def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
+                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, T, scales, words, signs):
+    """One row, its groups of 32 in lock step: group g (8 per block) is lane g of the transposed
+    [32, lanes] arrays. Each lane performs `_quantize_block`'s float32 operations in its order
+    (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once);
+    only the neighbour searches of off-grid codes run lane by lane."""
+    nb = xr.shape[0] // QK_K
+    lanes = 8 * nb
+    for b in range(nb):
+        sumx2 = F32(0.0)
+        for i in range(QK_K):
+            sumx2 += xr[QK_K * b + i] * xr[QK_K * b + i]
+        sigma2 = sumx2 / F32(256.0)
+        for ib in range(8):
+            _group_setup(xr, qw, 8 * b + ib, sigma2, XV, WT, WX, XVr, WAr, signs)
+    eff = P[0]
+    inv = P[1]
+    tsc = P[2]
+    sqx = P[3]
+    sq2 = P[4]
+    best = P[5]
+    scale = P[6]
+    up = P[7]
+    make_qp_lanes(32, 4, XV, WT, LQ, scale)
+    for g in range(lanes):
+        eff[g] = scale[g] * F32(3.0)
+        best[g] = F32(0.0)
+    for step in range(-6, 7):
+        for g in range(lanes):
+            inv[g] = (F32(5.0) + F32(step) * F32(0.1)) / eff[g]
+            tsc[g] = F32(1.0) / inv[g]
+            sqx[g] = F32(0.0)
+            sq2[g] = F32(0.0)
+        for k in range(4):
+            uk = U[k]
+            for g in range(lanes):
+                uk[g] = 0
+            for i in range(8):
+                xi = XV[8 * k + i]
+                qi = Q[8 * k + i]
+                for g in range(lanes):
+                    q = max(np.int32(0), min(np.int32(2), nearest_int(F32(0.5) * (inv[g] * xi[g] - F32(1.0)))))
+                    qi[g] = q
+                    uk[g] |= q << (2 * i)
+        for g in range(lanes):
+            if not eff[g] > 0:
+                continue
+            for k in range(4):
+                u = U[k, g]
+                if gmap[u] < 0:
+                    gi = _best_neighbour(u, XVr, WAr, 32 * g + 8 * k, tsc[g], nb_start, nb_count, nb_index, nb_terms, T)
+                    for i in range(8):
+                        Q[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
+        for i in range(32):
+            qi = Q[i]
+            wxi = WX[i]
+            wi = WT[i]
+            for g in range(lanes):
+                q = F32(2 * qi[g] + 1)
+                sqx[g] += wxi[g] * q
+                sq2[g] += wi[g] * q * q
+        for g in range(lanes):
+            # selects between loaded values (LLVM vectorises these, not `a[g] = b if c else a[g]`)
+            qx = sqx[g]
+            q2 = sq2[g]
+            b = best[g]
+            sc = scale[g]
+            better = (q2 > 0) & (qx * qx > b * q2)
+            new_scale = qx / q2
+            scale[g] = new_scale if better else sc
+            best[g] = new_scale * qx if better else b
+            up[g] = F32(1.0) if better else F32(0.0)
+        for i in range(32):
+            qi = Q[i]
+            li = L[i]
+            for g in range(lanes):
+                a = qi[g]
+                b = li[g]
+                li[g] = a if up[g] != 0 else b
+    for g in range(lanes):
+        if eff[g] > 0:
+            scales[g] = _group_finish(g, scale[g], L, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
+                                      XVr, WAr, WT, WX, T, signs, words)
+        else:
+            scales[g] = F32(0.0)
+            words[2 * g] = 0
+            words[2 * g + 1] = 0
+    for b in range(nb):
+        o = BLOCK_BYTES * b
+        max_scale = F32(0.0)
+        for ib in range(8):
+            sc = scales[8 * b + ib]
+            max_scale = max_scale if max_scale > sc else sc
+        if max_scale == 0:
+            for j in range(BLOCK_BYTES):
+                outr[o + j] = 0
+            continue
+        d = max_scale / F32(31.0)
+        dh = fp32_to_fp16_bits(d)
+        outr[o] = dh & 0xFF
+        outr[o + 1] = dh >> 8
+        inv_d = F32(1.0) / d
+        for ib in range(8):
+            g = 8 * b + ib
+            q = nearest_int(F32(0.5) * (inv_d * scales[g] - F32(1.0)))
+            q = max(0, min(15, q))
+            for t in range(2):
+                wv = words[2 * g + t]
+                if t == 1:
+                    wv |= np.uint32(q) << np.uint32(28)
+                for byte in range(4):
+                    outr[o + 2 + 8 * ib + 4 * t + byte] = (wv >> np.uint32(8 * byte)) & np.uint32(0xFF)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms):
+    rows, cols = x.shape
+    lanes = cols // 32
+    for r in prange(rows):
+        XV = np.empty((32, lanes), dtype=np.float32)
+        WT = np.empty((32, lanes), dtype=np.float32)
+        WX = np.empty((32, lanes), dtype=np.float32)
+        XVr = np.empty(cols, dtype=np.float32)
+        WAr = np.empty(cols, dtype=np.float32)
+        Q = np.zeros((32, lanes), dtype=np.int32)
+        L = np.zeros((32, lanes), dtype=np.int32)
+        U = np.zeros((4, lanes), dtype=np.int32)
+        LQ = np.zeros((32, lanes), dtype=np.int32)
+        P = np.zeros((8, lanes), dtype=np.float32)
+        T = np.zeros(24, dtype=np.float32)
+        scales = np.zeros(lanes, dtype=np.float32)
+        words = np.zeros(2 * lanes, dtype=np.uint32)
+        signs = np.zeros(4 * lanes, dtype=np.int32)
+        _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
+                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, T, scales, words, signs)
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_rows(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms):
     rows, cols = x.shape
@@ -387,6 +601,16 @@ GRID_DECODE = GRID_BYTES[(GRID_Q.astype(np.int32) - 1) // 2]  # [256, 8] decoder
 
 def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     """Rows [rows, cols] -> raw blocks. Without `importance`, uses `synthetic_importance(x)`."""
+    x = float_rows(x, QK_K, "IQ2_XXS")
+    qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    out = empty_blocks(x, QK_K, BLOCK_BYTES)
+    _quantize_rows_lanes(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS)
+    return out
+
+
+def quantize_blockwise(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    """`quantize` one 256-block at a time (`_quantize_block`): the straight form of the search that
+    the lane-parallel `quantize` is tested against."""
     x = float_rows(x, QK_K, "IQ2_XXS")
     qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
     out = empty_blocks(x, QK_K, BLOCK_BYTES)

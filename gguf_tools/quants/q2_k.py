@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import (LANE_ROWS, F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2_mad_lanes,
+from ._numeric import (F32, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qkx2_mad_lanes,
                        make_qkx3_lanes, make_qp_batched, nearest_int, trial_scratch)
 from ._rows import dequantize_blocks, empty_blocks, float_rows, importance_arg
 
@@ -109,7 +109,7 @@ def _block_weighted(x, out, o, L, S, s, scales, mins, sw, Ls, Lm):
 
 
 @njit(error_model="numpy")
-def _row_searches(xr, QT, weighted, XT, WT, LT, LA, V, scales, mins, sw):
+def _row_searches(xr, QT, weighted, XT, WT, LT, LA, scales, mins, sw):
     """The make_qkx searches of every sub-block of one row, run in lock step (`make_qkx_lanes`):
     sub-block g (16 per block) is lane g; XT/WT/LT are [16, lanes] (element i of lane g at [i, g])."""
     lanes = XT.shape[1]
@@ -124,8 +124,8 @@ def _row_searches(xr, QT, weighted, XT, WT, LT, LA, V, scales, mins, sw):
                 sum_x2 += xr[QK_K * b + i] * xr[QK_K * b + i]
             sigma2 = sum_x2 / F32(256.0)
             for j in range(16):
-                V[0, 16 * b + j] = sigma2
-        sig = V[0]
+                scales[16 * b + j] = sigma2  # scratch until the search writes the scales
+        sig = scales
         for i in range(16):
             xi = XT[i]
             qi = QT[i]
@@ -138,14 +138,14 @@ def _row_searches(xr, QT, weighted, XT, WT, LT, LA, V, scales, mins, sw):
             wi = WT[i]
             for g in range(lanes):
                 sw[g] += wi[g]
-        make_qkx3_lanes(16, 3, XT, WT, LT, F32(-0.9), F32(0.05), 36, LA, V, scales, mins)
+        make_qkx3_lanes(16, 3, XT, WT, LT, F32(-0.9), F32(0.05), 36, LA, scales, mins)
     else:
         for i in range(16):
             xi = XT[i]
             wi = WT[i]
             for g in range(lanes):
                 wi[g] = abs(xi[g])
-        make_qkx2_mad_lanes(16, 3, XT, WT, LT, F32(-0.5), F32(0.1), 15, LA, V, scales, mins)
+        make_qkx2_mad_lanes(16, 3, XT, WT, LT, F32(-0.5), F32(0.1), 15, LA, scales, mins)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -167,11 +167,10 @@ def _quantize_rows(x, qw, weighted, out):
         WT = np.empty((16, lanes), dtype=np.float32)
         LT = np.empty((16, lanes), dtype=np.float32)
         LA = np.empty((16, lanes), dtype=np.float32)
-        V = np.empty((LANE_ROWS, lanes), dtype=np.float32)
         scales = np.empty(lanes, dtype=np.float32)
         mins = np.empty(lanes, dtype=np.float32)
         sw = np.empty(lanes, dtype=np.float32)
-        _row_searches(x[r], QT, weighted, XT, WT, LT, LA, V, scales, mins, sw)
+        _row_searches(x[r], QT, weighted, XT, WT, LT, LA, scales, mins, sw)
         for b in range(nb):
             xb = x[r, b * QK_K : (b + 1) * QK_K]
             for j in range(16):
