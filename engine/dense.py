@@ -18,7 +18,7 @@ import numpy as np
 from ds4.gguf_tools.quants import fused
 from ds4.gguf_tools.quants.lanes import LANES, f16_fpext, f16_value  # noqa: F401
 from ds4.gguf_tools.quants.lanes import dot_lanes as _dot_lanes  # noqa: F401
-from ds4.gguf_tools.quants.lanes import dot_rows, lane_sums4, tree_row
+from ds4.gguf_tools.quants.lanes import dot_rows, lane_dots4
 from ds4.gguf_tools.quants.lanes import tree as _tree
 from ds4.gguf_tools.quants.lanes import weight_value as _weight_value
 
@@ -62,26 +62,23 @@ def f16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 @nb.njit(cache=True)
 def _dense_rows(w, x, out, r0, r1, buf, p):
-    """A compiled function of its own, not inlined: two inlined copies in one loop body (the MoE's
-    gate and up) made LLVM's code for both about 5x slower. Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
+    """Outputs r0..r1 of every token. One token: convert-and-dot in one pass over each row. More:
     convert the row once into buf, then run the lane sums of 4 tokens at a time against it (same
-    values, same order per token as the one-token pass). p: scratch [4, LANES]."""
+    values, same order per token as the one-token pass). p: scratch [4, LANES].
+
+    A compiled function of its own, not inlined: two inlined copies in one loop body (the MoE's
+    gate and up) made LLVM's code for both about 5x slower."""
     T, K = x.shape
     lanes = p.reshape(4 * LANES)
     if T == 1:
         for o in range(r0, r1):
             out[0, o] = dot_rows(w, o, x, 0, lanes)
         return
-    full = K - K % LANES
     T4 = T - T % 4
     for o in range(r0, r1):
         _to_f32(w, o, buf)
         for t0 in range(0, T4, 4):
-            lane_sums4(buf, x, t0, full, p)
-            for tt in range(4):
-                for l in range(K - full):
-                    p[tt, l] += buf[full + l] * x[t0 + tt, full + l]
-                out[t0 + tt, o] = tree_row(p, tt)
+            lane_dots4(buf, x, t0, p, out, o)
         for t in range(T4, T):
             out[t, o] = dot_rows(buf, 0, x, t, lanes)
 

@@ -42,25 +42,13 @@ class SessionError(ValueError):
     """A prompt that does not fit, or a session payload that cannot be restored here."""
 
 
-class Session:
-    def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 2048, hooks: Hooks | None = None,
-                 impl: str = "fast", progress=None):
-        if ctx < 2:
-            raise SessionError(f"context must be at least 2 tokens, got {ctx}")
-        if prefill_chunk < 1:
-            raise SessionError(f"prefill chunk must be positive, got {prefill_chunk}")
-        self.model = model
-        self.cfg = model.config
-        self.ctx = int(ctx)
-        self.prefill_chunk = int(min(prefill_chunk, ctx))
-        self.hooks = hooks
-        self.impl = impl
-        self.progress = progress  # optional callable(n_done, n_total) during prefill
-        self.state = KVState(self.cfg, self.ctx)
-        self._tokens: list[int] = []
-        self.logits: np.ndarray | None = None
+class Timeline:
+    """The token timeline every session keeps (CPU here, CUDA in ds4.engine.gpu.session): `_tokens`,
+    `ctx`, and the sync policy over the subclass's `prefill`, `invalidate` and `logits`."""
 
-    # ---- timeline -----------------------------------------------------------------------------
+    _tokens: list[int]
+    ctx: int
+
     @property
     def tokens(self) -> list[int]:
         return list(self._tokens)
@@ -69,11 +57,8 @@ class Session:
     def pos(self) -> int:
         return len(self._tokens)
 
-    def invalidate(self) -> None:
-        """Forget everything (the next sync rebuilds)."""
-        self.state.reset()
-        self._tokens = []
-        self.logits = None
+    def _has_logits(self) -> bool:
+        return self.logits is not None
 
     def common_prefix(self, tokens) -> int:
         n = 0
@@ -95,10 +80,36 @@ class Session:
         common = self.common_prefix(tokens)
         if common < len(self._tokens):
             self.invalidate()
-        elif common == len(tokens) and self.logits is not None:
+        elif common == len(tokens) and self._has_logits():
             return self.logits
         self.prefill(tokens[len(self._tokens):])
         return self.logits
+
+
+class Session(Timeline):
+    def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 2048, hooks: Hooks | None = None,
+                 impl: str = "fast", progress=None):
+        if ctx < 2:
+            raise SessionError(f"context must be at least 2 tokens, got {ctx}")
+        if prefill_chunk < 1:
+            raise SessionError(f"prefill chunk must be positive, got {prefill_chunk}")
+        self.model = model
+        self.cfg = model.config
+        self.ctx = int(ctx)
+        self.prefill_chunk = int(min(prefill_chunk, ctx))
+        self.hooks = hooks
+        self.impl = impl
+        self.progress = progress  # optional callable(n_done, n_total) during prefill
+        self.state = KVState(self.cfg, self.ctx)
+        self._tokens: list[int] = []
+        self.logits: np.ndarray | None = None
+
+    # ---- timeline -----------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Forget everything (the next sync rebuilds)."""
+        self.state.reset()
+        self._tokens = []
+        self.logits = None
 
     def decode(self, token: int) -> np.ndarray:
         """Append one token and return the logits that follow it."""

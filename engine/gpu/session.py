@@ -31,9 +31,8 @@ import os
 import numpy as np
 import torch
 
-from ds4.engine.forward import KVState
 from ds4.engine.rope import inv_freq
-from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, kv_bytes_per_token
+from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, Timeline, kv_bytes_per_token
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
@@ -198,7 +197,7 @@ class Weights:
         return t
 
 
-class Session:
+class Session(Timeline):
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 2048, hooks=None, impl: str | None = None,
                  progress=None, device: str | torch.device | None = None, graphs: bool | None = None,
                  weights: Weights | None = None):
@@ -310,15 +309,7 @@ class Session:
             for k, t in st.items():
                 t.fill_(-math.inf if k.endswith("score") else 0.0)
 
-    # ---- timeline ----------------------------------------------------------------------------
-    @property
-    def tokens(self) -> list[int]:
-        return list(self._tokens)
-
-    @property
-    def pos(self) -> int:
-        return len(self._tokens)
-
+    # ---- timeline (Timeline: tokens, pos, common_prefix, sync) -----------------------------------
     @property
     def logits(self) -> np.ndarray | None:
         return None if self._logits is None else self._logits.float().cpu().numpy()
@@ -332,25 +323,8 @@ class Session:
         self._tokens = []
         self._logits = None
 
-    def common_prefix(self, tokens) -> int:
-        n = 0
-        for a, b in zip(self._tokens, tokens):
-            if a != int(b):
-                break
-            n += 1
-        return n
-
-    def sync(self, tokens) -> np.ndarray:
-        tokens = [int(t) for t in tokens]
-        if not tokens or len(tokens) >= self.ctx:
-            raise SessionError(f"prompt exceeds context ({len(tokens)} tokens, ctx {self.ctx})")
-        common = self.common_prefix(tokens)
-        if common < len(self._tokens):
-            self.invalidate()
-        elif common == len(tokens) and self._logits is not None:
-            return self.logits
-        self.prefill(tokens[len(self._tokens):])
-        return self.logits
+    def _has_logits(self) -> bool:
+        return self._logits is not None  # without copying them to the host
 
     def decode(self, token: int) -> np.ndarray:
         self._decode_device(int(token))

@@ -26,7 +26,7 @@ from numba import njit, prange
 from ..constants import QuantType
 from . import iq2_xxs
 from ._numeric import F32, fp16_bits_to_fp32
-from .lanes import LANES, dot_rows, lane_sums4, tree_row
+from .lanes import LANES, dot_rows, lane_dots4
 
 FUSED = (QuantType.Q8_0, QuantType.Q2_K, QuantType.Q4_K, QuantType.IQ2_XXS)
 _Q8_0, _Q2_K, _Q4_K, _IQ2_XXS = (int(q) for q in FUSED)
@@ -141,16 +141,11 @@ def _rows(qt, raw, codes, x, out, r0, r1, grid, sign):
     buf = np.empty(K, np.float32)
     p = np.empty((4, LANES), np.float32)
     lanes = np.empty(LANES, np.float32)
-    full = K - K % LANES
     T4 = T - T % 4
     for o in range(r0, r1):
         _decode_row(qt, raw, codes, o, buf, grid, sign)
         for t0 in range(0, T4, 4):  # four tokens per pass over the decoded row
-            lane_sums4(buf, x, t0, full, p)
-            for tt in range(4):
-                for l in range(K - full):
-                    p[tt, l] += buf[full + l] * x[t0 + tt, full + l]
-                out[t0 + tt, o] = tree_row(p, tt)
+            lane_dots4(buf, x, t0, p, out, o)
         for t in range(T4, T):
             out[t, o] = dot_rows(buf, 0, x, t, lanes)
 

@@ -336,3 +336,16 @@ def _lane_sums4_impl(buf, x, t0, full, p):
             and _is_c_array(p, 2, (nb.types.float32,)):
         return _lane_sums4_regs
     return _lane_sums4_loop
+
+
+@nb.njit(inline="always")
+def lane_dots4(buf, x, t0, p, out, o):
+    """out[t0 + tt, o] = buf · x[t0 + tt] for tt = 0..3 in the lane order: one pass over buf for
+    four tokens, then each token's tail and tree. p: a float32 [4, LANES] scratch. numba only."""
+    K = x.shape[1]
+    full = K - K % LANES
+    lane_sums4(buf, x, t0, full, p)
+    for tt in range(4):
+        for l in range(K - full):
+            p[tt, l] += buf[full + l] * x[t0 + tt, full + l]
+        out[t0 + tt, o] = tree_row(p, tt)
