@@ -5,29 +5,8 @@
 #   bash engine/dist/device_dist.sh comm    # any multi-GPU kind: NCCL combine strategies only (seconds)
 set -u
 WHAT=${1:-flash}
-OUT=${OUT:-/tmp/ds4-out}
-mkdir -p "$OUT" /tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0
-T0=$(date +%s)
-stamp() { echo "== $* $(( $(date +%s) - T0 ))s"; }
-# same setup as engine/gpu/device_session.sh: the carried wheels, the repo's packages, the extension
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-python3 - <<'PYEOF'
-import os, tomllib
-root = os.getcwd()
-dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
-pkg = "/tmp/site/ds4"
-os.makedirs(pkg, exist_ok=True)
-for f in os.listdir(os.path.join(root, dirs["ds4"])):
-    if f.endswith(".py") and not os.path.exists(os.path.join(pkg, f)):
-        os.symlink(os.path.join(root, dirs["ds4"], f), os.path.join(pkg, f))
-for name, d in dirs.items():
-    parts = name.split(".")
-    if len(parts) == 2 and not os.path.exists(os.path.join(pkg, parts[1])):
-        os.symlink(os.path.join(root, d), os.path.join(pkg, parts[1]))
-PYEOF
+source engine/gpu/device_env.sh
+export NCCL_NVLS_ENABLE=0
 NG=$(nvidia-smi -L | wc -l)
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 stamp "build ($NG GPUs)"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }

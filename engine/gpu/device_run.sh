@@ -3,28 +3,7 @@
 # without installing it, build the extension, run the GPU tests and the kernel benchmark.
 # Logs go to $OUT (build.log, tests.log, bench.log, bench.json). Usage: bash engine/gpu/device_run.sh [bench args]
 set -u
-OUT=${OUT:-/tmp/ds4-out}
-mkdir -p "$OUT" /tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
-PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-# ds4 package tree: the files of ds4pkg plus a link per top-level subpackage (pyproject package-dir)
-$PY - <<'PYEOF'
-import os, tomllib
-root = os.getcwd()
-dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
-pkg = "/tmp/site/ds4"
-os.makedirs(pkg, exist_ok=True)
-for f in os.listdir(os.path.join(root, dirs["ds4"])):
-    if f.endswith(".py") and not os.path.exists(os.path.join(pkg, f)):
-        os.symlink(os.path.join(root, dirs["ds4"], f), os.path.join(pkg, f))
-for name, d in dirs.items():
-    parts = name.split(".")
-    if len(parts) == 2 and not os.path.exists(os.path.join(pkg, parts[1])):
-        os.symlink(os.path.join(root, d), os.path.join(pkg, parts[1]))
-PYEOF
+source engine/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 echo "== build" && $PY engine/gpu/build.py --ptxas-info > "$OUT/build.log" 2>&1; rc=$?; tail -3 "$OUT/build.log"
 [ $rc -ne 0 ] && { grep -m20 -i error "$OUT/build.log"; exit 1; }

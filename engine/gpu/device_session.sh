@@ -2,25 +2,7 @@
 # One device call for the CUDA engine: build, smoke, session tests, synthetic Flash q2 GGUF in
 # /dev/shm, session benchmark. Logs to $OUT. Usage: bash engine/gpu/device_session.sh [ctx...]
 set -u
-OUT=${OUT:-/tmp/ds4-out}
-mkdir -p "$OUT" /tmp/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site PY=${PY:-python3}
-T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 - <<'PYEOF'
-import os, tomllib
-root = os.getcwd()
-dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
-pkg = "/tmp/site/ds4"
-os.makedirs(pkg, exist_ok=True)
-for f in os.listdir(os.path.join(root, dirs["ds4"])):
-    if f.endswith(".py") and not os.path.exists(os.path.join(pkg, f)):
-        os.symlink(os.path.join(root, dirs["ds4"], f), os.path.join(pkg, f))
-for name, d in dirs.items():
-    parts = name.split(".")
-    if len(parts) == 2 and not os.path.exists(os.path.join(pkg, parts[1])):
-        os.symlink(os.path.join(root, d), os.path.join(pkg, parts[1]))
-PYEOF
+source engine/gpu/device_env.sh
 echo "== build $(( $(date +%s) - T0 ))s"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== flash synth (background) $(( $(date +%s) - T0 ))s"
 df -h /dev/shm | tail -1; mount -o remount,size=120G /dev/shm 2>/dev/null; df -h /dev/shm | tail -1
