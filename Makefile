@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 MODEL := models/ds4-tiny.gguf
 CUDA_ARCH ?= sm_90a
 
-.PHONY: setup venv model test test-slow bench cuda clean
+.PHONY: setup venv model test test-slow bench cuda clean clean-numba
 
 setup: venv model
 
@@ -51,5 +51,10 @@ cuda: venv
 	$(PIP) install -q pybind11
 	CUDA_ARCH=$(CUDA_ARCH) $(PY) engine/gpu/build.py
 
-clean:
+clean: clean-numba
 	rm -rf build *.egg-info models
+
+# numba's on-disk cache notices edits to a function's own file only, not to the kernels it inlines
+# from other files (quants/lanes.py into engine/kernels.py, ...): after editing those, clear it.
+clean-numba:
+	find . -path ./$(VENV) -prune -o \( -name '*.nbi' -o -name '*.nbc' \) -print | xargs rm -f
