@@ -10,9 +10,12 @@ of the weight matrix as importance (`synthetic_importance`); `quantize(x, None)`
 Speed: the search is ggml's (13 trial scales x 4 sub-groups, snapping off-grid codes to the best
 of their precomputed neighbours), with the same float32 operations in the same order, so the bytes
 are identical. What is faster: rows run in parallel; the neighbour distance uses a 24-entry term
-table (grid levels take 3 values), see `_best_neighbour`; the 13 trial scales are batched (codes of
-all trials computed together, then both sums of all trials advanced together, each trial keeping
-ggml's summation order), see `_quantize_block`.
+table (grid levels take 3 values), see `_best_neighbour`; and all groups of 32 of a row are searched
+in lock step, one vector lane per group (`_quantize_row_lanes`: make_qp, trial codes, sums and the
+choice of the best trial for every group at once, each lane in ggml's float32 order). Only the
+neighbour searches of off-grid codes still run group by group; they are now most of the time.
+`quantize_blockwise` is the straight block-at-a-time form of the same search, kept as the reference
+the lane form is tested against.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._numeric import F32, GROUP_MAX_EPS, QK_K, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, make_qp_lanes, nearest_int
+from ._numeric import F32, GROUP_MAX_EPS, QK_K, _iclamp, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, make_qp_lanes, nearest_int
 from ._rows import dequantize_blocks, empty_blocks, float_rows
 
 BLOCK_BYTES = 66
@@ -446,9 +449,10 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
                 xi = XV[8 * k + i]
                 qi = Q[8 * k + i]
                 for g in range(lanes):
-                    q = max(np.int32(0), min(np.int32(2), nearest_int(F32(0.5) * (inv[g] * xi[g] - F32(1.0)))))
+                    q = _iclamp(nearest_int(F32(0.5) * (inv[g] * xi[g] - F32(1.0))), np.int32(2))
                     qi[g] = q
-                    uk[g] |= q << (2 * i)
+                    ug = uk[g]
+                    uk[g] = ug | (q << (2 * i))
         for g in range(lanes):
             if not eff[g] > 0:
                 continue
