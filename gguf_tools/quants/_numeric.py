@@ -460,7 +460,8 @@ def make_qp_batched(n, nmax, x, L, qw, S):
 # operation of the scalar search becomes a loop over lanes (vectorised by LLVM). Every lane does
 # exactly the scalar search's float32 operations in its order, including the sequential trial
 # loop with the `min` carried from one improvement to the next trials, so the results are equal
-# bit for bit; the data-dependent branches become per-lane selects.
+# bit for bit; the data-dependent branches become per-lane selects. Rows are addressed as A[i, g],
+# never through a row view (each view costs reference-count updates inside the hot loops).
 
 @njit(inline="always")
 def _imin(a, b):
@@ -501,25 +502,21 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
         err = np.empty(lanes, dtype=np.float32)
         dd = np.empty(lanes, dtype=np.float32)
         mn_start = np.empty(lanes, dtype=np.float32)
-        x0 = XT[0]
-        w0 = WT[0]
         for g in range(lanes):
-            mn[g] = x0[g]
-            mx[g] = x0[g]
-            sum_w[g] = w0[g]
-            sum_x[g] = w0[g] * x0[g]
+            mn[g] = XT[0, g]
+            mx[g] = XT[0, g]
+            sum_w[g] = WT[0, g]
+            sum_x[g] = WT[0, g] * XT[0, g]
         for i in range(1, n):
-            xi = XT[i]
-            wi = WT[i]
             for g in range(lanes):
                 # selects between values already loaded: LLVM vectorises these, not `a[g] = b if c else a[g]`
-                v = xi[g]
+                v = XT[i, g]
                 lo = mn[g]
                 hi = mx[g]
                 mn[g] = v if v < lo else lo
                 mx[g] = v if v > hi else hi
-                sum_w[g] += wi[g]
-                sum_x[g] += wi[g] * v
+                sum_w[g] += WT[i, g]
+                sum_x[g] += WT[i, g] * v
         for g in range(lanes):
             if mn[g] > 0:
                 mn[g] = F32(0.0)
@@ -528,14 +525,11 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
             scale[g] = F32(1.0) / isc[g]
             best[g] = F32(0.0)
         for i in range(n):
-            xi = XT[i]
-            wi = WT[i]
-            li = LT[i]
             for g in range(lanes):
-                q = F32(_iclamp(nearest_int(isc[g] * (xi[g] - mn[g])), inmax))
-                li[g] = q
-                diff = scale[g] * q + mn[g] - xi[g]
-                best[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
+                q = F32(_iclamp(nearest_int(isc[g] * (XT[i, g] - mn[g])), inmax))
+                LT[i, g] = q
+                diff = scale[g] * q + mn[g] - XT[i, g]
+                best[g] += WT[i, g] * (abs(diff) if use_mad else diff * diff)
         for step in range(nstep + 1):
             for g in range(lanes):
                 isc[g] = (rmin + rdelta * F32(step) + fnmax) / (mx[g] - mn[g])
@@ -544,16 +538,13 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
                 sxl[g] = F32(0.0)
                 err[g] = F32(0.0)
             for i in range(n):
-                xi = XT[i]
-                wi = WT[i]
-                la = LA[i]
                 for g in range(lanes):
-                    q = F32(_iclamp(nearest_int(isc[g] * (xi[g] - mn[g])), inmax))
-                    la[g] = q
-                    wl = wi[g] * q
+                    q = F32(_iclamp(nearest_int(isc[g] * (XT[i, g] - mn[g])), inmax))
+                    LA[i, g] = q
+                    wl = WT[i, g] * q
                     sl[g] += wl
                     sl2[g] += wl * q
-                    sxl[g] += wl * xi[g]
+                    sxl[g] += wl * XT[i, g]
             for g in range(lanes):
                 D = sum_w[g] * sl2[g] - sl[g] * sl[g]
                 this_scale = (sum_w[g] * sxl[g] - sum_x[g] * sl[g]) / D
@@ -563,12 +554,9 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
                 ts[g] = sxl[g] / sl2[g] if clamp else this_scale
                 tm[g] = F32(0.0) if clamp else this_min
             for i in range(n):
-                xi = XT[i]
-                wi = WT[i]
-                la = LA[i]
                 for g in range(lanes):
-                    diff = ts[g] * la[g] + tm[g] - xi[g]
-                    err[g] += wi[g] * (abs(diff) if use_mad else diff * diff)
+                    diff = ts[g] * LA[i, g] + tm[g] - XT[i, g]
+                    err[g] += WT[i, g] * (abs(diff) if use_mad else diff * diff)
             # dd becomes the update mask: 1 where this trial improves the lane (one array written
             # per loop: LLVM vectorises these, not a loop that writes several rows of V)
             for g in range(lanes):
@@ -589,12 +577,10 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
                 v = mn[g]
                 mn[g] = t if dd[g] != 0 else v
             for i in range(n):
-                la = LA[i]
-                li = LT[i]
                 for g in range(lanes):
-                    a = la[g]
-                    b = li[g]
-                    li[g] = a if dd[g] != 0 else b
+                    a = LA[i, g]
+                    b = LT[i, g]
+                    LT[i, g] = a if dd[g] != 0 else b
         for g in range(lanes):
             m0 = mn_start[g]
             m1 = mn[g]
@@ -604,10 +590,9 @@ def _make_qkx_lanes_variant(use_mad: bool, qkx3: bool):
             min_out[g] = -m0 if degenerate else -m1
             dd[g] = F32(1.0) if degenerate else F32(0.0)
         for i in range(n):
-            li = LT[i]
             for g in range(lanes):
-                b = li[g]
-                li[g] = F32(0.0) if dd[g] != 0 else b
+                b = LT[i, g]
+                LT[i, g] = F32(0.0) if dd[g] != 0 else b
 
     return make_qkx_lanes
 
@@ -638,22 +623,19 @@ def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
     for g in range(lanes):
         mx[g] = F32(0.0)
     for i in range(n):
-        xi = XT[i]
         for g in range(lanes):
             m = mx[g]
-            v = xi[g]
+            v = XT[i, g]
             mx[g] = m if m > v else v
     for g in range(lanes):
         iscale[g] = fnmax / mx[g]
         ssc[g] = F32(1.0) / iscale[g]
         best[g] = F32(0.0)
     for i in range(n):
-        xi = XT[i]
-        wi = WT[i]
         for g in range(lanes):
-            li = F32(nearest_int(iscale[g] * xi[g]) & 0xFF)
-            diff = xi[g] - ssc[g] * li
-            best[g] += wi[g] * diff * diff
+            li = F32(nearest_int(iscale[g] * XT[i, g]) & 0xFF)
+            diff = XT[i, g] - ssc[g] * li
+            best[g] += WT[i, g] * diff * diff
     for step in range(-4, 5):
         if step == 0:
             continue
@@ -662,12 +644,10 @@ def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
             ssc[g] = F32(1.0) / isc[g]
             mse[g] = F32(0.0)
         for i in range(n):
-            xi = XT[i]
-            wi = WT[i]
             for g in range(lanes):
-                q = _imin(inmax, nearest_int(isc[g] * xi[g]))
-                diff = xi[g] - ssc[g] * F32(q)
-                mse[g] += wi[g] * diff * diff
+                q = _imin(inmax, nearest_int(isc[g] * XT[i, g]))
+                diff = XT[i, g] - ssc[g] * F32(q)
+                mse[g] += WT[i, g] * diff * diff
         for g in range(lanes):
             e = mse[g]
             b = best[g]
@@ -682,25 +662,19 @@ def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
         sumlx[g] = F32(0.0)
         suml2[g] = F32(0.0)
     for i in range(n):
-        xi = XT[i]
-        wi = WT[i]
-        li = LT[i]
         for g in range(lanes):
-            q = _imin(inmax, nearest_int(iscale[g] * xi[g]))
-            li[g] = q & 0xFF
-            sumlx[g] += wi[g] * xi[g] * F32(q)
-            suml2[g] += wi[g] * F32(q) * F32(q)
+            q = _imin(inmax, nearest_int(iscale[g] * XT[i, g]))
+            LT[i, g] = q & 0xFF
+            sumlx[g] += WT[i, g] * XT[i, g] * F32(q)
+            suml2[g] += WT[i, g] * F32(q) * F32(q)
     for _ in range(5):
         for g in range(lanes):
             changed[g] = F32(0.0)
         for i in range(n):
-            xi = XT[i]
-            wi = WT[i]
-            li = LT[i]
             for g in range(lanes):
-                w = wi[g]
-                x = xi[g]
-                l_old = li[g]
+                w = WT[i, g]
+                x = XT[i, g]
+                l_old = LT[i, g]
                 lf = F32(l_old)
                 sx_old = sumlx[g]
                 s2_old = suml2[g]
@@ -712,7 +686,7 @@ def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
                 sl2_new = sl2 + w * F32(new_l) * F32(new_l)
                 accept = ((slx > 0) & (sl2 > 0) & (new_l != l_old)
                           & (slx_new * slx_new * s2_old > sx_old * sx_old * sl2_new))
-                li[g] = (new_l & 0xFF) if accept else l_old
+                LT[i, g] = (new_l & 0xFF) if accept else l_old
                 sumlx[g] = slx_new if accept else sx_old
                 suml2[g] = sl2_new if accept else s2_old
                 changed[g] = F32(1.0) if accept else ch_old
@@ -728,7 +702,6 @@ def make_qp_lanes(n, nmax, XT, WT, LT, scale_out):
         scale_out[g] = F32(0.0) if zero | (not s2 > F32(0.0)) else sx / s2
         changed[g] = F32(1.0) if zero else F32(0.0)
     for i in range(n):
-        li = LT[i]
         for g in range(lanes):
-            b = li[g]
-            li[g] = 0 if changed[g] != 0 else b
+            b = LT[i, g]
+            LT[i, g] = 0 if changed[g] != 0 else b

@@ -442,17 +442,15 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
             sqx[g] = F32(0.0)
             sq2[g] = F32(0.0)
         for k in range(4):
-            uk = U[k]
             for g in range(lanes):
-                uk[g] = 0
+                U[k, g] = 0
             for i in range(8):
-                xi = XV[8 * k + i]
-                qi = Q[8 * k + i]
+                r = 8 * k + i
                 for g in range(lanes):
-                    q = _iclamp(nearest_int(F32(0.5) * (inv[g] * xi[g] - F32(1.0))), np.int32(2))
-                    qi[g] = q
-                    ug = uk[g]
-                    uk[g] = ug | (q << (2 * i))
+                    q = _iclamp(nearest_int(F32(0.5) * (inv[g] * XV[r, g] - F32(1.0))), np.int32(2))
+                    Q[r, g] = q
+                    ug = U[k, g]
+                    U[k, g] = ug | (q << (2 * i))
         for g in range(lanes):
             if not eff[g] > 0:
                 continue
@@ -463,13 +461,10 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
                     for i in range(8):
                         Q[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
         for i in range(32):
-            qi = Q[i]
-            wxi = WX[i]
-            wi = WT[i]
             for g in range(lanes):
-                q = F32(2 * qi[g] + 1)
-                sqx[g] += wxi[g] * q
-                sq2[g] += wi[g] * q * q
+                q = F32(2 * Q[i, g] + 1)
+                sqx[g] += WX[i, g] * q
+                sq2[g] += WT[i, g] * q * q
         for g in range(lanes):
             # selects between loaded values (LLVM vectorises these, not `a[g] = b if c else a[g]`)
             qx = sqx[g]
@@ -482,12 +477,10 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
             best[g] = new_scale * qx if better else b
             up[g] = F32(1.0) if better else F32(0.0)
         for i in range(32):
-            qi = Q[i]
-            li = L[i]
             for g in range(lanes):
-                a = qi[g]
-                b = li[g]
-                li[g] = a if up[g] != 0 else b
+                a = Q[i, g]
+                b = L[i, g]
+                L[i, g] = a if up[g] != 0 else b
     for g in range(lanes):
         if eff[g] > 0:
             scales[g] = _group_finish(g, scale[g], L, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,

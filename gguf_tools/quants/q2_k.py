@@ -125,26 +125,19 @@ def _row_searches(xr, QT, weighted, XT, WT, LT, LA, scales, mins, sw):
             sigma2 = sum_x2 / F32(256.0)
             for j in range(16):
                 scales[16 * b + j] = sigma2  # scratch until the search writes the scales
-        sig = scales
         for i in range(16):
-            xi = XT[i]
-            qi = QT[i]
-            wi = WT[i]
             for g in range(lanes):
-                wi[g] = qi[g] * np.sqrt(sig[g] + xi[g] * xi[g])
+                WT[i, g] = QT[i, g] * np.sqrt(scales[g] + XT[i, g] * XT[i, g])
         for g in range(lanes):
             sw[g] = WT[0, g]
         for i in range(1, 16):
-            wi = WT[i]
             for g in range(lanes):
-                sw[g] += wi[g]
+                sw[g] += WT[i, g]
         make_qkx3_lanes(16, 3, XT, WT, LT, F32(-0.9), F32(0.05), 36, LA, scales, mins)
     else:
         for i in range(16):
-            xi = XT[i]
-            wi = WT[i]
             for g in range(lanes):
-                wi[g] = abs(xi[g])
+                WT[i, g] = abs(XT[i, g])
         make_qkx2_mad_lanes(16, 3, XT, WT, LT, F32(-0.5), F32(0.1), 15, LA, scales, mins)
 
 
