@@ -1,8 +1,9 @@
-"""The batched (trial-parallel) searches of _numeric against the scalar ones they replace
+"""The batched and lane forms of the _numeric searches against the scalar ones they replace
 (tooling-spec §2.3): same returned floats bit for bit and the same codes, for the (n, nmax, rmin,
 rdelta, nstep) of every caller, with and without importance-like weights, on data that exercises
-the degenerate, one-signed, tied and min-updating branches. The scalar versions are themselves held
-to ggml's bytes by test_quants_golden."""
+the degenerate, one-signed, tied and min-updating branches; and IQ2_XXS's lane row kernel against
+its block-at-a-time form. The scalar versions are themselves held to ggml's bytes by
+test_quants_golden."""
 
 from __future__ import annotations
 
@@ -12,13 +13,6 @@ import pytest
 from ds4.gguf_tools.quants import _numeric as N
 
 F32 = np.float32
-
-QKX_CASES = [  # (name, scalar, batched, n, nmax, rmin, rdelta, nstep): Q2_K ref/imp, Q4_K ref/imp
-    ("qkx2_mad_q2k", N.make_qkx2_mad, N.make_qkx2_mad_batched, 16, 3, -0.5, 0.1, 15),
-    ("qkx3_q2k", N.make_qkx3, N.make_qkx3_batched, 16, 3, -0.9, 0.05, 36),
-    ("qkx2_q4k", N.make_qkx2, N.make_qkx2_batched, 32, 15, -1.0, 0.1, 20),
-    ("qkx3_q4k", N.make_qkx3, N.make_qkx3_batched, 32, 15, -0.9, 0.05, 36),
-]
 
 
 def _groups(rng: np.random.Generator, n: int, count: int) -> list[np.ndarray]:
@@ -43,25 +37,6 @@ def _groups(rng: np.random.Generator, n: int, count: int) -> list[np.ndarray]:
             x = rng.standard_normal(n) * 1e-20
         out.append(x.astype(F32))
     return out
-
-
-@pytest.mark.parametrize("case", QKX_CASES, ids=[c[0] for c in QKX_CASES])
-def test_batched_make_qkx_equals_scalar(case):
-    _, scalar, batched, n, nmax, rmin, rdelta, nstep = case
-    rng = np.random.default_rng(n * 100 + nstep)
-    S = N.trial_scratch(n)
-    for t, x in enumerate(_groups(rng, n, 1600)):
-        if t % 3 == 0:
-            w = np.abs(x)  # the no-importance weights of Q2_K
-        elif t % 3 == 1:
-            w = (rng.random(n) ** 3 * np.sqrt(F32(np.mean(x * x)) + x * x)).astype(F32)
-        else:
-            w = (x * x).astype(F32)
-        L1, Laux, L2 = np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(n, np.uint8)
-        a = scalar(n, nmax, x, w, L1, Laux, F32(rmin), F32(rdelta), nstep)
-        b = batched(n, nmax, x, w, L2, F32(rmin), F32(rdelta), nstep, S)
-        assert np.array(a, F32).view(np.uint32).tolist() == np.array(b, F32).view(np.uint32).tolist(), (t, x)
-        np.testing.assert_array_equal(L1, L2, err_msg=f"group {t}")
 
 
 @pytest.mark.parametrize("n,nmax", [(16, 15), (8, 63), (32, 4)])
@@ -119,3 +94,23 @@ def test_iq2_xxs_lane_rows_equal_blockwise_search(rows, cols):
     imp = (rng.gamma(0.5, 1.0, cols) * (rng.random(cols) < 0.9)).astype(F32)
     for importance in (imp, None):
         np.testing.assert_array_equal(iq2_xxs.quantize(x, importance), iq2_xxs.quantize_blockwise(x, importance))
+
+
+@pytest.mark.parametrize("lanes", [1, 37, 640])
+@pytest.mark.parametrize("n,nmax", [(32, 4), (16, 15), (8, 63)])
+def test_lane_make_qp_equals_scalar(n, nmax, lanes):
+    """make_qp for many groups in lock step (refit sweeps run while any lane changes) equals the
+    scalar make_qp of each group: scale bits and the codes ggml's uint8 stores leave."""
+    rng = np.random.default_rng(lanes * n + nmax)
+    X = np.stack(_groups(rng, n, lanes))
+    X = np.where(np.arange(lanes)[:, None] % 5 == 0, X, np.abs(X)).astype(F32)  # some negative values
+    W = (rng.random(X.shape) * (rng.random(X.shape) < 0.9)).astype(F32)
+    XT, WT = np.ascontiguousarray(X.T), np.ascontiguousarray(W.T)
+    LT = np.zeros(XT.shape, np.int32)
+    scale = np.zeros(lanes, F32)
+    N.make_qp_lanes(n, nmax, XT, WT, LT, scale)
+    for g in range(lanes):
+        L = np.zeros(n, np.uint8)
+        want = N.make_qp(n, nmax, X[g], L, W[g])
+        assert F32(want).view(np.uint32) == scale[g : g + 1].view(np.uint32)[0], (g, X[g])
+        np.testing.assert_array_equal(L, LT[:, g].astype(np.uint8), err_msg=f"lane {g}")

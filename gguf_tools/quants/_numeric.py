@@ -1,11 +1,14 @@
-"""Scalar float32 building blocks shared by the k-quant and IQ2 searches (tooling-spec §2.1, §2.3).
+"""Float32 building blocks shared by the k-quant and IQ2 searches (tooling-spec §2.1, §2.3): the
+scalar searches (ggml's functions, one group at a time), make_qp with its trials batched, and the
+lane forms that run the searches of many groups in lock step (`make_qkx*_lanes`, `make_qp_lanes`).
 
 Byte-identity with ggml depends on doing every operation in float32, in the same order as the C
 source evaluates it, with the same rounding. Numba promotes `float32 * int64` to float64, so every
 integer that meets a float here is converted with `F32(...)` first; literals are float32 constants.
 No fastmath anywhere: LLVM must neither reassociate sums nor fuse multiply-adds.
 
-The search routines take their output code arrays as arguments (no allocation in hot loops).
+The scalar and batched searches take their output code arrays as arguments (no allocation in hot
+loops); the lane forms allocate their per-lane rows once per call (one call covers a whole row).
 """
 
 from __future__ import annotations
@@ -257,19 +260,13 @@ def make_qp(n, nmax, x, L, qw):
 
 # ---------------------------------------------------------------- searches batched across trial steps
 #
-# The trial steps of make_qkx / make_qp are independent of one another until the "is it better?"
-# comparison, yet each is a chain of sequential float32 sums that ggml runs to the end before
-# starting the next: the scalar versions above are latency-bound. The batched versions keep one
-# accumulator per trial and advance TRIALS of them element by element (inner loops over the trial
-# axis, which LLVM vectorises), so every trial's sum still adds the same terms in the same order:
-# the same float32 values. The comparisons then run over the trials in ggml's order.
-#
-# One coupling remains in make_qkx: after an improvement, ggml's later trials use the improved
-# `min`. Trials are evaluated 16 at a time, lazily; when an improvement changes the min, the
-# trials after it are evaluated again with the new min (a few times per search).
-#
+# make_qp's 8 trial scales are independent of one another until the "is it better?" comparison,
+# yet each is a chain of sequential float32 sums that ggml runs to the end before starting the
+# next. The batched version keeps one accumulator per trial and advances all of them element by
+# element (inner loops over the trial axis), so every trial's sum still adds the same terms in the
+# same order: the same float32 values. The comparisons then run over the trials in ggml's order.
 # Scratch is one flat float32 array (`trial_scratch`), rows of TRIALS addressed by constant
-# offsets from one base: LLVM then proves the rows independent without runtime alias checks.
+# offsets from one base.
 
 TRIALS = 16  # trials evaluated together: one 16-lane (or two 8-lane) vector per accumulator
 _ISC, _SL, _SL2, _SXL, _D, _TS, _TM, _ERR, _CODES = (k * TRIALS for k in range(9))
@@ -278,112 +275,6 @@ _ISC, _SL, _SL2, _SXL, _D, _TS, _TM, _ERR, _CODES = (k * TRIALS for k in range(9
 def trial_scratch(n: int = 32) -> np.ndarray:
     """Scratch for the batched searches on groups of up to n elements."""
     return np.zeros(_CODES + n * TRIALS, dtype=np.float32)
-
-
-@njit(error_model="numpy")
-def _qkx_trials(n, nmax, x, w, mn, rng, rmin, rdelta, sum_w, sum_x, c0, S, use_mad, trials):
-    """make_qkx trials c0..c0+TRIALS-1 for the given min: rows of S get the inverse scale, sum_l,
-    sum_l2, sum_xl, D, this_scale, this_min, error per trial, and the codes (row _CODES/TRIALS + i)."""
-    fnmax = F32(nmax)
-    inmax = np.int32(nmax)
-    for c in range(trials):
-        S[_ISC + c] = (rmin + rdelta * F32(c0 + c) + fnmax) / rng
-    for c in range(trials):
-        S[_SL + c] = F32(0.0)
-        S[_SL2 + c] = F32(0.0)
-        S[_SXL + c] = F32(0.0)
-        S[_ERR + c] = F32(0.0)
-    for i in range(n):
-        xi = x[i]
-        wi = w[i]
-        xm = xi - mn
-        row = _CODES + TRIALS * i
-        for c in range(trials):
-            qf = F32(max(np.int32(0), min(inmax, nearest_int(S[_ISC + c] * xm))))
-            S[row + c] = qf
-            wl = wi * qf
-            S[_SL + c] += wl
-            S[_SL2 + c] += wl * qf
-            S[_SXL + c] += wl * xi
-    for c in range(trials):
-        sl = S[_SL + c]
-        sl2 = S[_SL2 + c]
-        sxl = S[_SXL + c]
-        D = sum_w * sl2 - sl * sl
-        this_scale = (sum_w * sxl - sum_x * sl) / D
-        this_min = (sl2 * sum_x - sl * sxl) / D
-        clamp = this_min > 0
-        S[_D + c] = D
-        S[_TS + c] = sxl / sl2 if clamp else this_scale
-        S[_TM + c] = F32(0.0) if clamp else this_min
-    for i in range(n):
-        xi = x[i]
-        wi = w[i]
-        row = _CODES + TRIALS * i
-        for c in range(trials):
-            diff = S[_TS + c] * S[row + c] + S[_TM + c] - xi
-            if use_mad:
-                S[_ERR + c] += wi * abs(diff)
-            else:
-                S[_ERR + c] += wi * (diff * diff)
-
-
-def _make_qkx_batched_variant(use_mad: bool, qkx3: bool):
-    """make_qkx2 / make_qkx3 with the trials batched: arguments as `make_qkx`, with the scratch
-    S = trial_scratch(n) instead of Laux; nstep >= 1."""
-
-    @njit(error_model="numpy")
-    def make_qkx_batched(n, nmax, x, w, L, rmin, rdelta, nstep, S):
-        fnmax = F32(nmax)
-        mn = x[0]
-        mx = x[0]
-        sum_w = w[0]
-        sum_x = sum_w * x[0]
-        for i in range(1, n):
-            if x[i] < mn:
-                mn = x[i]
-            if x[i] > mx:
-                mx = x[i]
-            wi = w[i]
-            sum_w += wi
-            sum_x += wi * x[i]
-        if mn > 0:
-            mn = F32(0.0)
-        if (mx <= mn) if qkx3 else (mx == mn):
-            for i in range(n):
-                L[i] = 0
-            return F32(0.0), -mn
-        iscale = fnmax / (mx - mn)
-        scale = F32(1.0) / iscale
-        best_error = F32(0.0)
-        for i in range(n):
-            q0 = max(0, min(nmax, nearest_int(iscale * (x[i] - mn))))
-            L[i] = q0
-            diff0 = scale * F32(q0) + mn - x[i]
-            best_error += w[i] * (abs(diff0) if use_mad else diff0 * diff0)
-        have = -1  # first trial of the TRIALS evaluated with the current min, if any
-        for step in range(nstep + 1):
-            c0 = step // TRIALS * TRIALS
-            if have != c0:
-                _qkx_trials(n, nmax, x, w, mn, mx - mn, rmin, rdelta, sum_w, sum_x, c0, S, use_mad, min(TRIALS, nstep + 1 - c0))
-                have = c0
-            c = step - c0
-            if S[_D + c] > 0 and S[_ERR + c] < best_error:
-                best_error = S[_ERR + c]
-                scale = S[_TS + c]
-                for i in range(n):
-                    L[i] = np.uint8(S[_CODES + TRIALS * i + c])
-                if S[_TM + c] != mn:
-                    have = -1  # ggml's later trials use the improved min: evaluate them again
-                mn = S[_TM + c]
-        return scale, -mn
-
-    return make_qkx_batched
-
-
-make_qkx2_batched = _make_qkx_batched_variant(use_mad=False, qkx3=False)
-make_qkx2_mad_batched = _make_qkx_batched_variant(use_mad=True, qkx3=False)
-make_qkx3_batched = _make_qkx_batched_variant(use_mad=False, qkx3=True)
 
 
 @njit(error_model="numpy")
@@ -462,6 +353,7 @@ def make_qp_batched(n, nmax, x, L, qw, S):
 # loop with the `min` carried from one improvement to the next trials, so the results are equal
 # bit for bit; the data-dependent branches become per-lane selects. Rows are addressed as A[i, g],
 # never through a row view (each view costs reference-count updates inside the hot loops).
+
 
 @njit(inline="always")
 def _imin(a, b):
