@@ -97,3 +97,22 @@ def test_no_fused_multiply_add():
     assert lane_dot_reference(a, b[:1])[0, 0] == F32(2 ** -11)
     assert _dots(a, b[:1])[0, 0] == F32(2 ** -11)
     assert (_dots4(a, b)[:, 0] == F32(2 ** -11)).all()
+
+
+@pytest.mark.parametrize("K", [32, 96, 512, 160])
+def test_q8_0_rows_from_blocks_equal_decode_then_dot(K):
+    """The one-to-three-token Q8_0 path (weights formed in registers) against dequantize + the lane
+    reference, on raw blocks with every code -128..127 and random finite half scales."""
+    from ds4.gguf_tools.constants import QuantType
+    from ds4.gguf_tools.quants import fused
+
+    rng = np.random.default_rng(K)
+    rows = 40
+    raw = rng.integers(0, 256, (rows, K // 32 * 34), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, K // 32)) * 0.01).astype(np.float16).view(np.uint8)
+    blocks = raw.reshape(rows, K // 32, 34)
+    blocks[:, :, 0:2] = scales.reshape(rows, K // 32, 2)
+    for T in (1, 2, 3, 4):
+        x = rng.standard_normal((T, K)).astype(F32)
+        got = fused.matmul(QuantType.Q8_0, raw, x)
+        np.testing.assert_array_equal(got, fused.matmul_reference(QuantType.Q8_0, raw, x))

@@ -26,7 +26,7 @@ from numba import njit, prange
 from ..constants import QuantType
 from . import iq2_xxs
 from ._numeric import F32, fp16_bits_to_fp32
-from .lanes import LANES, dot_rows, lane_dots4
+from .lanes import LANES, dot_rows, lane_dots4, q8_0_dot
 
 FUSED = (QuantType.Q8_0, QuantType.Q2_K, QuantType.Q4_K, QuantType.IQ2_XXS)
 _Q8_0, _Q2_K, _Q4_K, _IQ2_XXS = (int(q) for q in FUSED)
@@ -141,6 +141,11 @@ def _rows(qt, raw, codes, x, out, r0, r1, grid, sign):
     buf = np.empty(K, np.float32)
     p = np.empty((4, LANES), np.float32)
     lanes = np.empty(LANES, np.float32)
+    if qt == _Q8_0 and T < 4:  # few tokens: form the weights in registers, no row buffer
+        for o in range(r0, r1):
+            for t in range(T):
+                out[t, o] = q8_0_dot(raw, o, x, t, lanes)
+        return
     T4 = T - T % 4
     for o in range(r0, r1):
         _decode_row(qt, raw, codes, o, buf, grid, sign)

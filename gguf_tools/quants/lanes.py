@@ -20,6 +20,7 @@ increasing k, and the tree pairs lanes exactly as `tree`, so the bits equal the 
 from __future__ import annotations
 
 import numba as nb
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -349,3 +350,90 @@ def lane_dots4(buf, x, t0, p, out, o):
         for l in range(K - full):
             p[tt, l] += buf[full + l] * x[t0 + tt, full + l]
         out[t0 + tt, o] = tree_row(p, tt)
+
+
+# ---- Q8_0 rows straight from their blocks (decode: one token, no float32 row buffer) -------------
+# A Q8_0 block is 34 bytes: an IEEE half scale d, then 32 int8 codes; its weights are d * code in
+# float32 (`fused._decode_q8_0`). Two blocks fill one 64-lane step: the weights are formed in
+# registers (one float32 multiply each, the decoder's) and enter the lanes as in `dot_rows`.
+Q8_0_BLOCK_BYTES = 34
+
+
+def _emit_q8_0_lane_sums(builder, row, x_data, n_full):
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16, None)) for _ in range(4)]
+    chunks = builder.udiv(_i64(builder, n_full), ir.Constant(i64, LANES))
+    zeros16 = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
+    with cgutils.for_range(builder, chunks) as loop:
+        for half in range(2):
+            block = builder.add(builder.mul(loop.index, ir.Constant(i64, 2)), ir.Constant(i64, half))
+            at = builder.mul(block, ir.Constant(i64, Q8_0_BLOCK_BYTES))
+            bits = builder.load(builder.bitcast(builder.gep(row, [at]), ir.PointerType(ir.IntType(16))), align=1)
+            d = builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+            dv = builder.insert_element(ir.Constant(_V16, None), d, ir.Constant(i32, 0))
+            dv = builder.shuffle_vector(dv, dv, zeros16)
+            for q in range(2):
+                codes_at = builder.add(at, ir.Constant(i64, 2 + 16 * q))
+                codes = builder.load(builder.bitcast(builder.gep(row, [codes_at]),
+                                                     ir.PointerType(ir.VectorType(ir.IntType(8), 16))), align=1)
+                w = builder.fmul(dv, builder.sitofp(codes, _V16))
+                x_at = builder.add(builder.mul(loop.index, ir.Constant(i64, LANES)), ir.Constant(i64, 32 * half + 16 * q))
+                xv = builder.load(builder.bitcast(builder.gep(x_data, [x_at]), ir.PointerType(_V16)), align=4)
+                acc = accs[2 * half + q]
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(w, xv)), acc)
+    return [builder.load(acc) for acc in accs]
+
+
+def _q8_0_typing(raw, x, n_full):
+    return (_is_c_array(raw, 2, (nb.types.uint8,)) and isinstance(x, nb.types.Array) and x.ndim in (1, 2)
+            and x.layout == "C" and x.dtype == nb.types.float32 and isinstance(n_full, nb.types.Integer))
+
+
+@intrinsic
+def _q8_0_dot_at(typingctx, raw, r, x, t, n_full):
+    """Q8_0 row r of raw · x[t] over n_full elements (a multiple of 64, = the whole row)."""
+    if not _q8_0_typing(raw, x, n_full):
+        return None
+    sig = nb.types.float32(raw, r, x, t, n_full)
+
+    def codegen(context, builder, signature, args):
+        row = _row_data(context, builder, signature.args[0], args[0], args[1])
+        x_data = _row_data(context, builder, signature.args[2], args[2], args[3])
+        return _emit_tree(builder, _emit_q8_0_lane_sums(builder, row, x_data, args[4]))
+
+    return sig, codegen
+
+
+@intrinsic
+def _q8_0_sums_at(typingctx, raw, r, x, t, n_full, p):
+    """p[0:64] = the lane sums of Q8_0 row r of raw · x[t] over the first n_full elements."""
+    if not (_q8_0_typing(raw, x, n_full) and _is_c_array(p, 1, (nb.types.float32,))):
+        return None
+    sig = nb.types.void(raw, r, x, t, n_full, p)
+
+    def codegen(context, builder, signature, args):
+        row = _row_data(context, builder, signature.args[0], args[0], args[1])
+        x_data = _row_data(context, builder, signature.args[2], args[2], args[3])
+        accs = _emit_q8_0_lane_sums(builder, row, x_data, args[4])
+        _store_lanes(builder, context.make_array(signature.args[5])(context, builder, args[5]).data, accs)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@nb.njit(inline="always")
+def q8_0_dot(raw, r, x, t, p):
+    """dequant(raw)[r] · x[t] in the lane order for Q8_0 blocks raw [rows, row_bytes] (uint8, C order)
+    and x [T, K] float32: the bits of decoding the row and then `dot_rows`. p: float32[LANES] scratch."""
+    K = x.shape[1]
+    full = K - K % LANES
+    if full == K:
+        return _q8_0_dot_at(raw, r, x, t, K)
+    _q8_0_sums_at(raw, r, x, t, full, p)
+    o = full // 32 * Q8_0_BLOCK_BYTES  # the one remaining block (K % 64 == 32)
+    d = f16_value(np.uint16(np.int32(raw[r, o]) | (np.int32(raw[r, o + 1]) << 8)))
+    for l in range(K - full):
+        c = np.int32(raw[r, o + 2 + l])
+        w = d * np.float32(c - 256 if c > 127 else c)
+        p[l] += w * x[t, full + l]
+    return tree(p)
