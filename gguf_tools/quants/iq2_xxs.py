@@ -25,6 +25,7 @@ from numba import njit, prange
 
 from ._numeric import F32, GROUP_MAX_EPS, QK_K, _iclamp, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, make_qp_lanes, nearest_int
 from ._rows import dequantize_blocks, empty_blocks, float_rows
+from .iq2_xxs_search import best_position, vector_tables
 
 BLOCK_BYTES = 66
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
@@ -100,6 +101,7 @@ def build_tables():
 
 GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS = build_tables()
 
+NB_CHUNK0, NB_VTERMS = vector_tables(NB_START, NB_COUNT, NB_TERMS)
 GRID_F = GRID_Q.astype(np.float32)
 KSIGNS = _ksigns()
 
@@ -367,7 +369,7 @@ def _group_setup(xr, qw, g, sigma2, XV, WT, WX, XVr, WAr, signs):
 
 
 @njit(error_model="numpy")
-def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms, XVr, WAr, WT, WX, T, signs, words):
+def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0, XVr, WAr, WT, WX, signs, words):
     """ggml's last requantization of group g at its best scale, then its two words; returns the scale."""
     o = 32 * g
     if scale > 0:
@@ -379,7 +381,7 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, nb_te
                 u |= max(0, min(2, q)) << (2 * i)
             gi = gmap[u]
             if gi < 0:
-                gi = _best_neighbour(u, XVr, WAr, o + 8 * k, scale, nb_start, nb_count, nb_index, nb_terms, T)
+                gi = nb_index[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, o + 8 * k, scale)]
             for i in range(8):
                 L[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
         sumqx = F32(0.0)
@@ -408,8 +410,8 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, nb_te
 
 
 @njit(error_model="numpy")
-def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
-                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, T, scales, words, signs):
+def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
+                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs):
     """One row, its groups of 32 in lock step: group g (8 per block) is lane g of the transposed
     [32, lanes] arrays. Each lane performs `_quantize_block`'s float32 operations in its order
     (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once);
@@ -457,7 +459,8 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
             for k in range(4):
                 u = U[k, g]
                 if gmap[u] < 0:
-                    gi = _best_neighbour(u, XVr, WAr, 32 * g + 8 * k, tsc[g], nb_start, nb_count, nb_index, nb_terms, T)
+                    c = best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])
+                    gi = nb_index[nb_start[u] + c]
                     for i in range(8):
                         Q[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
         for i in range(32):
@@ -483,8 +486,8 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
                 L[i, g] = a if up[g] != 0 else b
     for g in range(lanes):
         if eff[g] > 0:
-            scales[g] = _group_finish(g, scale[g], L, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
-                                      XVr, WAr, WT, WX, T, signs, words)
+            scales[g] = _group_finish(g, scale[g], L, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
+                                      XVr, WAr, WT, WX, signs, words)
         else:
             scales[g] = F32(0.0)
             words[2 * g] = 0
@@ -517,7 +520,7 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, nb_terms):
+def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0):
     rows, cols = x.shape
     lanes = cols // 32
     for r in prange(rows):
@@ -531,12 +534,11 @@ def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index,
         U = np.zeros((4, lanes), dtype=np.int32)
         LQ = np.zeros((32, lanes), dtype=np.int32)
         P = np.zeros((8, lanes), dtype=np.float32)
-        T = np.zeros(24, dtype=np.float32)
         scales = np.zeros(lanes, dtype=np.float32)
         words = np.zeros(2 * lanes, dtype=np.uint32)
         signs = np.zeros(4 * lanes, dtype=np.int32)
-        _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, nb_terms,
-                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, T, scales, words, signs)
+        _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
+                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -601,7 +603,7 @@ def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     x = float_rows(x, QK_K, "IQ2_XXS")
     qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
     out = empty_blocks(x, QK_K, BLOCK_BYTES)
-    _quantize_rows_lanes(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS)
+    _quantize_rows_lanes(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VTERMS, NB_CHUNK0)
     return out
 
 

@@ -1,0 +1,256 @@
+"""IQ2_XXS neighbour search, 16 candidates per vector register (tooling-spec §2.7).
+
+ggml snaps an off-grid code u to the neighbour g (from u's precomputed list, in list order) that
+minimises d2(g) = sum_{i=0..7} w_i * (scale*g_i - x_i)^2, summing the eight terms in order i = 0..7
+and keeping the first of equal minima. Candidates are independent, so here 16 of them are scored at
+once, one per vector lane, each lane doing exactly the scalar float32 operations in that order:
+
+* g_i takes only the values 1, 3, 5, so the 24 possible terms t[3i + l] = (w_i*diff)*diff with
+  diff = scale*(2l+1) - x_i are computed once per search (the same three operations the scalar
+  loop performs, here in two 16-lane registers; slots 24..31 hold +inf for padding).
+* `NB_VTERMS` stores each list transposed, 16 candidates a chunk, [chunk][i][lane] = 3i + l (24
+  for the padding after the last candidate): term i of 16 candidates is one 16-byte load, then a
+  table permute (AVX-512 vpermi2ps: 32 float32 slots indexed by 5 bits), then a vector add.
+* The first minimum: per lane, the running minimum and the chunk where it was first reached (strict
+  `<`, as the scalar scan); then the smallest lane value m, and the smallest candidate position
+  among the lanes holding m. Equal scores therefore resolve to ggml's first candidate.
+
+`best_position(...)` is the numba entry point; it returns the candidate's position in u's list
+(nb_index[nb_start[u] + position] is the grid index). CPUs without AVX-512F use the same IR with
+the permute written as selects (LLVM lowers it to whatever the CPU has). `best_position_scalar`
+is the plain loop the vector form is tested against (it is iq2_xxs._best_neighbour's scan).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numba as nb
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba.extending import intrinsic, register_jitable
+
+CHUNK = 16  # candidates per vector
+PAD_TERM = 24  # term slot holding +inf: what a padding candidate adds
+FLT_MAX = 3.4028234663852886e38
+
+
+def _has_avx512f() -> bool:
+    try:
+        feats = llvm_binding.get_host_cpu_features()
+        return bool(feats.get("avx512f", False))
+    except Exception:  # features unknown: take the portable form
+        return False
+
+
+HAS_AVX512F = _has_avx512f()
+
+
+def vector_tables(nb_start: np.ndarray, nb_count: np.ndarray, nb_terms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Transposed neighbour lists: (chunk0 int32 [MAP_SIZE], vterms uint8 [chunks * 8 * CHUNK]).
+
+    The list of code u covers chunks chunk0[u] .. chunk0[u] + ceil(count/16) - 1; byte
+    vterms[128*chunk + 16*i + lane] is the term slot (3i + level_i) of candidate 16*(chunk - chunk0[u])
+    + lane in dimension i, or PAD_TERM past the end of the list.
+    """
+    nchunks = (nb_count + CHUNK - 1) // CHUNK
+    chunk0 = np.zeros_like(nb_count, dtype=np.int32)
+    chunk0[1:] = np.cumsum(nchunks)[:-1]
+    total = int(nchunks.sum())
+    vt = np.full((total, 8, CHUNK), PAD_TERM, dtype=np.uint8)
+    terms = nb_terms.reshape(-1, 8)
+    for u in np.nonzero(nb_count)[0]:
+        n = int(nb_count[u])
+        s = int(nb_start[u])
+        blk = np.full((int(nchunks[u]) * CHUNK, 8), PAD_TERM, dtype=np.uint8)
+        blk[:n] = terms[s : s + n]
+        vt[chunk0[u] : chunk0[u] + nchunks[u]] = blk.reshape(-1, CHUNK, 8).transpose(0, 2, 1)
+    return chunk0, vt.reshape(-1)
+
+
+# ---------------------------------------------------------------- the vector search (LLVM IR)
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_V16F = ir.VectorType(_F32, CHUNK)
+_V16I = ir.VectorType(_I32, CHUNK)
+_V16B = ir.VectorType(ir.IntType(8), CHUNK)
+_V8F = ir.VectorType(_F32, 8)
+
+
+def _const_i32(values):
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+def _emit_term_tables(builder, x_ptr, w_ptr, scale):
+    """The 32 term slots in two 16-lane registers: slot k < 24 is (w_i*diff)*diff with i = k // 3,
+    diff = scale*(2*(k % 3) + 1) - x_i; slots 24..31 are +inf."""
+    x8 = builder.load(builder.bitcast(x_ptr, _V8F.as_pointer()), align=4)
+    w8 = builder.load(builder.bitcast(w_ptr, _V8F.as_pointer()), align=4)
+    sv = builder.insert_element(ir.Constant(_V16F, None), scale, ir.Constant(_I32, 0))
+    sv = builder.shuffle_vector(sv, sv, _const_i32([0] * CHUNK))
+    halves = []
+    for half in range(2):
+        slots = range(CHUNK * half, CHUNK * half + CHUNK)
+        dim = [min(k // 3, 7) for k in slots]
+        xv = builder.shuffle_vector(x8, x8, _const_i32(dim))
+        wv = builder.shuffle_vector(w8, w8, _const_i32(dim))
+        q = ir.Constant(_V16F, [float(2 * (k % 3) + 1) for k in slots])
+        diff = builder.fsub(builder.fmul(sv, q), xv)
+        t = builder.fmul(builder.fmul(wv, diff), diff)
+        if half == 1:
+            live = ir.Constant(ir.VectorType(ir.IntType(1), CHUNK), [k < PAD_TERM for k in slots])
+            t = builder.select(live, t, ir.Constant(_V16F, [float("inf")] * CHUNK))
+        halves.append(t)
+    return halves
+
+
+def _emit_lookup(builder, lo, hi, idx8, avx512):
+    """Per lane: slot idx of the 32-slot table (lo = slots 0..15, hi = 16..31)."""
+    if avx512:
+        fnty = ir.FunctionType(_V16F, [_V16F, _V16I, _V16F])
+        fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpermi2var.ps.512", fnty=fnty)
+        return builder.call(fn, [lo, builder.zext(idx8, _V16I), hi])
+    # portable: only slots 3i..3i+2 and 24 occur for dimension i; the caller passes them via `lo`
+    raise AssertionError("portable lookup goes through _emit_lookup_select")
+
+
+def _emit_lookup_select(builder, lo, hi, idx8, i):
+    """Portable form of the lookup for dimension i: the three slots 3i + l by selects, else +inf."""
+    out = ir.Constant(_V16F, [float("inf")] * CHUNK)
+    for lv in range(3):
+        k = 3 * i + lv
+        src = lo if k < CHUNK else hi
+        lane = k % CHUNK
+        val = builder.shuffle_vector(src, src, _const_i32([lane] * CHUNK))
+        hit = builder.icmp_unsigned("==", idx8, ir.Constant(_V16B, [k] * CHUNK))
+        out = builder.select(hit, val, out)
+    return out
+
+
+def _emit_search(builder, vt_ptr, chunk0, nchunks, x_ptr, w_ptr, scale, avx512):
+    """IR returning (i64) the position of the first minimum, or 0 when no score is < FLT_MAX."""
+    lo, hi = _emit_term_tables(builder, x_ptr, w_ptr, scale)
+    best_v = cgutils_alloca(builder, _V16F, ir.Constant(_V16F, [FLT_MAX] * CHUNK))
+    best_c = cgutils_alloca(builder, _V16I, ir.Constant(_V16I, [0] * CHUNK))
+    from numba.core import cgutils
+
+    with cgutils.for_range(builder, nchunks) as loop:
+        j = loop.index
+        base = builder.mul(builder.add(chunk0, j), ir.Constant(_I64, 8 * CHUNK))
+        acc = None
+        for i in range(8):
+            p = builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, CHUNK * i))])
+            idx8 = builder.load(builder.bitcast(p, _V16B.as_pointer()), align=1)
+            t = _emit_lookup(builder, lo, hi, idx8, True) if avx512 else _emit_lookup_select(builder, lo, hi, idx8, i)
+            # 0 + t0 == t0 exactly (t0 is never -0 unless it is 0), then t1 .. t7 in order
+            acc = builder.fadd(ir.Constant(_V16F, [0.0] * CHUNK), t) if acc is None else builder.fadd(acc, t)
+        bv = builder.load(best_v)
+        lt = builder.fcmp_ordered("<", acc, bv)
+        builder.store(builder.select(lt, acc, bv), best_v)
+        jv = builder.trunc(j, _I32)
+        jv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16I, None), jv, ir.Constant(_I32, 0)),
+                                    ir.Constant(_V16I, None), _const_i32([0] * CHUNK))
+        builder.store(builder.select(lt, jv, builder.load(best_c)), best_c)
+    bv = builder.load(best_v)
+    m = bv
+    width = CHUNK
+    while width > 1:  # lane minimum (no NaN can be held: only strict `<` winners are stored)
+        width //= 2
+        a = builder.shuffle_vector(m, m, _const_i32(range(width)))
+        b = builder.shuffle_vector(m, m, _const_i32(range(width, 2 * width)))
+        m = builder.select(builder.fcmp_ordered("<", b, a), b, a)
+    m = builder.extract_element(m, ir.Constant(_I32, 0))
+    mv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, None), m, ir.Constant(_I32, 0)),
+                                ir.Constant(_V16F, None), _const_i32([0] * CHUNK))
+    pos = builder.add(builder.mul(builder.load(best_c), ir.Constant(_V16I, [CHUNK] * CHUNK)),
+                      ir.Constant(_V16I, list(range(CHUNK))))
+    big = ir.Constant(_V16I, [0x7FFFFFFF] * CHUNK)
+    pos = builder.select(builder.fcmp_ordered("==", bv, mv), pos, big)
+    fnty = ir.FunctionType(_I32, [_V16I])
+    umin = builder.module.declare_intrinsic("llvm.vector.reduce.umin.v16i32", fnty=fnty)
+    first = builder.call(umin, [pos])
+    found = builder.fcmp_ordered("<", m, ir.Constant(_F32, FLT_MAX))
+    return builder.zext(builder.select(found, first, ir.Constant(_I32, 0)), _I64)
+
+
+def cgutils_alloca(builder, ty, value):
+    from numba.core import cgutils
+
+    return cgutils.alloca_once_value(builder, value)
+
+
+def _search_intrinsic(avx512: bool):
+    @intrinsic
+    def _search(typingctx, vterms, chunk0, nchunks, x, w, o, scale):
+        ok = (isinstance(vterms, nb.types.Array) and vterms.dtype == nb.types.uint8 and vterms.layout == "C"
+              and all(isinstance(a, nb.types.Array) and a.dtype == nb.types.float32 and a.ndim == 1
+                      and a.layout == "C" for a in (x, w))
+              and all(isinstance(a, nb.types.Integer) for a in (chunk0, nchunks, o)))
+        if not ok:
+            return None
+        sig = nb.types.int64(vterms, chunk0, nchunks, x, w, o, nb.types.float32)
+
+        def codegen(context, builder, signature, args):
+            vt_ty, _, _, x_ty, w_ty, _, _ = signature.args
+            vt_data = context.make_array(vt_ty)(context, builder, args[0]).data
+            x_data = context.make_array(x_ty)(context, builder, args[3]).data
+            w_data = context.make_array(w_ty)(context, builder, args[4]).data
+
+            def i64(v):
+                return v if v.type.width == 64 else builder.sext(v, _I64)
+
+            o64 = i64(args[5])
+            return _emit_search(builder, vt_data, i64(args[1]), i64(args[2]), builder.gep(x_data, [o64]),
+                                builder.gep(w_data, [o64]), args[6], avx512)
+
+        return sig, codegen
+
+    return _search
+
+
+_search_avx512 = _search_intrinsic(True)
+_search_portable = _search_intrinsic(False)
+_search = _search_avx512 if HAS_AVX512F else _search_portable
+
+
+@register_jitable(inline="always")
+def best_position(vterms, chunk0, count, x, w, o, scale):
+    """Position in its list of the neighbour closest to x[o:o+8] (weights w[o:o+8]) at `scale`;
+    chunk0 / count: the list's first chunk and length. numba only."""
+    return _search(vterms, chunk0, (count + CHUNK - 1) // CHUNK, x, w, o, scale)
+
+
+@nb.njit(cache=True)
+def positions_vector(vterms, chunk0, count, x, w, o, scale, out, portable):
+    """out[j] = best_position for the j-th search of the arrays (test entry point)."""
+    for j in range(out.shape[0]):
+        n = (count[j] + CHUNK - 1) // CHUNK
+        if portable:
+            out[j] = _search_portable(vterms, chunk0[j], n, x, w, o[j], scale[j])
+        else:
+            out[j] = _search(vterms, chunk0[j], n, x, w, o[j], scale[j])
+
+
+@nb.njit(cache=True, error_model="numpy")
+def positions_scalar(nb_start, count, nb_terms, x, w, o, scale, out):
+    """The scalar scan (ggml's order, first minimum wins) for the same searches."""
+    T = np.zeros(24, dtype=np.float32)
+    for j in range(out.shape[0]):
+        for i in range(8):
+            xi = x[o[j] + i]
+            wi = w[o[j] + i]
+            for lv in range(3):
+                diff = scale[j] * np.float32(2 * lv + 1) - xi
+                T[3 * i + lv] = wi * diff * diff
+        best = np.float32(FLT_MAX)
+        best_c = 0
+        for c in range(count[j]):
+            e = 8 * (nb_start[j] + c)
+            acc = np.float32(0.0)
+            for i in range(8):
+                acc += T[nb_terms[e + i]]
+            if acc < best:
+                best = acc
+                best_c = c
+        out[j] = best_c
