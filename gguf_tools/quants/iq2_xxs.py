@@ -103,6 +103,7 @@ GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS = build_tables()
 
 NB_CHUNK0, NB_VTERMS = vector_tables(NB_START, NB_COUNT, NB_TERMS)
 GRID_F = GRID_Q.astype(np.float32)
+GRID_LEVELS = ((GRID_Q.astype(np.int32) - 1) // 2).astype(np.int32)  # [256, 8] levels 0..2
 KSIGNS = _ksigns()
 
 
@@ -411,7 +412,7 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterm
 
 @njit(error_model="numpy")
 def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs):
+                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs):
     """One row, its groups of 32 in lock step: group g (8 per block) is lane g of the transposed
     [32, lanes] arrays. Each lane performs `_quantize_block`'s float32 operations in its order
     (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once);
@@ -453,16 +454,20 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
                     Q[r, g] = q
                     ug = U[k, g]
                     U[k, g] = ug | (q << (2 * i))
+        # the off-grid sub-groups first (branch-free), then their searches back to back
+        nj = 0
         for g in range(lanes):
-            if not eff[g] > 0:
-                continue
+            live = eff[g] > 0
             for k in range(4):
-                u = U[k, g]
-                if gmap[u] < 0:
-                    c = best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])
-                    gi = nb_index[nb_start[u] + c]
-                    for i in range(8):
-                        Q[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
+                jobs[nj] = 4 * g + k
+                nj += 1 if (live and gmap[U[k, g]] < 0) else 0
+        for t in range(nj):
+            g = jobs[t] >> 2
+            k = jobs[t] & 3
+            u = U[k, g]
+            gi = nb_index[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])]
+            for i in range(8):
+                Q[8 * k + i, g] = GRID_LEVELS[gi, i]
         for i in range(32):
             for g in range(lanes):
                 q = F32(2 * Q[i, g] + 1)
@@ -537,8 +542,9 @@ def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index,
         scales = np.zeros(lanes, dtype=np.float32)
         words = np.zeros(2 * lanes, dtype=np.uint32)
         signs = np.zeros(4 * lanes, dtype=np.int32)
+        jobs = np.zeros(4 * lanes, dtype=np.int32)
         _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs)
+                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")

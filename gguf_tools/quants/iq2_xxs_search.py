@@ -143,8 +143,9 @@ def _emit_search(builder, vt_ptr, chunk0, nchunks, x_ptr, w_ptr, scale, avx512):
             p = builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, CHUNK * i))])
             idx8 = builder.load(builder.bitcast(p, _V16B.as_pointer()), align=1)
             t = _emit_lookup(builder, lo, hi, idx8, True) if avx512 else _emit_lookup_select(builder, lo, hi, idx8, i)
-            # 0 + t0 == t0 exactly (t0 is never -0 unless it is 0), then t1 .. t7 in order
-            acc = builder.fadd(ir.Constant(_V16F, [0.0] * CHUNK), t) if acc is None else builder.fadd(acc, t)
+            # ggml starts from 0 + t0: that is t0 up to the sign of a zero, which no later sum or
+            # comparison can tell apart (x + 0 == x + -0 for x != 0; zeros compare equal)
+            acc = t if acc is None else builder.fadd(acc, t)
         bv = builder.load(best_v)
         lt = builder.fcmp_ordered("<", acc, bv)
         builder.store(builder.select(lt, acc, bv), best_v)
