@@ -335,38 +335,50 @@ def _quantize_block(x, qw, out, o, grid_q, gmap, nb_start, nb_count, nb_index, n
 
 
 @njit(error_model="numpy")
-def _group_setup(xr, qw, g, sigma2, XV, WT, WX, XVr, WAr, signs):
-    """Weights, sign-folded values and sign fields of group g of a row (ggml's per-group setup)."""
-    o = 32 * g
-    for i in range(32):
-        w = qw[o + i] * np.sqrt(sigma2 + xr[o + i] * xr[o + i])
-        WT[i, g] = w
-        WAr[o + i] = np.sqrt(w)
-    for k in range(4):
-        nflip = 0
+def _row_setup(xr, qw, Wf, XV, WT, WX, XVr, WAr, signs):
+    """ggml's per-group setup for every group of a row, in loops LLVM vectorises: weights
+    qw*sqrt(sigma2 + x^2) and their roots, sign-folded values, then each 8-value sub-group's sign
+    field (an odd count of negatives flips the value of least w*x*x, the first such, back), then
+    the [32, lanes] transposes the lane search reads."""
+    nb = xr.shape[0] // QK_K
+    for b in range(nb):
+        sumx2 = F32(0.0)
+        for i in range(QK_K):
+            sumx2 += xr[QK_K * b + i] * xr[QK_K * b + i]
+        sigma2 = sumx2 / F32(256.0)
+        for j in range(QK_K * b, QK_K * b + QK_K):
+            v = xr[j]
+            w = qw[j] * np.sqrt(sigma2 + v * v)
+            Wf[j] = w
+            WAr[j] = np.sqrt(w)
+            XVr[j] = v if v >= 0 else -v
+    for t in range(xr.shape[0] // 8):
+        o = 8 * t
         sg = 0
+        nflip = 0
+        vmin = Wf[o] * xr[o] * xr[o]
+        imin = 0
         for i in range(8):
-            v = xr[o + 8 * k + i]
-            if v >= 0:
-                XVr[o + 8 * k + i] = v
-            else:
-                XVr[o + 8 * k + i] = -v
-                nflip += 1
-                sg |= 1 << i
-        if nflip % 2:
-            imin = 0
-            vmin = WT[8 * k, g] * xr[o + 8 * k] * xr[o + 8 * k]
-            for i in range(1, 8):
-                ax = WT[8 * k + i, g] * xr[o + 8 * k + i] * xr[o + 8 * k + i]
-                if ax < vmin:
-                    vmin = ax
-                    imin = i
-            XVr[o + 8 * k + imin] = -XVr[o + 8 * k + imin]
-            sg ^= 1 << imin
-        signs[4 * g + k] = sg & 127
-    for i in range(32):
-        XV[i, g] = XVr[o + i]
-        WX[i, g] = WT[i, g] * XVr[o + i]
+            v = xr[o + i]
+            neg = 0 if v >= 0 else 1
+            sg |= neg << i
+            nflip += neg
+            ax = Wf[o + i] * v * v
+            lt = ax < vmin
+            vmin = ax if lt else vmin
+            imin = i if lt else imin
+        odd = nflip & 1
+        sg ^= odd << imin
+        xm = XVr[o + imin]
+        XVr[o + imin] = -xm if odd else xm
+        signs[t] = sg & 127
+    for g in range(xr.shape[0] // 32):
+        for i in range(32):
+            w = Wf[32 * g + i]
+            xv = XVr[32 * g + i]
+            XV[i, g] = xv
+            WT[i, g] = w
+            WX[i, g] = w * xv
 
 
 @njit(error_model="numpy")
@@ -412,20 +424,14 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterm
 
 @njit(error_model="numpy")
 def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs):
+                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs, Wf):
     """One row, its groups of 32 in lock step: group g (8 per block) is lane g of the transposed
     [32, lanes] arrays. Each lane performs `_quantize_block`'s float32 operations in its order
     (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once);
     only the neighbour searches of off-grid codes run lane by lane."""
     nb = xr.shape[0] // QK_K
     lanes = 8 * nb
-    for b in range(nb):
-        sumx2 = F32(0.0)
-        for i in range(QK_K):
-            sumx2 += xr[QK_K * b + i] * xr[QK_K * b + i]
-        sigma2 = sumx2 / F32(256.0)
-        for ib in range(8):
-            _group_setup(xr, qw, 8 * b + ib, sigma2, XV, WT, WX, XVr, WAr, signs)
+    _row_setup(xr, qw, Wf, XV, WT, WX, XVr, WAr, signs)
     eff = P[0]
     inv = P[1]
     tsc = P[2]
@@ -543,8 +549,9 @@ def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index,
         words = np.zeros(2 * lanes, dtype=np.uint32)
         signs = np.zeros(4 * lanes, dtype=np.int32)
         jobs = np.zeros(4 * lanes, dtype=np.int32)
+        Wf = np.empty(cols, dtype=np.float32)
         _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs)
+                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs, Wf)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
