@@ -16,6 +16,7 @@ import numba as nb
 import numpy as np
 
 from ds4.gguf_tools.quants import fused
+from ds4.thread_choice import timed_choice
 from ds4.gguf_tools.quants.lanes import LANES, f16_fpext, f16_value  # noqa: F401
 from ds4.gguf_tools.quants.lanes import dot_lanes as _dot_lanes  # noqa: F401
 from ds4.gguf_tools.quants.lanes import dot_rows, lane_dots4
@@ -100,13 +101,7 @@ def _dense_par(w, x, out, step):
 
 
 PARALLEL_MIN_WEIGHTS = 1 << 21  # weights × (tokens + 1) below which a thread launch costs more than it saves
-# Decode (one token) threads only products of at least this many weights: the output head. Every
-# parallel region waits for all threads, and while other processes hold the cores a worker can be
-# descheduled for a whole time slice. Measured on small, 2 threads, ms per token, quiet box / under
-# the dev box's usual load: head only 12.8 / 14.2; head + q_b + routed experts (this set to 1 << 20
-# and kernels.DECODE_PARALLEL_EXPERTS on, 17 regions per token) 10.4 / 136. The head alone keeps
-# most of the gain and never loses to one thread.
-DECODE_PARALLEL_MIN_WEIGHTS = 1 << 23
+DECODE_THREAD_MIN_WEIGHTS = 1 << 20  # decode products at least this big may run threaded (ds4.thread_choice)
 
 
 def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -114,11 +109,19 @@ def dense_matmul(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     order; threads take blocks of output rows (each output is computed by one thread, in order)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    O = w.shape[0]
-    big = O * w.shape[1] >= DECODE_PARALLEL_MIN_WEIGHTS if x.shape[0] == 1 else \
-        O * w.shape[1] * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS
-    if big and O >= 64 and nb.get_num_threads() > 1:
-        _dense_par(w, x, out, max(16, min(1024, O // (8 * nb.get_num_threads()))))
+    O, K = w.shape
+    threads = nb.get_num_threads()
+    step = max(16, min(1024, O // (8 * threads)))
+    if threads == 1 or O < 64:
+        _dense_serial(w, x, out)
+    elif x.shape[0] == 1:
+        if O * K >= DECODE_THREAD_MIN_WEIGHTS:
+            timed_choice(("dense", O, K, w.dtype.char, threads), lambda: _dense_serial(w, x, out),
+                         lambda: _dense_par(w, x, out, step))
+        else:
+            _dense_serial(w, x, out)
+    elif O * K * (x.shape[0] + 1) >= PARALLEL_MIN_WEIGHTS:
+        _dense_par(w, x, out, step)
     else:
         _dense_serial(w, x, out)
     return out

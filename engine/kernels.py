@@ -19,6 +19,7 @@ import numpy as np
 from ds4.engine.dense import (LANES, _dense_rows, _dot_lanes, _tree, dense_matmul, dense_matmul_ref, dot_rows,  # noqa: F401
                               f16_fpext, f16_to_f32, f16_value, read_sum)
 from ds4.gguf_tools.quants import fused  # (importing dense selects numba's workqueue threading layer)
+from ds4.thread_choice import timed_choice
 
 
 @nb.njit(cache=True)
@@ -212,7 +213,6 @@ def attend_decode(q, ring, pos, window, comp, comp_mask, sinks, scale):
     return out
 
 
-DECODE_PARALLEL_EXPERTS = False  # split a decode step's routed experts across threads (see dense.py)
 
 
 # ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
@@ -514,8 +514,15 @@ def moe_dense(Wg, Wu, Wd, Sg, Su, Sd, x, ids, wts, limit, want_mid=False):
     limit = np.float32(limit)
     count, start, order, experts = _moe_plan(ids, Wg.shape[0])
     ys = np.empty((T, k, x.shape[1]), np.float32)
-    run = _moe_experts_par if nb.get_num_threads() > 1 and (T > 1 or DECODE_PARALLEL_EXPERTS) else _moe_experts
-    run(Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid)
+    args = (Wg, Wu, Wd, x, wts, limit, count, start, order, experts, ys, mid, want_mid)
+    threads = nb.get_num_threads()
+    if threads == 1 or len(experts) < 2:
+        _moe_experts(*args)
+    elif T == 1:  # decode: threaded only while the clock says it pays (dense.ThreadChoice)
+        timed_choice(("moe", Wg.shape, Wg.dtype.char, threads), lambda: _moe_experts(*args),
+                     lambda: _moe_experts_par(*args))
+    else:
+        _moe_experts_par(*args)
     _moe_finish(Sg, Su, Sd, x, ids, limit, ys, out)
     return out, (mid if want_mid else None)
 

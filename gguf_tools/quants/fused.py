@@ -21,7 +21,9 @@ tests hold the kernels to it bit for bit and to a float64 product within roundin
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
+
+from ds4.thread_choice import timed_choice
 
 from ..constants import QuantType
 from . import iq2_xxs
@@ -189,11 +191,22 @@ def matmul(qtype: QuantType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     qt, raw = _check(qtype, raw, x.shape[1])
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
     codes = raw.view(np.int8)
+    O = raw.shape[0]
+
+    def serial():
+        _rows(qt, raw, codes, x, out, 0, O, _IQ2_GRID, _IQ2_SIGN)
+
+    def threaded():
+        _rows_par(qt, raw, codes, x, out, max(1, min(64, O // 16)), _IQ2_GRID, _IQ2_SIGN)
+
+    threads = get_num_threads()
     # decoding costs about as much as a few multiply-adds per weight: count it as 4 extra tokens
-    if raw.shape[0] * x.shape[1] * (x.shape[0] + 4) < PARALLEL_MIN_WORK:
-        _rows(qt, raw, codes, x, out, 0, raw.shape[0], _IQ2_GRID, _IQ2_SIGN)
+    if threads == 1 or O * x.shape[1] * (x.shape[0] + 4) < PARALLEL_MIN_WORK:
+        serial()
+    elif x.shape[0] == 1:  # decode: threaded while the clock says it pays (same bits either way)
+        timed_choice(("fused", qt, O, x.shape[1], threads), serial, threaded)
     else:
-        _rows_par(qt, raw, codes, x, out, max(1, min(64, raw.shape[0] // 16)), _IQ2_GRID, _IQ2_SIGN)
+        threaded()
     return out
 
 
