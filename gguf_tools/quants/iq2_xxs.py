@@ -103,7 +103,7 @@ GRID_Q, GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_TERMS = build_tables()
 
 NB_CHUNK0, NB_VTERMS = vector_tables(NB_START, NB_COUNT, NB_TERMS)
 GRID_F = GRID_Q.astype(np.float32)
-GRID_LEVELS = ((GRID_Q.astype(np.int32) - 1) // 2).astype(np.int32)  # [256, 8] levels 0..2
+NB_CODE = _kgrid()[NB_INDEX].astype(np.int32)  # each neighbour entry's 16-bit grid code
 KSIGNS = _ksigns()
 
 
@@ -382,8 +382,10 @@ def _row_setup(xr, qw, Wf, XV, WT, WX, XVr, WAr, signs):
 
 
 @njit(error_model="numpy")
-def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0, XVr, WAr, WT, WX, signs, words):
-    """ggml's last requantization of group g at its best scale, then its two words; returns the scale."""
+def _group_finish(g, scale, BU, gmap, nb_start, nb_count, nb_code, vterms, chunk0, XVr, WAr, WT, WX, signs, words):
+    """ggml's last requantization of group g at its best scale, then its two words; returns the
+    scale. BU[k, g] holds the 16-bit grid code of sub-group k (the best trial's; replaced here by
+    the requantized one when the scale is positive)."""
     o = 32 * g
     if scale > 0:
         inv = F32(1.0) / scale
@@ -392,17 +394,17 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterm
             for i in range(8):
                 q = nearest_int(F32(0.5) * (inv * XVr[o + 8 * k + i] - F32(1.0)))
                 u |= max(0, min(2, q)) << (2 * i)
-            gi = gmap[u]
-            if gi < 0:
-                gi = nb_index[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, o + 8 * k, scale)]
-            for i in range(8):
-                L[8 * k + i, g] = (grid_q[gi, i] - 1) // 2
+            if gmap[u] < 0:
+                u = nb_code[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, o + 8 * k, scale)]
+            BU[k, g] = u
         sumqx = F32(0.0)
         sumq2 = F32(0.0)
-        for i in range(32):
-            q = F32(2 * L[i, g] + 1)
-            sumqx += WX[i, g] * q
-            sumq2 += WT[i, g] * q * q
+        for k in range(4):
+            u = BU[k, g]
+            for i in range(8):
+                q = F32(2 * ((u >> (2 * i)) & 3) + 1)
+                sumqx += WX[8 * k + i, g] * q
+                sumq2 += WT[8 * k + i, g] * q * q
         if sumq2 > 0:
             scale = sumqx / sumq2
     if scale < 0:
@@ -412,10 +414,7 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterm
     a = np.uint32(0)
     b = np.uint32(0)
     for k in range(4):
-        u = 0
-        for i in range(8):
-            u |= L[8 * k + i, g] << (2 * i)
-        a |= np.uint32(gmap[u]) << np.uint32(8 * k)
+        a |= np.uint32(gmap[BU[k, g]]) << np.uint32(8 * k)
         b |= np.uint32(signs[4 * g + k]) << np.uint32(7 * k)
     words[2 * g] = a
     words[2 * g + 1] = b
@@ -423,12 +422,14 @@ def _group_finish(g, scale, L, grid_q, gmap, nb_start, nb_count, nb_index, vterm
 
 
 @njit(error_model="numpy")
-def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                        XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs, Wf):
+def _quantize_row_lanes(xr, qw, outr, gmap, nb_start, nb_count, nb_code, vterms, chunk0,
+                        XV, WT, WX, XVr, WAr, Wf, U, BU, LQ, P, scales, words, signs, jobs):
     """One row, its groups of 32 in lock step: group g (8 per block) is lane g of the transposed
     [32, lanes] arrays. Each lane performs `_quantize_block`'s float32 operations in its order
-    (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once);
-    only the neighbour searches of off-grid codes run lane by lane."""
+    (make_qp by `make_qp_lanes`; the 13 trial scales one after the other, every lane at once).
+    A trial's codes live packed, one 16-bit grid code per sub-group (U[k, g], 2 bits a value):
+    the off-grid ones are collected, searched back to back (`best_position`) and replaced by the
+    chosen neighbour's code; the sums read the levels back with shifts."""
     nb = xr.shape[0] // QK_K
     lanes = 8 * nb
     _row_setup(xr, qw, Wf, XV, WT, WX, XVr, WAr, signs)
@@ -457,7 +458,6 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
                 r = 8 * k + i
                 for g in range(lanes):
                     q = _iclamp(nearest_int(F32(0.5) * (inv[g] * XV[r, g] - F32(1.0))), np.int32(2))
-                    Q[r, g] = q
                     ug = U[k, g]
                     U[k, g] = ug | (q << (2 * i))
         # the off-grid sub-groups first (branch-free), then their searches back to back
@@ -471,14 +471,14 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
             g = jobs[t] >> 2
             k = jobs[t] & 3
             u = U[k, g]
-            gi = nb_index[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])]
+            U[k, g] = nb_code[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])]
+        for k in range(4):
             for i in range(8):
-                Q[8 * k + i, g] = GRID_LEVELS[gi, i]
-        for i in range(32):
-            for g in range(lanes):
-                q = F32(2 * Q[i, g] + 1)
-                sqx[g] += WX[i, g] * q
-                sq2[g] += WT[i, g] * q * q
+                r = 8 * k + i
+                for g in range(lanes):
+                    q = F32(2 * ((U[k, g] >> (2 * i)) & 3) + 1)
+                    sqx[g] += WX[r, g] * q
+                    sq2[g] += WT[r, g] * q * q
         for g in range(lanes):
             # selects between loaded values (LLVM vectorises these, not `a[g] = b if c else a[g]`)
             qx = sqx[g]
@@ -490,14 +490,14 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
             scale[g] = new_scale if better else sc
             best[g] = new_scale * qx if better else b
             up[g] = F32(1.0) if better else F32(0.0)
-        for i in range(32):
+        for k in range(4):
             for g in range(lanes):
-                a = Q[i, g]
-                b = L[i, g]
-                L[i, g] = a if up[g] != 0 else b
+                a = U[k, g]
+                b = BU[k, g]
+                BU[k, g] = a if up[g] != 0 else b
     for g in range(lanes):
         if eff[g] > 0:
-            scales[g] = _group_finish(g, scale[g], L, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
+            scales[g] = _group_finish(g, scale[g], BU, gmap, nb_start, nb_count, nb_code, vterms, chunk0,
                                       XVr, WAr, WT, WX, signs, words)
         else:
             scales[g] = F32(0.0)
@@ -531,7 +531,7 @@ def _quantize_row_lanes(xr, qw, outr, grid_q, gmap, nb_start, nb_count, nb_index
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0):
+def _quantize_rows_lanes(x, qw, out, gmap, nb_start, nb_count, nb_code, vterms, chunk0):
     rows, cols = x.shape
     lanes = cols // 32
     for r in prange(rows):
@@ -540,18 +540,17 @@ def _quantize_rows_lanes(x, qw, out, grid_q, gmap, nb_start, nb_count, nb_index,
         WX = np.empty((32, lanes), dtype=np.float32)
         XVr = np.empty(cols, dtype=np.float32)
         WAr = np.empty(cols, dtype=np.float32)
-        Q = np.zeros((32, lanes), dtype=np.int32)
-        L = np.zeros((32, lanes), dtype=np.int32)
+        Wf = np.empty(cols, dtype=np.float32)
         U = np.zeros((4, lanes), dtype=np.int32)
+        BU = np.zeros((4, lanes), dtype=np.int32)
         LQ = np.zeros((32, lanes), dtype=np.int32)
         P = np.zeros((8, lanes), dtype=np.float32)
         scales = np.zeros(lanes, dtype=np.float32)
         words = np.zeros(2 * lanes, dtype=np.uint32)
         signs = np.zeros(4 * lanes, dtype=np.int32)
         jobs = np.zeros(4 * lanes, dtype=np.int32)
-        Wf = np.empty(cols, dtype=np.float32)
-        _quantize_row_lanes(x[r], qw, out[r], grid_q, gmap, nb_start, nb_count, nb_index, vterms, chunk0,
-                            XV, WT, WX, XVr, WAr, Q, L, U, LQ, P, scales, words, signs, jobs, Wf)
+        _quantize_row_lanes(x[r], qw, out[r], gmap, nb_start, nb_count, nb_code, vterms, chunk0,
+                            XV, WT, WX, XVr, WAr, Wf, U, BU, LQ, P, scales, words, signs, jobs)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -616,7 +615,7 @@ def quantize(x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     x = float_rows(x, QK_K, "IQ2_XXS")
     qw = synthetic_importance(x) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
     out = empty_blocks(x, QK_K, BLOCK_BYTES)
-    _quantize_rows_lanes(x, qw, out, GRID_Q.astype(np.int32), GRID_MAP, NB_START, NB_COUNT, NB_INDEX, NB_VTERMS, NB_CHUNK0)
+    _quantize_rows_lanes(x, qw, out, GRID_MAP, NB_START, NB_COUNT, NB_CODE, NB_VTERMS, NB_CHUNK0)
     return out
 
 
