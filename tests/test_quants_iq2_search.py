@@ -15,7 +15,8 @@ F32 = np.float32
 
 
 def test_vector_tables_hold_every_list_in_order():
-    chunk0, vt = q.NB_CHUNK0, q.NB_VTERMS.reshape(-1, 8, S.CHUNK)
+    chunk0 = q.NB_CHUNK0
+    vt = q.NB_VTERMS.reshape(-1, 2, S.CHUNK, 4).transpose(0, 1, 3, 2).reshape(-1, 8, S.CHUNK)  # [chunk, i, lane]
     terms = q.NB_TERMS.reshape(-1, 8)
     for u in np.nonzero(q.NB_COUNT)[0][::7]:
         n, s = q.NB_COUNT[u], q.NB_START[u]

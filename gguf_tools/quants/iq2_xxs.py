@@ -16,6 +16,9 @@ choice of the best trial for every group at once, each lane in ggml's float32 or
 neighbour searches of off-grid codes still run group by group; they are now most of the time.
 `quantize_blockwise` is the straight block-at-a-time form of the same search, kept as the reference
 the lane form is tested against.
+
+numba's on-disk cache of these kernels is keyed on this file's text only: after changing the
+vector search's IR in `iq2_xxs_search`, bump SEARCH_IR_REVISION below so cached kernels recompile.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ BLOCK_BYTES = 66
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
 assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
 
+SEARCH_IR_REVISION = 2  # see the module doc (numba cache)
 MAP_SIZE = 43692  # codes u < 4**8 whose 2-bit fields can be 0..2 (max is 0b1010...10 = 43690)
 FLT_MAX = np.float32(3.4028234663852886e38)
 STEP_LANES = 16  # the 13 trial scales of the search, padded to a 16-lane vector

@@ -64,7 +64,9 @@ def vector_tables(nb_start: np.ndarray, nb_count: np.ndarray, nb_terms: np.ndarr
         blk = np.full((int(nchunks[u]) * CHUNK, 8), PAD_TERM, dtype=np.uint8)
         blk[:n] = terms[s : s + n]
         vt[chunk0[u] : chunk0[u] + nchunks[u]] = blk.reshape(-1, CHUNK, 8).transpose(0, 2, 1)
-    return chunk0, vt.reshape(-1)
+    # [chunk][i][lane] -> [chunk][half][lane][i % 4]: dimensions 4h..4h+3 of a lane in one 32-bit word
+    vt = vt.reshape(total, 2, 4, CHUNK).transpose(0, 1, 3, 2)
+    return chunk0, np.ascontiguousarray(vt).reshape(-1)
 
 
 # ---------------------------------------------------------------- the vector search (LLVM IR)
@@ -105,18 +107,19 @@ def _emit_term_tables(builder, x_ptr, w_ptr, scale):
     return halves
 
 
-def _emit_lookup(builder, lo, hi, idx8, avx512):
+def _emit_lookup(builder, lo, hi, idx, avx512):
     """Per lane: slot idx of the 32-slot table (lo = slots 0..15, hi = 16..31)."""
     if avx512:
         fnty = ir.FunctionType(_V16F, [_V16F, _V16I, _V16F])
         fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpermi2var.ps.512", fnty=fnty)
-        return builder.call(fn, [lo, builder.zext(idx8, _V16I), hi])
+        return builder.call(fn, [lo, idx, hi])  # reads bits 0..4 of each index: the slot
     # portable: only slots 3i..3i+2 and 24 occur for dimension i; the caller passes them via `lo`
     raise AssertionError("portable lookup goes through _emit_lookup_select")
 
 
-def _emit_lookup_select(builder, lo, hi, idx8, i):
+def _emit_lookup_select(builder, lo, hi, idx, i):
     """Portable form of the lookup for dimension i: the three slots 3i + l by selects, else +inf."""
+    idx8 = builder.trunc(idx, _V16B)
     out = ir.Constant(_V16F, [float("inf")] * CHUNK)
     for lv in range(3):
         k = 3 * i + lv
@@ -139,10 +142,13 @@ def _emit_search(builder, vt_ptr, chunk0, nchunks, x_ptr, w_ptr, scale, avx512):
         j = loop.index
         base = builder.mul(builder.add(chunk0, j), ir.Constant(_I64, 8 * CHUNK))
         acc = None
+        words = [builder.load(builder.bitcast(builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, 4 * CHUNK * h))]),
+                                              _V16I.as_pointer()), align=1) for h in range(2)]
         for i in range(8):
-            p = builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, CHUNK * i))])
-            idx8 = builder.load(builder.bitcast(p, _V16B.as_pointer()), align=1)
-            t = _emit_lookup(builder, lo, hi, idx8, True) if avx512 else _emit_lookup_select(builder, lo, hi, idx8, i)
+            idx = words[i // 4]
+            if i % 4:
+                idx = builder.lshr(idx, ir.Constant(_V16I, [8 * (i % 4)] * CHUNK))
+            t = _emit_lookup(builder, lo, hi, idx, True) if avx512 else _emit_lookup_select(builder, lo, hi, idx, i)
             # ggml starts from 0 + t0: that is t0 up to the sign of a zero, which no later sum or
             # comparison can tell apart (x + 0 == x + -0 for x != 0; zeros compare equal)
             acc = t if acc is None else builder.fadd(acc, t)
