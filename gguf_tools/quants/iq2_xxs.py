@@ -34,7 +34,7 @@ BLOCK_BYTES = 66
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
 assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
 
-SEARCH_IR_REVISION = 2  # see the module doc (numba cache)
+SEARCH_IR_REVISION = 3  # see the module doc (numba cache)
 MAP_SIZE = 43692  # codes u < 4**8 whose 2-bit fields can be 0..2 (max is 0b1010...10 = 43690)
 FLT_MAX = np.float32(3.4028234663852886e38)
 STEP_LANES = 16  # the 13 trial scales of the search, padded to a 16-lane vector

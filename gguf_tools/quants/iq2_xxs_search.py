@@ -159,26 +159,17 @@ def _emit_search(builder, vt_ptr, chunk0, nchunks, x_ptr, w_ptr, scale, avx512):
         jv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16I, None), jv, ir.Constant(_I32, 0)),
                                     ir.Constant(_V16I, None), _const_i32([0] * CHUNK))
         builder.store(builder.select(lt, jv, builder.load(best_c)), best_c)
-    bv = builder.load(best_v)
-    m = bv
-    width = CHUNK
-    while width > 1:  # lane minimum (no NaN can be held: only strict `<` winners are stored)
-        width //= 2
-        a = builder.shuffle_vector(m, m, _const_i32(range(width)))
-        b = builder.shuffle_vector(m, m, _const_i32(range(width, 2 * width)))
-        m = builder.select(builder.fcmp_ordered("<", b, a), b, a)
-    m = builder.extract_element(m, ir.Constant(_I32, 0))
-    mv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, None), m, ir.Constant(_I32, 0)),
-                                ir.Constant(_V16F, None), _const_i32([0] * CHUNK))
+    # first minimum = smallest (score, position) key: scores are +0 .. FLT_MAX here (a NaN is never
+    # stored, + 0.0 turns -0 into +0), so their bits order like the values; lanes that never won
+    # keep (FLT_MAX, their position), and when none won the smallest key is position 0.
+    bv = builder.fadd(builder.load(best_v), ir.Constant(_V16F, [0.0] * CHUNK))
+    v16q = ir.VectorType(_I64, CHUNK)
     pos = builder.add(builder.mul(builder.load(best_c), ir.Constant(_V16I, [CHUNK] * CHUNK)),
                       ir.Constant(_V16I, list(range(CHUNK))))
-    big = ir.Constant(_V16I, [0x7FFFFFFF] * CHUNK)
-    pos = builder.select(builder.fcmp_ordered("==", bv, mv), pos, big)
-    fnty = ir.FunctionType(_I32, [_V16I])
-    umin = builder.module.declare_intrinsic("llvm.vector.reduce.umin.v16i32", fnty=fnty)
-    first = builder.call(umin, [pos])
-    found = builder.fcmp_ordered("<", m, ir.Constant(_F32, FLT_MAX))
-    return builder.zext(builder.select(found, first, ir.Constant(_I32, 0)), _I64)
+    key = builder.or_(builder.shl(builder.zext(builder.bitcast(bv, _V16I), v16q), ir.Constant(v16q, [32] * CHUNK)),
+                      builder.zext(pos, v16q))
+    umin = builder.module.declare_intrinsic("llvm.vector.reduce.umin.v16i64", fnty=ir.FunctionType(_I64, [v16q]))
+    return builder.and_(builder.call(umin, [key]), ir.Constant(_I64, 0xFFFFFFFF))
 
 
 def cgutils_alloca(builder, ty, value):
