@@ -28,13 +28,13 @@ from numba import njit, prange
 
 from ._numeric import F32, GROUP_MAX_EPS, QK_K, _iclamp, fp16_bits_to_fp32, fp32_to_fp16_bits, make_qp, make_qp_lanes, nearest_int
 from ._rows import dequantize_blocks, empty_blocks, float_rows
-from .iq2_xxs_search import best_position, vector_tables
+from .iq2_xxs_search import best_position, best_positions2, vector_tables
 
 BLOCK_BYTES = 66
 BLOCK_DTYPE = np.dtype([("d", "<f2"), ("qs", "<u2", (32,))])
 assert BLOCK_DTYPE.itemsize == BLOCK_BYTES
 
-SEARCH_IR_REVISION = 3  # see the module doc (numba cache)
+SEARCH_IR_REVISION = 4  # see the module doc (numba cache)
 MAP_SIZE = 43692  # codes u < 4**8 whose 2-bit fields can be 0..2 (max is 0b1010...10 = 43690)
 FLT_MAX = np.float32(3.4028234663852886e38)
 STEP_LANES = 16  # the 13 trial scales of the search, padded to a 16-lane vector
@@ -471,9 +471,20 @@ def _quantize_row_lanes(xr, qw, outr, gmap, nb_start, nb_count, nb_code, vterms,
             for k in range(4):
                 jobs[nj] = 4 * g + k
                 nj += 1 if (live and gmap[U[k, g]] < 0) else 0
-        for t in range(nj):
-            g = jobs[t] >> 2
-            k = jobs[t] & 3
+        for t in range(0, nj - 1, 2):  # two searches a pass: their dependency chains interleave
+            ga = jobs[t] >> 2
+            ka = jobs[t] & 3
+            gb = jobs[t + 1] >> 2
+            kb = jobs[t + 1] & 3
+            ua = U[ka, ga]
+            ub = U[kb, gb]
+            pa, pb = best_positions2(vterms, XVr, WAr, chunk0[ua], nb_count[ua], 32 * ga + 8 * ka, tsc[ga],
+                                     chunk0[ub], nb_count[ub], 32 * gb + 8 * kb, tsc[gb])
+            U[ka, ga] = nb_code[nb_start[ua] + pa]
+            U[kb, gb] = nb_code[nb_start[ub] + pb]
+        if nj % 2:
+            g = jobs[nj - 1] >> 2
+            k = jobs[nj - 1] & 3
             u = U[k, g]
             U[k, g] = nb_code[nb_start[u] + best_position(vterms, chunk0[u], nb_count[u], XVr, WAr, 32 * g + 8 * k, tsc[g])]
         for k in range(4):

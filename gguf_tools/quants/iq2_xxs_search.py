@@ -107,14 +107,11 @@ def _emit_term_tables(builder, x_ptr, w_ptr, scale):
     return halves
 
 
-def _emit_lookup(builder, lo, hi, idx, avx512):
-    """Per lane: slot idx of the 32-slot table (lo = slots 0..15, hi = 16..31)."""
-    if avx512:
-        fnty = ir.FunctionType(_V16F, [_V16F, _V16I, _V16F])
-        fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpermi2var.ps.512", fnty=fnty)
-        return builder.call(fn, [lo, idx, hi])  # reads bits 0..4 of each index: the slot
-    # portable: only slots 3i..3i+2 and 24 occur for dimension i; the caller passes them via `lo`
-    raise AssertionError("portable lookup goes through _emit_lookup_select")
+def _emit_lookup(builder, lo, hi, idx):
+    """Per lane: slot idx of the 32-slot table (lo = slots 0..15, hi = 16..31), AVX-512 vpermi2ps."""
+    fnty = ir.FunctionType(_V16F, [_V16F, _V16I, _V16F])
+    fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpermi2var.ps.512", fnty=fnty)
+    return builder.call(fn, [lo, idx, hi])  # reads bits 0..4 of each index: the slot
 
 
 def _emit_lookup_select(builder, lo, hi, idx, i):
@@ -131,85 +128,116 @@ def _emit_lookup_select(builder, lo, hi, idx, i):
     return out
 
 
-def _emit_search(builder, vt_ptr, chunk0, nchunks, x_ptr, w_ptr, scale, avx512):
-    """IR returning (i64) the position of the first minimum, or 0 when no score is < FLT_MAX."""
-    lo, hi = _emit_term_tables(builder, x_ptr, w_ptr, scale)
-    best_v = cgutils_alloca(builder, _V16F, ir.Constant(_V16F, [FLT_MAX] * CHUNK))
-    best_c = cgutils_alloca(builder, _V16I, ir.Constant(_V16I, [0] * CHUNK))
+def _broadcast(builder, value, vec_ty):
+    v = builder.insert_element(ir.Constant(vec_ty, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vec_ty, None), _const_i32([0] * CHUNK))
+
+
+def _emit_searches(builder, vt_ptr, searches, avx512):
+    """IR for one or more independent searches, each (chunk0, nchunks, x_ptr, w_ptr, scale) with i64
+    chunk0/nchunks: returns each one's position of the first minimum (i64; 0 when no score is
+    < FLT_MAX). The searches share one chunk loop (their chains interleave); a search whose list is
+    shorter re-scores its last chunk, which cannot displace anything (a winner must be strictly less)."""
     from numba.core import cgutils
 
-    with cgutils.for_range(builder, nchunks) as loop:
+    state = []
+    n_max = None
+    for chunk0, nchunks, x_ptr, w_ptr, scale in searches:
+        lo, hi = _emit_term_tables(builder, x_ptr, w_ptr, scale)
+        best_v = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [FLT_MAX] * CHUNK))
+        best_c = cgutils.alloca_once_value(builder, ir.Constant(_V16I, [0] * CHUNK))
+        state.append((chunk0, nchunks, lo, hi, best_v, best_c))
+        n_max = nchunks if n_max is None else builder.select(builder.icmp_signed(">", nchunks, n_max), nchunks, n_max)
+    with cgutils.for_range(builder, n_max) as loop:
         j = loop.index
-        base = builder.mul(builder.add(chunk0, j), ir.Constant(_I64, 8 * CHUNK))
-        acc = None
-        words = [builder.load(builder.bitcast(builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, 4 * CHUNK * h))]),
-                                              _V16I.as_pointer()), align=1) for h in range(2)]
-        for i in range(8):
-            idx = words[i // 4]
-            if i % 4:
-                idx = builder.lshr(idx, ir.Constant(_V16I, [8 * (i % 4)] * CHUNK))
-            t = _emit_lookup(builder, lo, hi, idx, True) if avx512 else _emit_lookup_select(builder, lo, hi, idx, i)
-            # ggml starts from 0 + t0: that is t0 up to the sign of a zero, which no later sum or
-            # comparison can tell apart (x + 0 == x + -0 for x != 0; zeros compare equal)
-            acc = t if acc is None else builder.fadd(acc, t)
-        bv = builder.load(best_v)
-        lt = builder.fcmp_ordered("<", acc, bv)
-        builder.store(builder.select(lt, acc, bv), best_v)
-        jv = builder.trunc(j, _I32)
-        jv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16I, None), jv, ir.Constant(_I32, 0)),
-                                    ir.Constant(_V16I, None), _const_i32([0] * CHUNK))
-        builder.store(builder.select(lt, jv, builder.load(best_c)), best_c)
+        for chunk0, nchunks, lo, hi, best_v, best_c in state:
+            last = builder.sub(nchunks, ir.Constant(_I64, 1))
+            js = builder.select(builder.icmp_signed("<", j, nchunks), j, last)
+            base = builder.mul(builder.add(chunk0, js), ir.Constant(_I64, 8 * CHUNK))
+            words = [builder.load(builder.bitcast(builder.gep(vt_ptr, [builder.add(base, ir.Constant(_I64, 4 * CHUNK * h))]),
+                                                  _V16I.as_pointer()), align=1) for h in range(2)]
+            acc = None
+            for i in range(8):
+                idx = words[i // 4]
+                if i % 4:
+                    idx = builder.lshr(idx, ir.Constant(_V16I, [8 * (i % 4)] * CHUNK))
+                t = _emit_lookup(builder, lo, hi, idx) if avx512 else _emit_lookup_select(builder, lo, hi, idx, i)
+                # ggml starts from 0 + t0: that is t0 up to the sign of a zero, which no later sum
+                # or comparison can tell apart (x + 0 == x + -0 for x != 0; zeros compare equal)
+                acc = t if acc is None else builder.fadd(acc, t)
+            bv = builder.load(best_v)
+            lt = builder.fcmp_ordered("<", acc, bv)
+            builder.store(builder.select(lt, acc, bv), best_v)
+            builder.store(builder.select(lt, _broadcast(builder, builder.trunc(js, _I32), _V16I), builder.load(best_c)), best_c)
     # first minimum = smallest (score, position) key: scores are +0 .. FLT_MAX here (a NaN is never
     # stored, + 0.0 turns -0 into +0), so their bits order like the values; lanes that never won
     # keep (FLT_MAX, their position), and when none won the smallest key is position 0.
-    bv = builder.fadd(builder.load(best_v), ir.Constant(_V16F, [0.0] * CHUNK))
     v16q = ir.VectorType(_I64, CHUNK)
-    pos = builder.add(builder.mul(builder.load(best_c), ir.Constant(_V16I, [CHUNK] * CHUNK)),
-                      ir.Constant(_V16I, list(range(CHUNK))))
-    key = builder.or_(builder.shl(builder.zext(builder.bitcast(bv, _V16I), v16q), ir.Constant(v16q, [32] * CHUNK)),
-                      builder.zext(pos, v16q))
     umin = builder.module.declare_intrinsic("llvm.vector.reduce.umin.v16i64", fnty=ir.FunctionType(_I64, [v16q]))
-    return builder.and_(builder.call(umin, [key]), ir.Constant(_I64, 0xFFFFFFFF))
+    out = []
+    for _, _, _, _, best_v, best_c in state:
+        bv = builder.fadd(builder.load(best_v), ir.Constant(_V16F, [0.0] * CHUNK))
+        pos = builder.add(builder.mul(builder.load(best_c), ir.Constant(_V16I, [CHUNK] * CHUNK)),
+                          ir.Constant(_V16I, list(range(CHUNK))))
+        key = builder.or_(builder.shl(builder.zext(builder.bitcast(bv, _V16I), v16q), ir.Constant(v16q, [32] * CHUNK)),
+                          builder.zext(pos, v16q))
+        out.append(builder.and_(builder.call(umin, [key]), ir.Constant(_I64, 0xFFFFFFFF)))
+    return out
 
 
-def cgutils_alloca(builder, ty, value):
-    from numba.core import cgutils
-
-    return cgutils.alloca_once_value(builder, value)
+def _arrays_ok(vterms, x, w, ints):
+    return (isinstance(vterms, nb.types.Array) and vterms.dtype == nb.types.uint8 and vterms.layout == "C"
+            and all(isinstance(a, nb.types.Array) and a.dtype == nb.types.float32 and a.ndim == 1
+                    and a.layout == "C" for a in (x, w))
+            and all(isinstance(a, nb.types.Integer) for a in ints))
 
 
 def _search_intrinsic(avx512: bool):
     @intrinsic
     def _search(typingctx, vterms, chunk0, nchunks, x, w, o, scale):
-        ok = (isinstance(vterms, nb.types.Array) and vterms.dtype == nb.types.uint8 and vterms.layout == "C"
-              and all(isinstance(a, nb.types.Array) and a.dtype == nb.types.float32 and a.ndim == 1
-                      and a.layout == "C" for a in (x, w))
-              and all(isinstance(a, nb.types.Integer) for a in (chunk0, nchunks, o)))
-        if not ok:
+        """Position of the first minimum of one search (see `best_position`)."""
+        if not _arrays_ok(vterms, x, w, (chunk0, nchunks, o)):
             return None
         sig = nb.types.int64(vterms, chunk0, nchunks, x, w, o, nb.types.float32)
 
         def codegen(context, builder, signature, args):
-            vt_ty, _, _, x_ty, w_ty, _, _ = signature.args
-            vt_data = context.make_array(vt_ty)(context, builder, args[0]).data
-            x_data = context.make_array(x_ty)(context, builder, args[3]).data
-            w_data = context.make_array(w_ty)(context, builder, args[4]).data
-
-            def i64(v):
-                return v if v.type.width == 64 else builder.sext(v, _I64)
-
-            o64 = i64(args[5])
-            return _emit_search(builder, vt_data, i64(args[1]), i64(args[2]), builder.gep(x_data, [o64]),
-                                builder.gep(w_data, [o64]), args[6], avx512)
+            vt, x_data, w_data = (context.make_array(signature.args[a])(context, builder, args[a]).data for a in (0, 3, 4))
+            o64 = _i64(builder, args[5])
+            search = (_i64(builder, args[1]), _i64(builder, args[2]), builder.gep(x_data, [o64]),
+                      builder.gep(w_data, [o64]), args[6])
+            return _emit_searches(builder, vt, [search], avx512)[0]
 
         return sig, codegen
 
-    return _search
+    @intrinsic
+    def _search2(typingctx, vterms, x, w, c0a, na, oa, sa, c0b, nb_, ob, sb):
+        """Two searches at once (see `best_positions2`): position a | position b << 32."""
+        if not _arrays_ok(vterms, x, w, (c0a, na, oa, c0b, nb_, ob)):
+            return None
+        sig = nb.types.int64(vterms, x, w, c0a, na, oa, nb.types.float32, c0b, nb_, ob, nb.types.float32)
+
+        def codegen(context, builder, signature, args):
+            vt, x_data, w_data = (context.make_array(signature.args[a])(context, builder, args[a]).data for a in (0, 1, 2))
+            searches = []
+            for c0, n, o, s in (args[3:7], args[7:11]):
+                o64 = _i64(builder, o)
+                searches.append((_i64(builder, c0), _i64(builder, n), builder.gep(x_data, [o64]),
+                                 builder.gep(w_data, [o64]), s))
+            a, b = _emit_searches(builder, vt, searches, avx512)
+            return builder.or_(a, builder.shl(b, ir.Constant(_I64, 32)))
+
+        return sig, codegen
+
+    return _search, _search2
 
 
-_search_avx512 = _search_intrinsic(True)
-_search_portable = _search_intrinsic(False)
-_search = _search_avx512 if HAS_AVX512F else _search_portable
+def _i64(builder, v):
+    return v if v.type.width == 64 else builder.sext(v, _I64)
+
+
+_search_avx512, _search2_avx512 = _search_intrinsic(True)
+_search_portable, _search2_portable = _search_intrinsic(False)
+_search, _search2 = (_search_avx512, _search2_avx512) if HAS_AVX512F else (_search_portable, _search2_portable)
 
 
 @register_jitable(inline="always")
@@ -219,15 +247,37 @@ def best_position(vterms, chunk0, count, x, w, o, scale):
     return _search(vterms, chunk0, (count + CHUNK - 1) // CHUNK, x, w, o, scale)
 
 
+@register_jitable(inline="always")
+def best_positions2(vterms, x, w, c0a, count_a, oa, sa, c0b, count_b, ob, sb):
+    """`best_position` of two searches in one pass: (position a, position b). numba only."""
+    r = _search2(vterms, x, w, c0a, (count_a + CHUNK - 1) // CHUNK, oa, sa, c0b, (count_b + CHUNK - 1) // CHUNK, ob, sb)
+    return r & 0xFFFFFFFF, r >> 32
+
+
 @nb.njit(cache=True)
 def positions_vector(vterms, chunk0, count, x, w, o, scale, out, portable):
-    """out[j] = best_position for the j-th search of the arrays (test entry point)."""
-    for j in range(out.shape[0]):
-        n = (count[j] + CHUNK - 1) // CHUNK
-        if portable:
-            out[j] = _search_portable(vterms, chunk0[j], n, x, w, o[j], scale[j])
+    """out[j] = best_position for the j-th search of the arrays (test entry point); searches go in
+    pairs (`best_positions2`) except odd ones out (every third, and a last odd one)."""
+    j = 0
+    n = out.shape[0]
+    while j < n:
+        if j % 3 == 2 or j + 1 == n:
+            c = (count[j] + CHUNK - 1) // CHUNK
+            if portable:
+                out[j] = _search_portable(vterms, chunk0[j], c, x, w, o[j], scale[j])
+            else:
+                out[j] = _search(vterms, chunk0[j], c, x, w, o[j], scale[j])
+            j += 1
         else:
-            out[j] = _search(vterms, chunk0[j], n, x, w, o[j], scale[j])
+            ca = (count[j] + CHUNK - 1) // CHUNK
+            cb = (count[j + 1] + CHUNK - 1) // CHUNK
+            if portable:
+                r = _search2_portable(vterms, x, w, chunk0[j], ca, o[j], scale[j], chunk0[j + 1], cb, o[j + 1], scale[j + 1])
+            else:
+                r = _search2(vterms, x, w, chunk0[j], ca, o[j], scale[j], chunk0[j + 1], cb, o[j + 1], scale[j + 1])
+            out[j] = r & 0xFFFFFFFF
+            out[j + 1] = r >> 32
+            j += 2
 
 
 @nb.njit(cache=True, error_model="numpy")
