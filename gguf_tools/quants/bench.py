@@ -33,13 +33,16 @@ FLASH_Q2_WEIGHTS = {
 }
 
 
-def _timed(fn, repeats: int) -> tuple[float, np.ndarray]:
-    best, out = float("inf"), None
+def _timed_interleaved(fns: list, repeats: int) -> list[tuple[float, np.ndarray]]:
+    """Best-of-`repeats` time of each function, taking turns (a, b, a, b, ...) so that a load that
+    comes and goes on a shared machine hits both sides alike."""
+    best, outs = [float("inf")] * len(fns), [None] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            outs[k] = fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return list(zip(best, outs))
 
 
 def bench_type(qtype: QuantType, x: np.ndarray, imp: np.ndarray, single_rows: int, threads: int,
@@ -49,18 +52,24 @@ def bench_type(qtype: QuantType, x: np.ndarray, imp: np.ndarray, single_rows: in
     xs = np.ascontiguousarray(x[:single_rows])
     quantize(qtype, x[:2], imp)  # compile / load the numba cache outside the timing
     res = {"type": qtype.name, "threads": threads}
-    numba.set_num_threads(1)
-    t, ours1 = _timed(lambda: quantize(qtype, xs, imp), repeats)
-    res["ours_1"] = xs.size / t
-    numba.set_num_threads(threads)
-    t, oursn = _timed(lambda: quantize(qtype, x, imp), repeats)
-    res["ours_n"] = x.size / t
+
+    def ours(rows: np.ndarray, n: int):
+        def run():
+            numba.set_num_threads(n)
+            return quantize(qtype, rows, imp)
+        return run
+
+    for key, rows, n in (("1", xs, 1), ("n", x, threads)):
+        fns = [ours(rows, n)]
+        if with_ggml:
+            fns.append(lambda rows=rows, n=n: ggml_oracle.quantize_in_process(qtype, rows, imp, threads=n))
+        timed = _timed_interleaved(fns, repeats)
+        res[f"ours_{key}"] = rows.size / timed[0][0]
+        if with_ggml:
+            res[f"ggml_{key}"] = rows.size / timed[1][0]
+            res[f"identical_{key}"] = bool(np.array_equal(timed[0][1], timed[1][1]))
     if with_ggml:
-        t, g1 = _timed(lambda: ggml_oracle.quantize_in_process(qtype, xs, imp, threads=1), repeats)
-        res["ggml_1"] = xs.size / t
-        t, gn = _timed(lambda: ggml_oracle.quantize_in_process(qtype, x, imp, threads=threads), repeats)
-        res["ggml_n"] = x.size / t
-        res["identical"] = bool(np.array_equal(ours1, g1) and np.array_equal(oursn, gn))
+        res["identical"] = res.pop("identical_1") and res.pop("identical_n")
     return res
 
 
@@ -81,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for 'all cores'")
     ap.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"],
                     choices=["Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"])
-    ap.add_argument("--repeats", type=int, default=1, help="best of N timings (default 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="best of N timings, ours and ggml taking turns (default 1)")
     ap.add_argument("--no-ggml", action="store_true", help="time ours only")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
