@@ -57,3 +57,15 @@ def test_vector_search_equals_scalar_scan(weights, portable):
     np.testing.assert_array_equal(got, want)
     if weights == "zero":
         assert (got == 0).all()
+
+
+@pytest.mark.parametrize("with_importance", [True, False])
+def test_quantize_on_tied_data_equals_blockwise_reference(with_importance):
+    """Whole rows whose values sit on a coarse lattice (many equal neighbour scores in every
+    trial), quantized by the fast row kernel and by the block-at-a-time scalar search."""
+    rng = np.random.default_rng(7 + with_importance)
+    x = (rng.integers(-4, 5, (6, 1024)) * 0.25).astype(F32)
+    x[1] = np.abs(x[1])  # one-signed row
+    x[2, :512] = 0.5  # constant groups
+    imp = (rng.integers(0, 3, 1024) * 0.5).astype(F32) if with_importance else None  # zero weights too
+    np.testing.assert_array_equal(q.quantize(x, imp), q.quantize_blockwise(x, imp))

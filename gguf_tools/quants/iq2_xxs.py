@@ -9,13 +9,15 @@ of the weight matrix as importance (`synthetic_importance`); `quantize(x, None)`
 
 Speed: the search is ggml's (13 trial scales x 4 sub-groups, snapping off-grid codes to the best
 of their precomputed neighbours), with the same float32 operations in the same order, so the bytes
-are identical. What is faster: rows run in parallel; the neighbour distance uses a 24-entry term
-table (grid levels take 3 values), see `_best_neighbour`; and all groups of 32 of a row are searched
-in lock step, one vector lane per group (`_quantize_row_lanes`: make_qp, trial codes, sums and the
-choice of the best trial for every group at once, each lane in ggml's float32 order). Only the
-neighbour searches of off-grid codes still run group by group; they are now most of the time.
-`quantize_blockwise` is the straight block-at-a-time form of the same search, kept as the reference
-the lane form is tested against.
+are identical. What is faster: rows run in parallel; all groups of 32 of a row are searched in lock
+step, one vector lane per group (`_quantize_row_lanes`: setup, make_qp, trial codes, sums and the
+choice of the best trial for every group at once, each lane in ggml's float32 order); a trial's
+codes stay packed, one 16-bit grid code per sub-group; and the neighbour searches of the off-grid
+sub-groups, collected per trial, run two at a time in `iq2_xxs_search`, 16 candidates per vector
+register over transposed neighbour lists (each candidate still sums its eight terms in ggml's
+order; the first of equal minima wins, as in ggml). `_best_neighbour` is the scalar scan and
+`quantize_blockwise` the straight block-at-a-time form of the whole search, kept as the
+references the fast forms are tested against.
 
 numba's on-disk cache of these kernels is keyed on this file's text only: after changing the
 vector search's IR in `iq2_xxs_search`, bump SEARCH_IR_REVISION below so cached kernels recompile.

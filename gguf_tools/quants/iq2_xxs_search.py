@@ -8,17 +8,20 @@ once, one per vector lane, each lane doing exactly the scalar float32 operations
 * g_i takes only the values 1, 3, 5, so the 24 possible terms t[3i + l] = (w_i*diff)*diff with
   diff = scale*(2l+1) - x_i are computed once per search (the same three operations the scalar
   loop performs, here in two 16-lane registers; slots 24..31 hold +inf for padding).
-* `NB_VTERMS` stores each list transposed, 16 candidates a chunk, [chunk][i][lane] = 3i + l (24
-  for the padding after the last candidate): term i of 16 candidates is one 16-byte load, then a
-  table permute (AVX-512 vpermi2ps: 32 float32 slots indexed by 5 bits), then a vector add.
+* `NB_VTERMS` stores each list transposed, 16 candidates a chunk: per chunk two 16-lane words,
+  word h of lane c holding the slots 3i + l of candidate c for i = 4h..4h+3, one byte each (slot 24
+  for the padding after the last candidate). Term i of 16 candidates is then a shift, a table
+  permute (AVX-512 vpermi2ps: 32 float32 slots indexed by the low 5 bits) and a vector add.
 * The first minimum: per lane, the running minimum and the chunk where it was first reached (strict
-  `<`, as the scalar scan); then the smallest lane value m, and the smallest candidate position
-  among the lanes holding m. Equal scores therefore resolve to ggml's first candidate.
+  `<`, as the scalar scan); then one unsigned 64-bit minimum over the lanes' (score bits, position)
+  keys. Scores held are +0 .. FLT_MAX, whose bits order like their values, so equal scores resolve
+  to the smallest position: ggml's first candidate.
 
-`best_position(...)` is the numba entry point; it returns the candidate's position in u's list
-(nb_index[nb_start[u] + position] is the grid index). CPUs without AVX-512F use the same IR with
-the permute written as selects (LLVM lowers it to whatever the CPU has). `best_position_scalar`
-is the plain loop the vector form is tested against (it is iq2_xxs._best_neighbour's scan).
+`best_position(...)` and `best_positions2(...)` (two searches sharing one chunk loop, so that their
+dependency chains interleave) are the numba entry points; they return the candidate's position in
+u's list (nb_index[nb_start[u] + position] is the grid index). CPUs without AVX-512F use the same
+IR with the permute written as selects (LLVM lowers it to whatever the CPU has).
+`positions_scalar` is the plain scan the vector form is tested against (iq2_xxs._best_neighbour's).
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ def vector_tables(nb_start: np.ndarray, nb_count: np.ndarray, nb_terms: np.ndarr
     """Transposed neighbour lists: (chunk0 int32 [MAP_SIZE], vterms uint8 [chunks * 8 * CHUNK]).
 
     The list of code u covers chunks chunk0[u] .. chunk0[u] + ceil(count/16) - 1; byte
-    vterms[128*chunk + 16*i + lane] is the term slot (3i + level_i) of candidate 16*(chunk - chunk0[u])
-    + lane in dimension i, or PAD_TERM past the end of the list.
+    vterms[128*chunk + 64*(i // 4) + 4*lane + i % 4] is the term slot (3i + level_i) of candidate
+    16*(chunk - chunk0[u]) + lane in dimension i, or PAD_TERM past the end of the list.
     """
     nchunks = (nb_count + CHUNK - 1) // CHUNK
     chunk0 = np.zeros_like(nb_count, dtype=np.int32)
