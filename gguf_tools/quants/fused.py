@@ -35,6 +35,7 @@ _Q8_0, _Q2_K, _Q4_K, _IQ2_XXS = (int(q) for q in FUSED)
 _SHAPE = {QuantType.Q8_0: (32, 34), QuantType.Q2_K: (256, 84), QuantType.Q4_K: (256, 144),
           QuantType.IQ2_XXS: (256, 66)}  # (weights, bytes) per block
 PARALLEL_MIN_WORK = 1 << 21  # multiply-adds below which a thread launch costs more than it saves
+DECODE_THREAD_MIN_WEIGHTS = 1 << 23  # one-token products threaded only from this size (ds4.engine.dense)
 
 # IQ2_XXS decoding tables as float32: grid magnitudes [256, 8] and sign factors ±1 [128, 8]
 _IQ2_GRID = iq2_xxs.GRID_DECODE.astype(np.float32)
@@ -203,8 +204,11 @@ def matmul(qtype: QuantType, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     # decoding costs about as much as a few multiply-adds per weight: count it as 4 extra tokens
     if threads == 1 or O * x.shape[1] * (x.shape[0] + 4) < PARALLEL_MIN_WORK:
         serial()
-    elif x.shape[0] == 1:  # decode: threaded while the clock says it pays (same bits either way)
-        timed_choice(("fused", qt, O, x.shape[1], threads), serial, threaded)
+    elif x.shape[0] == 1:  # decode: only the head-sized, and while the clock says it pays
+        if O * x.shape[1] >= DECODE_THREAD_MIN_WEIGHTS:
+            timed_choice(("fused", qt, O, x.shape[1], threads), serial, threaded)
+        else:
+            serial()
     else:
         threaded()
     return out
