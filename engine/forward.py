@@ -456,12 +456,17 @@ def route(model, K, li: int, b: np.ndarray, tokens: np.ndarray) -> tuple[np.ndar
     """Expert ids [T, k] and routing weights [T, k] (model-spec §3.7 steps 1-3)."""
     cfg = model.config
     s = np.sqrt(softplus(K.matmul(model, _blk(li, L.FFN_GATE_INP), b)))
-    if cfg.is_hash_layer(li):
-        ids = model.id_rows(_blk(li, L.FFN_GATE_TID2EID), tokens)
-    else:
-        bias_name = _blk(li, L.EXP_PROBS_B)
-        biased = s + model.w(bias_name) if model.has(bias_name) else s
-        ids = topk_rows(biased, cfg.n_expert_used)
+    hashed = cfg.is_hash_layer(li)
+    ids = model.id_rows(_blk(li, L.FFN_GATE_TID2EID), tokens) if hashed else None
+    bias_name = _blk(li, L.EXP_PROBS_B)
+    bias = model.w(bias_name) if not hashed and model.has(bias_name) else None
+    fast = getattr(K, "route_select", None)
+    if fast is not None:  # the same float32 operations in one kernel (None: take the numpy path)
+        done = fast(s, bias, ids, cfg.n_expert_used, ROUTE_DENOM_MIN, cfg.routed_scale)
+        if done is not None:
+            return done
+    if not hashed:
+        ids = topk_rows(s + bias if bias is not None else s, cfg.n_expert_used)
     w = np.take_along_axis(s, ids, axis=1)
     w = w / np.maximum(w.sum(axis=1, keepdims=True), F32(ROUTE_DENOM_MIN)) * F32(cfg.routed_scale)
     return ids, w.astype(F32)

@@ -216,6 +216,57 @@ def attend_decode(q, ring, pos, window, comp, comp_mask, sinks, scale):
 
 
 
+# ---- MoE routing after the router's product (forward.route's numpy is the reference) ---------------
+@nb.njit(cache=True)
+def _route_rows(s, bias, has_bias, ids, k, denom_min, scale, w):
+    """Per token: unless ids are given (hash layers), the k largest of s + bias in descending
+    order, ties to the lowest expert (`forward.topk_rows`); then w = s[ids] / max(Σ, denom_min) ·
+    scale with the sum in slot order (numpy's for fewer than 8 values). Returns False when a row
+    holds a NaN (the caller then takes the numpy path, whose NaN order this does not copy)."""
+    T, E = s.shape
+    taken = np.zeros(E, np.bool_)
+    for t in range(T):
+        for e in range(E):
+            if np.isnan(s[t, e]) or (has_bias and np.isnan(s[t, e] + bias[e])):
+                return False
+        if has_bias or k > 0:
+            taken[:] = False
+            for j in range(ids.shape[1]):
+                best = -1
+                bv = np.float32(0.0)
+                for e in range(E):
+                    v = s[t, e] + bias[e] if has_bias else s[t, e]
+                    if not taken[e] and (best < 0 or v > bv):
+                        best, bv = e, v
+                taken[best] = True
+                ids[t, j] = best
+        total = np.float32(0.0)
+        for j in range(ids.shape[1]):
+            total += s[t, ids[t, j]]
+        denom = max(total, denom_min)
+        for j in range(ids.shape[1]):
+            w[t, j] = s[t, ids[t, j]] / denom * scale
+    return True
+
+
+def route_select(s, bias, ids, k, denom_min, scale):
+    """(ids [T, k] int64, w [T, k] float32) from the router scores s [T, E] (forward.route):
+    ids given (hash layers) or the top k of s + bias (bias may be None); None when the numpy path
+    must run (8 or more slots: numpy sums those pairwise; NaN scores)."""
+    if k >= 8:
+        return None
+    s = np.ascontiguousarray(s, dtype=np.float32)
+    T = s.shape[0]
+    select = ids is None
+    ids = np.empty((T, k), np.int64) if select else np.ascontiguousarray(ids, dtype=np.int64)
+    has_bias = bias is not None
+    b = np.ascontiguousarray(bias, dtype=np.float32) if has_bias else np.zeros(s.shape[1], np.float32)
+    w = np.empty((T, k), np.float32)
+    if not _route_rows(s, b, has_bias, ids, k if select else 0, np.float32(denom_min), np.float32(scale), w):
+        return None
+    return ids, w
+
+
 # ---- weight products used by the forward pass (same names as forward._RefKernels) --------------
 def _quant_matmul(qtype, raw, x):
     """Fused dequantize-and-multiply from the GGUF blocks (gguf_tools.quants: per-output fixed order,
