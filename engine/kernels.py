@@ -292,12 +292,31 @@ def expert_matmul(model, name, e, x):
     return dense_matmul(model.dense(name)[e], x)
 
 
+@nb.njit(cache=True)
+def _group_rows(w, x, out):
+    """out[:, g] = x[:, g] · W[g·R:(g+1)·R]ᵀ for every group g in one call (`_dense_rows` per group:
+    the bits of `dense_matmul` on each group)."""
+    T, G, Kg = x.shape
+    R = w.shape[0] // G
+    buf = np.empty(Kg, np.float32)
+    p = np.empty((4, LANES), np.float32)
+    xg = np.empty((T, Kg), np.float32)
+    og = np.empty((T, R), np.float32)
+    for g in range(G):
+        xg[:, :] = x[:, g, :]
+        _dense_rows(w[g * R:(g + 1) * R], xg, og, 0, R, buf, p)
+        out[:, g, :] = og
+
+
 def group_matmul(model, name, groups, x):
     """Grouped output projection: x [T, G, in_g] → [T, G, out_g], group g using rows g·out_g.. of W."""
     rows = model.shape(name)[0] // groups
     out = np.empty((x.shape[0], groups, rows), np.float32)
     qt = model.quantized(name)
     w = model.raw(name) if qt is not None else model.dense(name)
+    if qt is None and x.shape[0] == 1:  # decode: one call for all groups
+        _group_rows(w, np.ascontiguousarray(x, dtype=np.float32), out)
+        return out
     for g in range(groups):
         xg = np.ascontiguousarray(x[:, g], dtype=np.float32)
         wg = w[g * rows:(g + 1) * rows]
