@@ -34,7 +34,7 @@ def weight_bytes_per_token(f, cfg) -> int:
     return total
 
 
-def count_kernels(model, W, ctx: int, top: int = 22) -> dict:
+def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -> dict:
     """CUDA kernels one decode step launches (an eager step profiled with CUPTI; a graph replays the
     same ones), their summed device time and the kernels that take the most time."""
     from torch.profiler import ProfilerActivity, profile
@@ -53,10 +53,12 @@ def count_kernels(model, W, ctx: int, top: int = 22) -> dict:
         name = e.name
         if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in name.lower() or "memset" in name.lower():
             continue
-        short = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+        short = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "").split("(")[0].split("<")[0]
         row = by_name.setdefault(short[:70], [0, 0.0])
         row[0] += 1
         row[1] += e.time_range.elapsed_us()
+    if trace:  # chrome trace: every kernel in launch order with its grid, block and duration
+        prof.export_chrome_trace(trace)
     n = sum(v[0] for v in by_name.values())
     busy = sum(v[1] for v in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
+    ap.add_argument("--trace", help="with --count-kernels: write the step's chrome trace (kernel order, grids) here")
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
               f"{row['fraction_of_floor']:.2f} of floor, GPU mem {row['gpu_mem_used_gib']:.1f} GiB", flush=True)
         del s
     if args.count_kernels:
-        prof = count_kernels(model, W, min(args.ctx) + 16)
+        prof = count_kernels(model, W, min(args.ctx) + 16, trace=args.trace)
         res["kernels_per_token"], res["kernel_profile"] = prof["kernels"], prof
         print(f"kernels per decoded token: {prof['kernels']}, summed kernel time {prof['kernel_us'] / 1e3:.2f} ms "
               f"(eager step)", flush=True)

@@ -121,37 +121,127 @@ __device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o,
 
 // ---- kernels ------------------------------------------------------------------------------------
 
-// y[r] = rms_norm(x[r]) (* w); one block per row; y may alias x.
-__global__ void rms_norm_kernel(const float* x, const float* w, float* y, int n, float eps) {
+// y[r] = rms_norm(x[r]) (* w); one block per row; y may alias x. Rows of a multiple of 4 columns go
+// through float4 loads held in registers (n <= 4 * 4 * blockDim), so each thread's loads are in flight at once.
+constexpr int RMS_THREADS = 512;
+__global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, const float* w, float* y, int n,
+                                                               float eps) {
   __shared__ float red[32];
   const float* xr = x + (int64_t)blockIdx.x * n;
+  float* yr = y + (int64_t)blockIdx.x * n;
+  if (n % 4 == 0 && n <= 16 * RMS_THREADS) {
+    const int n4 = n / 4;
+    float4 v[4];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = threadIdx.x + k * RMS_THREADS;
+      v[k] = i < n4 ? __ldg((const float4*)xr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+    ss = block_sum(ss, red);
+    const float r = rsqrtf(ss / (float)n + eps);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = threadIdx.x + k * RMS_THREADS;
+      if (i >= n4) continue;
+      float4 g = w ? __ldg((const float4*)w + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      ((float4*)yr)[i] = w ? make_float4(v[k].x * r * g.x, v[k].y * r * g.y, v[k].z * r * g.z, v[k].w * r * g.w)
+                           : make_float4(v[k].x * r, v[k].y * r, v[k].z * r, v[k].w * r);
+    }
+    return;
+  }
   float ss = 0.0f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
   ss = block_sum(ss, red);
   float r = rsqrtf(ss / (float)n + eps);
-  float* yr = y + (int64_t)blockIdx.x * n;
   for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = w ? xr[i] * r * w[i] : xr[i] * r;
 }
 
-// mHC pre (model-spec §3.3) for token blockIdx.x: mix_raw = W_fn . flatten(X) (un-normalized); the
-// RMS of flatten(X) is applied here. head = false: pre/post/comb with Sinkhorn; head = true: pre
-// only (output head). out = rms_norm(sum_i pre_i X_i) * norm_w.
-__global__ void hc_pre_kernel(const float* X, const float* mix_raw, const float* scale, const float* base,
-                              const float* norm_w, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                              float* out, float* post_out, float* comb_out) {
+// mHC pre, pass 1 (model-spec §3.3): block (p, t) takes columns [256 p, 256 p + 256) of flatten(X_t)
+// and writes the partial products of the M mix rows and the partial sum of squares:
+// part[t][p][m] for m < M, part[t][p][M] = sum x^2. One block per 256 columns keeps ~P = nD / 256
+// blocks streaming the 1.5 MB weight at once (one block streaming it ran ~10 us on one SM).
+// Warp w owns rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 of the slice.
+constexpr int HC_COLS = 256;
+__global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
+                                                     float* part) {
+  const int p = blockIdx.x, t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c0 = p * HC_COLS + lane * 8;
+  const bool full = c0 + 8 <= nD;
+  float x[8];
+  const float* Xt = X + (int64_t)t * nD;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+  if (full) {
+    float4 a = __ldg((const float4*)(Xt + c0)), b = __ldg((const float4*)(Xt + c0 + 4));
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  } else {
+    for (int i = 0; i < 8; ++i)
+      if (c0 + i < nD) x[i] = Xt[c0 + i];
+  }
+  float* out = part + ((int64_t)t * P + p) * (M + 1);
+  if (warp == 0) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
+    ss = warp_sum_f(ss);
+    if (lane == 0) out[M] = ss;
+  }
+  for (int m0 = warp; m0 < M; m0 += 32) {  // up to 4 rows per warp, all loads issued before use
+    float w[4][8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = m0 + 8 * j;
+      const float* wr = Wf + (int64_t)m * nD + c0;
+      if (m < M && full) {
+        float4 a = __ldg((const float4*)wr), b = __ldg((const float4*)(wr + 4));
+        w[j][0] = a.x; w[j][1] = a.y; w[j][2] = a.z; w[j][3] = a.w;
+        w[j][4] = b.x; w[j][5] = b.y; w[j][6] = b.z; w[j][7] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[j][i] = (m < M && c0 + i < nD) ? wr[i] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += w[j][i] * x[i];
+      s = warp_sum_f(s);
+      if (lane == 0 && m0 + 8 * j < M) out[m0 + 8 * j] = s;
+    }
+  }
+}
+
+// mHC pre, pass 2, token blockIdx.x (1024 threads): mix = sum of the P partials (warp m sums row m),
+// RMS of flatten(X) applied to the un-normalized mix; head = false: pre/post/comb with Sinkhorn;
+// head = true: pre only (output head). out = rms_norm(sum_i pre_i X_i) * norm_w, float4 columns.
+constexpr int HC_THREADS = 1024;
+constexpr int HC_MAXU = 4;  // float4 columns per thread: D <= 16384
+__global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, const float* part, int P,
+                                                            const float* scale, const float* base,
+                                                            const float* norm_w, int n, int D, int iters,
+                                                            float eps_rms, float eps_hc, bool head, float* out,
+                                                            float* post_out, float* comb_out) {
   __shared__ float red[32];
+  __shared__ float mixs[8 * 10 + 1];
   __shared__ float pre[16], comb[64];
-  const int t = blockIdx.x;
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* Xt = X + (int64_t)t * n * D;
   const int M = head ? n : (2 + n) * n;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < n * D; i += blockDim.x) ss += Xt[i] * Xt[i];
-  ss = block_sum(ss, red);
-  const float r = rsqrtf(ss / (float)(n * D) + eps_rms);
+  for (int m = warp; m <= M; m += HC_THREADS / 32) {
+    const float* pm = part + (int64_t)t * P * (M + 1) + m;
+    float v = 0.0f;
+    for (int p = lane; p < P; p += 32) v += pm[(int64_t)p * (M + 1)];
+    v = warp_sum_f(v);
+    if (lane == 0) mixs[m] = v;
+  }
+  __syncthreads();
+  const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
   // weights on warp 0, one lane per pre/post entry and per comb entry (a, b) = (lane / n, lane % n)
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const float* m = mix_raw + (int64_t)t * M;
+    const float* m = mixs;
     if (lane < n) pre[lane] = sigmoidf_(m[lane] * r * scale[0] + base[lane]) + eps_hc;
     if (!head) {
       if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(m[n + lane] * r * scale[1] + base[n + lane]);
@@ -189,18 +279,38 @@ __global__ void hc_pre_kernel(const float* X, const float* mix_raw, const float*
     }
   }
   __syncthreads();
+  const int D4 = D / 4;
+  float4 u[HC_MAXU];
   float su = 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float u = 0.0f;
-    for (int i = 0; i < n; ++i) u += pre[i] * Xt[(int64_t)i * D + d];
-    su += u * u;
+#pragma unroll
+  for (int k = 0; k < HC_MAXU; ++k) {
+    const int d4 = threadIdx.x + k * HC_THREADS;
+    u[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (d4 < D4) {
+      float4 xs[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)  // all streams in flight before the sum
+        if (i < n) xs[i] = __ldg((const float4*)(Xt + (int64_t)i * D) + d4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < n) {
+          u[k].x += pre[i] * xs[i].x; u[k].y += pre[i] * xs[i].y;
+          u[k].z += pre[i] * xs[i].z; u[k].w += pre[i] * xs[i].w;
+        }
+      su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+    }
   }
   su = block_sum(su, red);
   const float r2 = rsqrtf(su / (float)D + eps_rms);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float u = 0.0f;
-    for (int i = 0; i < n; ++i) u += pre[i] * Xt[(int64_t)i * D + d];
-    out[(int64_t)t * D + d] = norm_w ? u * r2 * norm_w[d] : u * r2;
+#pragma unroll
+  for (int k = 0; k < HC_MAXU; ++k) {
+    const int d4 = threadIdx.x + k * HC_THREADS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      float4 o = norm_w ? make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w)
+                        : make_float4(u[k].x * r2, u[k].y * r2, u[k].z * r2, u[k].w * r2);
+      ((float4*)(out + (int64_t)t * D))[d4] = o;
+    }
   }
 }
 
@@ -238,52 +348,54 @@ __global__ void norm_rope_kernel(const float* x, int d, int rows_per_token, cons
   for (int i = threadIdx.x; i < d; i += blockDim.x) out[orow * d + i] = v[i];
 }
 
-// MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one warp: s = sqrt(softplus(logit)),
+// MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: s = sqrt(softplus(logit)),
 // ids = top-k of s + bias (or table[tok] on hash layers), w = s[ids] / max(sum, 6.1035e-5) * scale.
-__global__ void router_kernel(const float* logits, const float* bias, const int64_t* table, const int64_t* tok,
-                              int E, int k, float scale, int32_t* ids, float* wts) {
-  __shared__ float s[256], sb[256];
+// Top-k by rank: expert e's rank is the number of experts ahead of it (larger biased score, or equal
+// and a lower index), so chosen[rank] = e gives the order of k successive argmax passes (the v3 kernel
+// ran those passes on one warp, ~7 us). NaN scores rank last.
+constexpr int ROUTER_THREADS = 256;
+__global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
+                                                                const int64_t* table, const int64_t* tok, int E,
+                                                                int k, float scale, int32_t* ids, float* wts) {
+  __shared__ float s[ROUTER_THREADS], sb[ROUTER_THREADS];
+  __shared__ bool bad[ROUTER_THREADS];
   __shared__ int chosen[16];
-  const int t = blockIdx.x, lane = threadIdx.x;
-  for (int e = lane; e < E; e += 32) {
+  const int t = blockIdx.x, e = threadIdx.x;
+  if (e < E) {
     float x = logits[(int64_t)t * E + e];
     float sp = x > 20.0f ? x : log1pf(expf(x));
     s[e] = sqrtf(sp);
-    sb[e] = bias ? s[e] + bias[e] : s[e];
+    float b = bias ? s[e] + bias[e] : s[e];
+    bad[e] = isnan(b);
+    sb[e] = isnan(b) ? -INFINITY : b;
   }
-  __syncwarp();
+  if (e < k) chosen[e] = -1;
+  __syncthreads();
   if (table) {
-    if (lane < k) chosen[lane] = (int)table[tok[t] * k + lane];
-  } else {
-    for (int j = 0; j < k; ++j) {
-      float best = -INFINITY;
-      int bi = 0x7fffffff;
-      for (int e = lane; e < E; e += 32)
-        if (sb[e] > best || (sb[e] == best && e < bi)) best = sb[e], bi = e;
-      for (int o = 16; o > 0; o >>= 1) {
-        float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) best = ob, bi = oi;
-      }
-      if (lane == 0) {
-        chosen[j] = bi;
-        sb[bi] = -INFINITY;
-      }
-      __syncwarp();
+    if (e < k) chosen[e] = (int)table[tok[t] * k + e];
+  } else if (e < E) {
+    const float me = sb[e];
+    const bool me_bad = bad[e];
+    int rank = 0;
+    for (int j = 0; j < E; ++j) {  // order: non-NaN first; then larger score; then lower index
+      const float o = sb[j];
+      const bool j_bad = bad[j];
+      rank += (me_bad != j_bad) ? me_bad : (o > me || (o == me && j < e));
     }
+    if (rank < k) chosen[rank] = e;
   }
-  __syncwarp();
-  if (lane == 0) {
+  __syncthreads();
+  if (e == 0) {
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) {
-      int e = chosen[j];
-      sum += (e >= 0 && e < E) ? s[e] : 0.0f;
+      int c = chosen[j];
+      sum += (c >= 0 && c < E) ? s[c] : 0.0f;
     }
     float den = fmaxf(sum, 6.1035e-5f);
     for (int j = 0; j < k; ++j) {
-      int e = chosen[j];
-      ids[(int64_t)t * k + j] = e;
-      wts[(int64_t)t * k + j] = (e >= 0 && e < E) ? s[e] / den * scale : 0.0f;
+      int c = chosen[j];
+      ids[(int64_t)t * k + j] = c;
+      wts[(int64_t)t * k + j] = (c >= 0 && c < E) ? s[c] / den * scale : 0.0f;
     }
   }
 }
@@ -379,36 +491,61 @@ constexpr int ATT_KEYS = 16;   // keys per block
 constexpr int ATT_HEADS = 16;  // most heads per block (two per warp)
 constexpr int ATT_THREADS = 256;
 
-// Split-key decode attention, pass 1: block (key chunk c, head group g of hb heads) loads its keys
-// once into shared memory and computes, for each of its heads, the chunk's max score m, sum of exp l
-// and the unnormalized output o (flash-decoding partials).
+// Split-key decode attention, pass 1: block (key chunk c, head group g of hb heads) loads its keys and
+// its heads' queries once into shared memory (float4) and computes, for each head, the chunk's max
+// score m, sum of exp l and the unnormalized output o (flash-decoding partials). Warp w scores heads
+// 2w and 2w + 1 against all ATT_KEYS keys with per-key accumulators in registers (one key load serves
+// both heads; the v3 kernel's per-(head, key) warp reductions with q re-read from global ran 25-40 us).
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
                                                                    float* part_o, float* part_ml) {
   extern __shared__ float sh[];
   float* keys = sh;                          // [ATT_KEYS][d]
-  float* prob = sh + ATT_KEYS * d;           // [ATT_HEADS][ATT_KEYS]
+  float* qs = sh + ATT_KEYS * d;             // [hb][d]
+  float* prob = qs + ATT_HEADS * d;          // [ATT_HEADS][ATT_KEYS]
   __shared__ bool vis[ATT_KEYS];
   const int c = blockIdx.x, g = blockIdx.y, H = gridDim.y * hb;
   const int64_t p = *pos;
-  const int k0 = c * ATT_KEYS;
-  for (int kk = threadIdx.x >> 5; kk < ATT_KEYS; kk += ATT_THREADS / 32) {
+  const int k0 = c * ATT_KEYS, d4 = d / 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int kk = warp; kk < ATT_KEYS; kk += ATT_THREADS / 32) {
     bool v = false;
     const float* src = nullptr;
     if (k0 + kk < n_keys) src = key_row(L, k0 + kk, p, d, &v);
-    for (int j = threadIdx.x & 31; j < d; j += 32) keys[kk * d + j] = (src && v) ? src[j] : 0.0f;
-    if ((threadIdx.x & 31) == 0) vis[kk] = src && v;
+    const bool use = src && v;
+    for (int j = lane; j < d4; j += 32)
+      ((float4*)keys)[kk * d4 + j] = use ? __ldg((const float4*)src + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (lane == 0) vis[kk] = use;
   }
+  const float4* qg = (const float4*)(q + (int64_t)g * hb * d);
+  for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) ((float4*)qs)[i] = __ldg(qg + i);
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int hh = 2 * warp; hh < 2 * warp + 2 && hh < hb; ++hh) {  // scores: warp w, heads 2w and 2w + 1
-    const int h = g * hb + hh;
-    const float* qh = q + (int64_t)h * d;
+  {
+    const int h0 = 2 * warp, h1 = 2 * warp + 1;
+    const bool has0 = h0 < hb, has1 = h1 < hb;
+    float a0[ATT_KEYS], a1[ATT_KEYS];
+#pragma unroll
+    for (int kk = 0; kk < ATT_KEYS; ++kk) a0[kk] = a1[kk] = 0.0f;
+    if (has0) {
+      const float* q0 = qs + h0 * d;
+      const float* q1 = qs + (has1 ? h1 : h0) * d;
+      for (int j = lane; j < d; j += 32) {
+        const float x0 = q0[j], x1 = q1[j];
+#pragma unroll
+        for (int kk = 0; kk < ATT_KEYS; ++kk) {
+          const float kv = keys[kk * d + j];
+          a0[kk] += x0 * kv;
+          a1[kk] += x1 * kv;
+        }
+      }
+    }
+#pragma unroll
     for (int kk = 0; kk < ATT_KEYS; ++kk) {
-      float s = 0.0f;
-      for (int j = lane; j < d; j += 32) s += qh[j] * keys[kk * d + j];
-      s = warp_sum_f(s);
-      if (lane == 0) prob[hh * ATT_KEYS + kk] = vis[kk] ? s * scale : -INFINITY;
+      const float s0 = warp_sum_f(a0[kk]), s1 = warp_sum_f(a1[kk]);
+      if (lane == 0) {
+        if (has0) prob[h0 * ATT_KEYS + kk] = vis[kk] ? s0 * scale : -INFINITY;
+        if (has1) prob[h1 * ATT_KEYS + kk] = vis[kk] ? s1 * scale : -INFINITY;
+      }
     }
   }
   __syncthreads();
@@ -426,40 +563,54 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* 
     part_ml[((int64_t)c * H + h) * 2 + 1] = l;
   }
   __syncthreads();
-  for (int hh = 0; hh < hb; ++hh) {
-    const int h = g * hb + hh;
-    for (int j = threadIdx.x; j < d; j += ATT_THREADS) {
-      float acc = 0.0f;
+  for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) {
+    const int hh = i / d4, j4 = i % d4, h = g * hb + hh;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-      for (int kk = 0; kk < ATT_KEYS; ++kk) acc += prob[hh * ATT_KEYS + kk] * keys[kk * d + j];
-      part_o[((int64_t)c * H + h) * d + j] = acc;
+    for (int kk = 0; kk < ATT_KEYS; ++kk) {
+      const float e = prob[hh * ATT_KEYS + kk];
+      const float4 kv = ((const float4*)keys)[kk * d4 + j4];
+      acc.x += e * kv.x; acc.y += e * kv.y; acc.z += e * kv.z; acc.w += e * kv.w;
     }
+    ((float4*)(part_o + ((int64_t)c * H + h) * d))[j4] = acc;
   }
 }
 
-// Pass 2, one block per head: combine the chunks with the sink, then the inverse RoPE on the tail.
-__global__ void attn_combine_kernel(const float* part_o, const float* part_ml, int n_chunks, int H, int d,
-                                    const float* sinks, const int64_t* pos, RowPost o, float* out) {
+// Pass 2, one block per head: combine the chunks with the sink (chunk weights computed once into
+// shared memory, then one column per thread with independent loads), then the inverse RoPE on the tail.
+constexpr int ATT_COMBINE_THREADS = 512;
+__global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const float* part_o, const float* part_ml,
+                                                                           int n_chunks, int H, int d,
+                                                                           const float* sinks, const int64_t* pos,
+                                                                           RowPost o, float* out) {
   extern __shared__ float sh[];
   __shared__ float red[32];
   float* v = sh;
   float* tmp = sh + d;
+  float* wc = sh + 2 * d;  // [n_chunks] weight exp(m_c - M), 0 for empty chunks
   const int h = blockIdx.x;
   const float sink = sinks[h];
+  float mx = -INFINITY;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) mx = fmaxf(mx, part_ml[((int64_t)c * H + h) * 2]);
+  mx = warp_max_f(mx);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+  __syncthreads();
   float M = sink;
-  for (int c = 0; c < n_chunks; ++c) M = fmaxf(M, part_ml[((int64_t)c * H + h) * 2]);
-  float L = expf(sink - M);
-  for (int c = 0; c < n_chunks; ++c) {
-    float m = part_ml[((int64_t)c * H + h) * 2];
-    if (m != -INFINITY) L += part_ml[((int64_t)c * H + h) * 2 + 1] * expf(m - M);
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, red[i]);
+  __syncthreads();
+  float lsum = 0.0f;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+    const float m = part_ml[((int64_t)c * H + h) * 2];
+    const float w = m == -INFINITY ? 0.0f : expf(m - M);
+    wc[c] = w;
+    if (m != -INFINITY) lsum += part_ml[((int64_t)c * H + h) * 2 + 1] * w;
   }
+  const float Lsum = block_sum(lsum, red) + expf(sink - M);  // block_sum's barrier also publishes wc
   for (int j = threadIdx.x; j < d; j += blockDim.x) {
     float acc = 0.0f;
-    for (int c = 0; c < n_chunks; ++c) {
-      float m = part_ml[((int64_t)c * H + h) * 2];
-      if (m != -INFINITY) acc += part_o[((int64_t)c * H + h) * d + j] * expf(m - M);
-    }
-    v[j] = acc / L;
+#pragma unroll 8
+    for (int c = 0; c < n_chunks; ++c) acc += part_o[((int64_t)c * H + h) * d + j] * wc[c];
+    v[j] = acc / Lsum;
   }
   __syncthreads();
   row_post(v, tmp, d, (float)*pos, o, red);
@@ -507,15 +658,23 @@ __global__ void index_keys_kernel(const float* q, const float* w, const float* i
 // ---- launchers -------------------------------------------------------------------------------------
 
 void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps, cudaStream_t s) {
-  rms_norm_kernel<<<rows, 256, 0, s>>>(x, w, y, n, eps);
+  rms_norm_kernel<<<rows, RMS_THREADS, 0, s>>>(x, w, y, n, eps);
   DS4_CHECK_LAUNCH("rms_norm");
 }
 
-void launch_hc_pre(const float* X, const float* mix, const float* scale, const float* base, const float* norm_w,
-                   int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head, float* out, float* post,
-                   float* comb, cudaStream_t s) {
+int hc_parts(int n, int D) { return (n * D + HC_COLS - 1) / HC_COLS; }
+
+void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
+                   const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                   float* out, float* post, float* comb, cudaStream_t s) {
   if (n > 8) throw std::invalid_argument("hc_pre: at most 8 streams");
-  hc_pre_kernel<<<T, 512, 0, s>>>(X, mix, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, out, post, comb);
+  if (D % 4 || D > 4 * HC_MAXU * HC_THREADS) throw std::invalid_argument("hc_pre: D must be a multiple of 4, <= 16384");
+  const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
+  if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
+  hc_mix_kernel<<<dim3(P, T), 256, 0, s>>>(X, Wf, M, n * D, P, part);
+  DS4_CHECK_LAUNCH("hc_mix");
+  hc_pre_kernel<<<T, HC_THREADS, 0, s>>>(X, part, P, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, out,
+                                         post, comb);
   DS4_CHECK_LAUNCH("hc_pre");
 }
 
@@ -544,7 +703,7 @@ void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s) {
   if (E > 256 || k > 16 || k > E) throw std::invalid_argument("router: E <= 256 and k <= 16");
-  router_kernel<<<T, 32, 0, s>>>(logits, bias, table, tok, E, k, scale, ids, wts);
+  router_kernel<<<T, ROUTER_THREADS, 0, s>>>(logits, bias, table, tok, E, k, scale, ids, wts);
   DS4_CHECK_LAUNCH("router");
 }
 
@@ -571,7 +730,8 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   check_row_post(o, d);
   KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1};
   const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);
-  size_t shm = (size_t)(ATT_KEYS * d + ATT_HEADS * ATT_KEYS) * sizeof(float);
+  if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
+  size_t shm = (size_t)(ATT_KEYS * d + ATT_HEADS * d + ATT_HEADS * ATT_KEYS) * sizeof(float);
   static size_t shm_set = 0;
   if (shm > 48 * 1024 && shm > shm_set) {
     DS4_CHECK(cudaFuncSetAttribute(attn_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
@@ -579,7 +739,13 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   }
   attn_partial_kernel<<<dim3(nc, H / hb), ATT_THREADS, shm, s>>>(q, L, n_keys, d, hb, pos, scale, part_o, part_ml);
   DS4_CHECK_LAUNCH("attention partial");
-  attn_combine_kernel<<<H, 128, 2 * d * sizeof(float), s>>>(part_o, part_ml, nc, H, d, sinks, pos, o, out);
+  size_t shm2 = (size_t)(2 * d + nc) * sizeof(float);
+  static size_t shm2_set = 0;
+  if (shm2 > 48 * 1024 && shm2 > shm2_set) {
+    DS4_CHECK(cudaFuncSetAttribute(attn_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
+    shm2_set = shm2;
+  }
+  attn_combine_kernel<<<H, ATT_COMBINE_THREADS, shm2, s>>>(part_o, part_ml, nc, H, d, sinks, pos, o, out);
   DS4_CHECK_LAUNCH("attention combine");
 }
 

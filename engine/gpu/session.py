@@ -186,6 +186,15 @@ class Weights:
         f = self.model.file
         return f is not None and int(f.info(name).qtype) in EXT_TYPES and int(f.info(name).qtype) != 1
 
+    def dense(self, name: str) -> torch.Tensor:
+        """A matrix as a float32 device tensor (small matrices the fused kernels read directly), cached."""
+        key = name + "#f32"
+        t = self._vecs.get(key)
+        if t is None:
+            t = torch.from_numpy(np.ascontiguousarray(self.model.w(name), np.float32)).to(self.device)
+            self._vecs[key] = t
+        return t
+
     def _dense3(self, name: str, m) -> torch.Tensor:
         if isinstance(m, torch.Tensor):
             return m
@@ -269,8 +278,9 @@ class Session(Timeline):
         """Upload every weight now (keeps uploads out of timings)."""
         cfg, W = self.cfg, self.W
         W.embedding()
-        for name in (C.OUTPUT, C.OUTPUT_HC_FN):
-            W.mat(name)
+        fused = self.K is not None  # the fused hc_pre reads the mHC fns as float32
+        W.mat(C.OUTPUT)
+        W.dense(C.OUTPUT_HC_FN) if fused else W.mat(C.OUTPUT_HC_FN)
         for name in (C.OUTPUT_NORM, C.OUTPUT_HC_SCALE, C.OUTPUT_HC_BASE):
             W.vec(name)
         for li in range(cfg.n_layer):
@@ -280,6 +290,8 @@ class Session(Timeline):
                     continue
                 if t == L.FFN_GATE_TID2EID:
                     W.ids(name)
+                elif fused and t in (L.HC_ATTN_FN, L.HC_FFN_FN):
+                    W.dense(name)
                 elif len(self.model.shape(name)) == 1 or t in (L.COMP_APE, L.IDX_COMP_APE):
                     W.vec(name)
                 else:
@@ -525,10 +537,9 @@ class Session(Timeline):
         """mHC pre of a sublayer, then its RMS norm: (normalized input, post, comb)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
-        if self.K is not None:  # the RMS of flatten(X) is a scalar: applied after the matvec, in the kernel
-            mix = W.mm(C.blk(li, fn), X.reshape(T, n * D))
-            return self.K.hc_pre(X, mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), W.vec(C.blk(li, norm)),
-                                 cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+        if self.K is not None:  # the mix and the RMS of flatten(X) are computed in the kernels
+            return self.K.hc_pre(X, W.dense(C.blk(li, fn)), W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)),
+                                 W.vec(C.blk(li, norm)), cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
         mix = W.mm(C.blk(li, fn), ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         pre, post, comb = self._f("hc_weights")(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
                                          cfg.sinkhorn_iters, cfg.hc_eps)
@@ -538,9 +549,8 @@ class Session(Timeline):
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         if self.K is not None:
-            mix = W.mm(C.OUTPUT_HC_FN, X.reshape(T, n * D))
-            h, _, _ = self.K.hc_pre(X, mix, W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE), W.vec(C.OUTPUT_NORM),
-                                    0, cfg.rms_eps, cfg.hc_eps, head=True)
+            h, _, _ = self.K.hc_pre(X, W.dense(C.OUTPUT_HC_FN), W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE),
+                                    W.vec(C.OUTPUT_NORM), 0, cfg.rms_eps, cfg.hc_eps, head=True)
             return W.mm(C.OUTPUT, h)
         mix = W.mm(C.OUTPUT_HC_FN, ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         wts = torch.sigmoid(mix * W.vec(C.OUTPUT_HC_SCALE)[0] + W.vec(C.OUTPUT_HC_BASE)) + cfg.hc_eps
