@@ -496,11 +496,13 @@ PYBIND11_MODULE(_ext, m) {
   m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t y, int rows, int n, float eps) {
     launch_rms_norm(ptr<const float>(x), ptr<const float>(w), ptr<float>(y), rows, n, eps, stream());
   }, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("rows"), py::arg("n"), py::arg("eps"));
-  m.def("hc_pre", [](uintptr_t X, uintptr_t mix, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T, int n, int D,
-                     int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post, uintptr_t comb) {
-    launch_hc_pre(ptr<const float>(X), ptr<const float>(mix), ptr<const float>(scale), ptr<const float>(base),
-                  ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post),
-                  ptr<float>(comb), stream());
+  m.def("hc_parts", &hc_parts, "partial sums per token of the mHC mix (scratch rows for hc_pre)");
+  m.def("hc_pre", [](uintptr_t X, uintptr_t Wf, uintptr_t part, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T,
+                     int n, int D, int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post,
+                     uintptr_t comb) {
+    launch_hc_pre(ptr<const float>(X), ptr<const float>(Wf), ptr<float>(part), ptr<const float>(scale),
+                  ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head,
+                  ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream());
   });
   m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
                       uintptr_t Xo) {
@@ -542,6 +544,9 @@ PYBIND11_MODULE(_ext, m) {
                          float scale, uintptr_t keys) {
     launch_index_keys(ptr<const float>(q), ptr<const float>(w), ptr<const float>(idx), n_rows, Hi, di,
                       ptr<const int64_t>(pos), ratio, scale, ptr<double>(keys), stream());
+  });
+  m.def("topk_rows", [](uintptr_t keys, int n, int k, uintptr_t pos, int ratio, uintptr_t sel) {
+    launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });
   m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
   m.def("capture_begin", &capture_begin);

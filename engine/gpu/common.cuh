@@ -89,9 +89,10 @@ struct RowPost {
   float had_scale = 1.0f;
 };
 void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps, cudaStream_t s);
-void launch_hc_pre(const float* X, const float* mix, const float* scale, const float* base, const float* norm_w,
-                   int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head, float* out, float* post,
-                   float* comb, cudaStream_t s);
+int hc_parts(int n, int D);
+void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
+                   const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                   float* out, float* post, float* comb, cudaStream_t s);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
 void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,
@@ -107,4 +108,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
                       float* part_o, float* part_ml, float* out, cudaStream_t s);
 void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
                        const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s);
+// topk.cu: sel[0..k) = indices of the k largest keys in ascending order (ties: lowest index; NaN smallest), one
+// block. pos != null and (*pos + 1) / ratio <= k: sel = 0..k-1 (all visible rows; the attention masks the rest).
+void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s);
 }  // namespace ds4gpu

@@ -39,17 +39,22 @@ class Fused:
         self.ext.rms_norm(_p(x), _p(w), _p(y), x.numel() // n, n, float(eps))
         return y
 
-    def hc_pre(self, X: torch.Tensor, mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+    def hc_pre(self, X: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False):
-        """X [T, n, D], mix = W_fn . flatten(X) un-normalized → (rms_norm(Σ pre_i X_i) * norm_w, post, comb)."""
+        """X [T, n, D], Wf [M, n·D] float32 (the mHC fn) → (rms_norm(Σ pre_i X_i) * norm_w, post, comb),
+        mix = Wf · rms_norm(flatten(X)) computed in the kernels."""
         T, n, D = X.shape
-        X, mix = X.contiguous(), mix.contiguous()
+        M = n if head else (2 + n) * n
+        if Wf.dtype != F32 or tuple(Wf.shape) != (M, n * D):
+            raise ValueError(f"hc_pre: fn must be float32 [{M}, {n * D}], got {Wf.dtype} {tuple(Wf.shape)}")
+        X, Wf = X.contiguous(), Wf.contiguous()
         out = torch.empty((T, D), dtype=F32, device=self.device)
         post = torch.empty((T, n), dtype=F32, device=self.device)
         comb = torch.empty((T, n, n), dtype=F32, device=self.device)
+        part = torch.empty((T, self.ext.hc_parts(n, D), M + 1), dtype=F32, device=self.device)
         self._stream()
-        self.ext.hc_pre(_p(X), _p(mix), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms),
-                        float(eps_hc), bool(head), _p(out), _p(post), _p(comb))
+        self.ext.hc_pre(_p(X), _p(Wf), _p(part), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters),
+                        float(eps_rms), float(eps_hc), bool(head), _p(out), _p(post), _p(comb))
         return out, post, comb
 
     def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
@@ -136,6 +141,18 @@ class Fused:
         self.ext.index_keys(_p(q), _p(w), _p(idx), idx.shape[0], Hi, di, _p(pos), int(ratio), float(scale), _p(keys))
         return keys
 
+    def topk(self, keys: torch.Tensor, k: int, pos: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+        """int64 [k]: the rows of the k largest float64 keys in ascending row order (the same set as
+        torch.topk; ties go to the lowest rows, NaN counts as smallest). With pos, when (pos + 1) // ratio <= k
+        rows are visible: 0..k-1 (the attention masks the rows not yet visible)."""
+        if keys.dtype != torch.float64 or keys.dim() != 1:
+            raise ValueError(f"topk: keys must be 1-D float64, got {keys.dtype} {tuple(keys.shape)}")
+        keys = keys.contiguous()
+        sel = torch.empty(k, dtype=torch.int64, device=self.device)
+        self._stream()
+        self.ext.topk_rows(_p(keys), keys.numel(), int(k), _p(pos), int(ratio), _p(sel))
+        return sel
+
 
 def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning)."""
@@ -169,7 +186,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
                              qat=cfg.indexer_qat)
             wi = W.mm(C.blk(li, L.IDX_PROJ), a)
             keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
-            sel = torch.topk(keys, cfg.indexer_top_k).indices
+            sel = K.topk(keys, cfg.indexer_top_k, pos, 4)
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
     low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), groups=cfg.o_groups)
     return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)

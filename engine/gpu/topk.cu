@@ -1,0 +1,179 @@
+// Top-k of the indexer keys for decode in one block: radix select, then an ordered compaction.
+//
+// Result: the k largest keys' row indices in ascending index order. Among keys equal to the k-th
+// largest the lowest indices win, NaN counts as smaller than everything, -0.0 equals +0.0. No atomic
+// decides an output position (histogram counts only), so the output is the same on every run,
+// eager or inside a CUDA graph.
+//
+// Algorithm: keys map to uint64 codes whose unsigned order is the double order. Pass p (p = 0..7)
+// builds a 256-bin histogram of byte 7-p of the codes that still share the chosen prefix and picks
+// the digit holding the k-th largest; `gt` counts the codes above the prefix so far. It stops early
+// once the whole chosen bucket is needed (then every code with that prefix is taken). The compaction
+// takes every code with (code >> shift) > prefix and the first k - gt with (code >> shift) == prefix,
+// positions from one block-wide exclusive scan of packed (greater, equal) counts.
+#include "common.cuh"
+
+namespace ds4gpu {
+namespace {
+
+constexpr int TOPK_THREADS = 1024;
+constexpr int TOPK_REG_ITEMS = 8;  // n <= 8192: a thread's keys stay in registers between passes
+
+__device__ __forceinline__ uint64_t order_code(double x) {
+  if (x != x) return 0;       // NaN: below -inf (whose code is 0x000F...F)
+  if (x == 0.0) x = 0.0;      // -0.0 ties with +0.0 as in the float comparison
+  const uint64_t b = (uint64_t)__double_as_longlong(x);
+  return (b >> 63) ? ~b : b | (1ull << 63);
+}
+
+// Exclusive block-wide prefix sum of one uint64 per thread (all threads must call it).
+__device__ uint64_t block_exclusive_scan(uint64_t v, uint64_t* warp_tot) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  uint64_t inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint64_t t = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += t;
+  }
+  if (lane == 31) warp_tot[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    uint64_t w = lane < nw ? warp_tot[lane] : 0, wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint64_t t = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += t;
+    }
+    if (lane < nw) warp_tot[lane] = wi - w;  // exclusive prefix of the warp totals
+  }
+  __syncthreads();
+  return warp_tot[warp] + inc - v;
+}
+
+// Adds one count per lane with bin < 256 to hist[bin]; lanes with equal bins add once together
+// (the first passes put nearly every key in one bin). All lanes of the warp must call it.
+__device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin) {
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (bin < 256 && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
+// REG > 0: n <= REG * TOPK_THREADS, keys read once into registers. REG == 0: keys re-read from global
+// memory each pass (striped for coalescing; the compaction reads them blocked).
+template <int REG>
+__global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* keys, int n, int k,
+                                                                 const int64_t* pos, int ratio, int64_t* sel) {
+  __shared__ unsigned hist[256];
+  __shared__ uint64_t warp_tot[32];
+  __shared__ uint64_t sh_prefix;
+  __shared__ int sh_gt, sh_eq;
+  const int tid = threadIdx.x;
+  if (pos) {
+    const int64_t n_vis = (*pos + 1) / ratio;
+    if (n_vis <= k) {  // every visible row fits; the attention masks rows >= n_vis itself
+      for (int i = tid; i < k; i += blockDim.x) sel[i] = i;
+      return;
+    }
+  }
+  // blocked ownership: thread t has rows [begin, end)
+  const int chunk = REG ? REG : (n + (int)blockDim.x - 1) / (int)blockDim.x;
+  const int begin = min(tid * chunk, n), end = min(begin + chunk, n);
+  uint64_t code[REG ? REG : 1];
+  if (REG) {
+#pragma unroll
+    for (int j = 0; j < (REG ? REG : 1); ++j) code[j] = begin + j < end ? order_code(keys[begin + j]) : 0;
+  }
+
+  uint64_t prefix = 0;  // the chosen top bytes of the k-th largest code
+  int gt = 0;           // codes whose top bytes are above prefix
+  int shift = 64;       // prefix = code >> shift for the tied codes
+  for (int pass = 0; pass < 8; ++pass) {
+    const int s = 56 - 8 * pass;
+    for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    if (REG) {
+#pragma unroll
+      for (int j = 0; j < (REG ? REG : 1); ++j) {
+        const uint64_t c = code[j];
+        const bool cand = begin + j < end && (pass == 0 || (c >> (s + 8)) == prefix);
+        if (__any_sync(0xffffffffu, cand)) hist_add(hist, cand ? (unsigned)(c >> s) & 255u : 256u);
+      }
+    } else {
+      const int n_up = (n + (int)blockDim.x - 1) / (int)blockDim.x * (int)blockDim.x;  // same trip count per warp
+      for (int i = tid; i < n_up; i += blockDim.x) {
+        const uint64_t c = i < n ? order_code(keys[i]) : 0;
+        const bool cand = i < n && (pass == 0 || (c >> (s + 8)) == prefix);
+        if (__any_sync(0xffffffffu, cand)) hist_add(hist, cand ? (unsigned)(c >> s) & 255u : 256u);
+      }
+    }
+    __syncthreads();
+    if (tid < 32) {
+      // lane l owns digits 255-8l .. 248-8l (descending), so lane order is code order from the top
+      unsigned mine = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mine += hist[255 - 8 * tid - i];
+      unsigned inc = mine;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned t = __shfl_up_sync(0xffffffffu, inc, o);
+        if (tid >= o) inc += t;
+      }
+      int above = gt + (int)(inc - mine);  // codes above this lane's first digit
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int d = 255 - 8 * tid - i, c = (int)hist[d];
+        if (above < k && above + c >= k) {  // exactly one digit satisfies this
+          sh_prefix = prefix << 8 | (uint64_t)d;
+          sh_gt = above;
+          sh_eq = c;
+        }
+        above += c;
+      }
+    }
+    __syncthreads();
+    prefix = sh_prefix;
+    gt = sh_gt;
+    shift = s;
+    if (sh_eq == k - gt) break;  // the whole bucket is taken: no need to resolve it further (uniform)
+  }
+
+  // compaction in ascending index order
+  const uint64_t need = (uint64_t)(k - gt);
+  uint64_t n_gt = 0, n_eq = 0;
+#pragma unroll
+  for (int j = 0; j < (REG ? REG : chunk); ++j) {
+    if (begin + j < end) {
+      const uint64_t c = (REG ? code[REG ? j : 0] : order_code(keys[begin + j])) >> shift;
+      n_gt += c > prefix;
+      n_eq += c == prefix;
+    }
+  }
+  const uint64_t before = block_exclusive_scan(n_gt << 32 | n_eq, warp_tot);
+  uint64_t gt_before = before >> 32, eq_before = before & 0xffffffffu;
+#pragma unroll
+  for (int j = 0; j < (REG ? REG : chunk); ++j) {
+    if (begin + j < end) {
+      const uint64_t c = (REG ? code[REG ? j : 0] : order_code(keys[begin + j])) >> shift;
+      if (c > prefix) {
+        sel[gt_before + min(eq_before, need)] = begin + j;
+        ++gt_before;
+      } else if (c == prefix) {
+        if (eq_before < need) sel[gt_before + eq_before] = begin + j;
+        ++eq_before;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s) {
+  if (k < 1 || k > n) throw std::invalid_argument("topk_rows: need 1 <= k <= n");
+  if (pos && ratio < 1) throw std::invalid_argument("topk_rows: ratio must be >= 1");
+  if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
+    topk_rows_kernel<TOPK_REG_ITEMS><<<1, TOPK_THREADS, 0, s>>>(keys, n, k, pos, ratio, sel);
+  else
+    topk_rows_kernel<0><<<1, TOPK_THREADS, 0, s>>>(keys, n, k, pos, ratio, sel);
+  DS4_CHECK_LAUNCH("topk_rows");
+}
+
+}  // namespace ds4gpu
