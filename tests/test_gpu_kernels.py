@@ -211,3 +211,84 @@ def test_resident_model_from_written_gguf(tmp_path) -> None:
     for name, (q, _) in mats.items():
         ref = dequant(q, f.raw(name), 512) @ x[0].astype(np.float64)
         assert rel_err(gpu.matvec_host(model[name], x)[0], ref) <= TOL, name
+
+
+# ---- the batch-1 Q8_0 kernel of matvec_q8.cu (DS4_GPU_MV=2; 3 adds programmatic dependent launch) ----
+# The variable is read once per process, so that kernel runs in a subprocess that writes its outputs;
+# this process holds them to the float64 reference and to the default kernel (same activation
+# quantization, so only the float summation order differs).
+MV2_CASES = [  # (cols, rows, groups): Flash shapes, then odd ones (rows of no particular multiple)
+    (1024, 32768, 1), (8192, 4096, 1), (4096, 1024, 1), (4096, 8192, 8), (2048, 4096, 1),
+    (768, 1000, 1), (256, 999, 1), (512, 21, 3), (4096, 5, 1),
+]
+SHARED_ROWS = (1024, 520)  # matvec_shared (x quantized once, the kernel reads the planes): q_a, kv-like
+
+
+def mv2_inputs(i: int) -> tuple[np.ndarray, np.ndarray]:
+    cols, rows, groups = MV2_CASES[i]
+    rng = np.random.default_rng(1000 + i)
+    raw = random_blocks(Q.Q8_0, rows, cols, rng)
+    x = rng.standard_normal((1, groups * cols)).astype(np.float32)
+    x[:, : cols // 8] *= 20.0
+    return raw, x
+
+
+def shared_inputs() -> tuple[list[np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(77)
+    raws = [random_blocks(Q.Q8_0, rows, 4096, rng) for rows in SHARED_ROWS]
+    return raws, rng.standard_normal((1, 4096)).astype(np.float32) * 3.0
+
+
+def mv2_outputs(path: str) -> None:
+    """Run in the subprocess: every case through ext.matvec / ext.matvec_shared, saved to `path`."""
+    import os
+
+    assert os.environ.get("DS4_GPU_MV") in ("2", "3")
+    ext = gpu.load()
+    ys = {}
+    for i, (cols, rows, groups) in enumerate(MV2_CASES):
+        raw, x = mv2_inputs(i)
+        ys[f"y{i}"] = run_matvec(gpu.upload(f"mv2.{i}", Q.Q8_0, (cols, rows), raw), x, groups)
+    raws, x = shared_inputs()
+    ws = [gpu.upload(f"mv2.shared{j}", Q.Q8_0, (4096, r.shape[0]), r) for j, r in enumerate(raws)]
+    outs = [ext.Array.empty([1, w.nrows]) for w in ws]
+    for y in outs:
+        y.fill(float("nan"))
+    ext.matvec_shared(ws, ext.Array.from_numpy(x), outs)
+    for j, y in enumerate(outs):
+        ys[f"shared{j}"] = y.numpy()
+    np.savez(path, **ys)
+
+
+@pytest.mark.parametrize("variant", ["2", "3"])
+def test_q8_0_batch1_kernel_v2_matches_reference_and_default(variant: str, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "y.npz"
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_gpu_kernels as t; t.mv2_outputs(sys.argv[1])"
+    env = {**os.environ, "DS4_GPU_MV": variant}
+    res = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    got = np.load(out)
+    default_here = os.environ.get("DS4_GPU_MV", "1") in ("", "1")
+    for i, (cols, rows, groups) in enumerate(MV2_CASES):
+        raw, x = mv2_inputs(i)
+        y2 = got[f"y{i}"]
+        assert y2.shape == (1, rows)
+        pick = np.sort(np.random.default_rng(i).choice(rows, size=min(rows, 384), replace=False))
+        xg = x.astype(np.float64).reshape(groups, cols)[pick // (rows // groups)]
+        ref = np.einsum("sc,sc->s", dequant(Q.Q8_0, raw[pick], cols), xg)
+        err = rel_err(y2[0, pick], ref)
+        assert err <= TOL, f"DS4_GPU_MV={variant} {cols}x{rows} groups={groups}: rel err {err:.2e}"
+        if default_here and (rows // groups) % 8 == 0:  # shapes the default kernel takes
+            y1 = run_matvec(gpu.upload(f"mv1.{i}", Q.Q8_0, (cols, rows), raw), x, groups)
+            d = rel_err(y2, y1)
+            assert d <= 1e-5, f"DS4_GPU_MV={variant} {cols}x{rows}: {d:.2e} from the default kernel"
+    raws, x = shared_inputs()
+    for j, r in enumerate(raws):
+        ref = dequant(Q.Q8_0, r, 4096) @ x[0].astype(np.float64)
+        err = rel_err(got[f"shared{j}"][0], ref)
+        assert err <= TOL, f"DS4_GPU_MV={variant} matvec_shared {j}: rel err {err:.2e}"

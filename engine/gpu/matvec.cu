@@ -114,10 +114,28 @@ static void launch_qt(const Packed& w, const float* x, const XQ& xq, int batch, 
   else launch_nb<QT, 8>(w, x, xq, batch, groups, y, stream);
 }
 
+// matvec_q8.cu: the batch-1 Q8_0 kernel used under DS4_GPU_MV=2/3 (x quantized in the kernel when
+// `quantize`); false if it does not take this shape (then this file's kernel runs).
+bool launch_matvec_q8(const Packed& w, const float* x, const XQ& xq, int groups, float* y, cudaStream_t stream,
+                      bool quantize, bool pdl);
+
+// $DS4_GPU_MV selects the batch-1 Q8_0 kernel: unset/1 this file's, 2 matvec_q8.cu's (x quantized in
+// the kernel), 3 the same with programmatic dependent launch. Read once (benchmark A/B).
+static int mv_variant() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MV");
+    return e ? atoi(e) : 1;
+  }();
+  return v;
+}
+
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
                    cudaStream_t stream, bool quantize) {
   if (batch < 1 || batch > MAX_BATCH) throw std::invalid_argument("matvec batch must be 1..8");
   if (groups < 1 || w.nrows % groups) throw std::invalid_argument("rows must split evenly into groups");
+  if (batch == 1 && w.qtype == QT_Q8_0 && mv_variant() >= 2 &&
+      launch_matvec_q8(w, x, xq, groups, y, stream, quantize, mv_variant() >= 3))
+    return;
   if (w.qtype != QT_F16 && quantize) launch_quantize_x(x, batch * groups, (int)w.ncols, xq, stream);
   switch (w.qtype) {
     case QT_F16: launch_qt<QT_F16>(w, x, xq, batch, groups, y, stream); break;
