@@ -29,7 +29,9 @@ def K():
         pytest.skip("needs a CUDA device and the built extension")
     from ds4.engine.gpu.fused import Fused
 
-    return Fused(gpu.load(), torch.device(DEV))
+    ext = gpu.load()
+    yield Fused(ext, torch.device(DEV))
+    ext.reset_stream()  # Fused points the extension at torch's streams; later test files capture on its own
 
 
 def rel(a, b) -> float:
@@ -244,7 +246,8 @@ def order_codes(keys: np.ndarray) -> np.ndarray:
 
 def topk_rows_model(keys: np.ndarray, k: int, pos: int | None = None, ratio: int = 1) -> np.ndarray:
     """The exact algorithm of topk_rows_kernel: radix select over 8-bit digits from the top (early exit once
-    the threshold's whole bucket is taken), then the compaction positions from exclusive prefix counts."""
+    the threshold's whole bucket is taken or all its codes are equal), then the compaction positions from
+    exclusive prefix counts."""
     n = len(keys)
     assert 1 <= k <= n
     if pos is not None and (pos + 1) // ratio <= k:
@@ -254,6 +257,9 @@ def topk_rows_model(keys: np.ndarray, k: int, pos: int | None = None, ratio: int
     for p in range(8):
         s = 56 - 8 * p
         cand = np.ones(n, bool) if p == 0 else (code >> np.uint64(s + 8)) == np.uint64(prefix)
+        if np.bitwise_or.reduce(code[cand]) == np.bitwise_and.reduce(code[cand]):  # all tied
+            prefix, shift = int(code[cand][0]), 0
+            break
         hist = np.bincount(((code[cand] >> np.uint64(s)) & np.uint64(255)).astype(np.int64), minlength=256)
         above = gt + np.cumsum(hist[::-1])[::-1] - hist  # codes above each digit's bucket
         (d,) = np.nonzero((above < k) & (above + hist >= k))[0]

@@ -557,6 +557,10 @@ PYBIND11_MODULE(_ext, m) {
           g_stream_external = true;
         }, py::arg("stream"),
         "Launch every later op on this CUDA stream handle (e.g. torch.cuda.current_stream().cuda_stream).");
+  m.def("reset_stream", []() {
+          g_stream = nullptr;
+          g_stream_external = false;
+        }, "Forget set_stream: later ops run on the extension's own non-blocking stream (created on first use).");
   m.def("copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = size_t(1) << 31, py::arg("iters") = 20);
   m.def("device_info", &device_info);
   m.def("device_count", []() {

@@ -245,6 +245,27 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
     if (lane < n) pre[lane] = sigmoidf_(m[lane] * r * scale[0] + base[lane]) + eps_hc;
     if (!head) {
       if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(m[n + lane] * r * scale[1] + base[n + lane]);
+      if (n == 4) {  // comb on 16 lanes (a, b) = (lane / 4, lane % 4): sums by xor shuffles, no barriers
+        const int l = lane & 15;  // lanes 16-31 mirror 0-15
+        float v = m[8 + l] * r * scale[2] + base[8 + l];
+        float mx = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float e = expf(v - mx);
+        float s = e + __shfl_xor_sync(0xffffffffu, e, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        v = e / s + eps_hc;
+        for (int it = 0; it < iters; ++it) {
+          if (it > 0) {  // rows (sum over b)
+            s = v + __shfl_xor_sync(0xffffffffu, v, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            v = v / (s + eps_hc);
+          }
+          s = v + __shfl_xor_sync(0xffffffffu, v, 4);  // columns (sum over a)
+          s += __shfl_xor_sync(0xffffffffu, s, 8);
+          v = v / (s + eps_hc);
+        }
+        if (lane < 16) comb_out[(int64_t)t * 16 + lane] = v;
+      } else {
       const bool own = lane < n * n;
       const int a = own ? lane / n : 0, b = own ? lane % n : 0;
       float v = own ? m[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.0f;
@@ -276,6 +297,7 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
         v = v / (s + eps_hc);
       }
       if (own) comb_out[(int64_t)t * n * n + lane] = v;
+      }
     }
   }
   __syncthreads();
@@ -320,13 +342,16 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
   const int t = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= D) return;
-  float x[16];
-  for (int a = 0; a < n; ++a) x[a] = X[((int64_t)t * n + a) * D + d];
+  float x[16];  // unrolled with guards so x stays in registers (a runtime index put it in local memory)
+#pragma unroll
+  for (int a = 0; a < 16; ++a) x[a] = a < n ? X[((int64_t)t * n + a) * D + d] : 0.0f;
   float y = y1[(int64_t)t * D + d];
   if (y2) y += y2[(int64_t)t * D + d];
   for (int b = 0; b < n; ++b) {
     float s = 0.0f;
-    for (int a = 0; a < n; ++a) s += comb[((int64_t)t * n + a) * n + b] * x[a];
+#pragma unroll
+    for (int a = 0; a < 16; ++a)
+      if (a < n) s += comb[((int64_t)t * n + a) * n + b] * x[a];
     Xo[((int64_t)t * n + b) * D + d] = post[(int64_t)t * n + b] * y + s;
   }
 }
@@ -352,22 +377,22 @@ __global__ void norm_rope_kernel(const float* x, int d, int rows_per_token, cons
 // ids = top-k of s + bias (or table[tok] on hash layers), w = s[ids] / max(sum, 6.1035e-5) * scale.
 // Top-k by rank: expert e's rank is the number of experts ahead of it (larger biased score, or equal
 // and a lower index), so chosen[rank] = e gives the order of k successive argmax passes (the v3 kernel
-// ran those passes on one warp, ~7 us). NaN scores rank last.
+// ran those passes on one warp, ~7 us). NaN scores rank last (as -inf, lowest index first).
 constexpr int ROUTER_THREADS = 256;
 __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
                                                                 const int64_t* table, const int64_t* tok, int E,
                                                                 int k, float scale, int32_t* ids, float* wts) {
-  __shared__ float s[ROUTER_THREADS], sb[ROUTER_THREADS];
-  __shared__ bool bad[ROUTER_THREADS];
+  __shared__ float s[ROUTER_THREADS];
+  __shared__ __align__(16) float sb[ROUTER_THREADS];
   __shared__ int chosen[16];
   const int t = blockIdx.x, e = threadIdx.x;
+  if (e < ROUTER_THREADS) sb[e] = -INFINITY;  // padding past E never ranks ahead
   if (e < E) {
     float x = logits[(int64_t)t * E + e];
     float sp = x > 20.0f ? x : log1pf(expf(x));
     s[e] = sqrtf(sp);
     float b = bias ? s[e] + bias[e] : s[e];
-    bad[e] = isnan(b);
-    sb[e] = isnan(b) ? -INFINITY : b;
+    sb[e] = isnan(b) ? -INFINITY : b;  // scores are >= 0 and biases finite, so -inf only marks NaN
   }
   if (e < k) chosen[e] = -1;
   __syncthreads();
@@ -375,13 +400,17 @@ __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* log
     if (e < k) chosen[e] = (int)table[tok[t] * k + e];
   } else if (e < E) {
     const float me = sb[e];
-    const bool me_bad = bad[e];
-    int rank = 0;
-    for (int j = 0; j < E; ++j) {  // order: non-NaN first; then larger score; then lower index
-      const float o = sb[j];
-      const bool j_bad = bad[j];
-      rank += (me_bad != j_bad) ? me_bad : (o > me || (o == me && j < e));
+    int r0 = 0, r1 = 0, r2 = 0, r3 = 0;  // four counters: independent chains
+    const float4* sb4 = (const float4*)sb;
+    for (int j4 = 0; j4 < (E + 3) / 4; ++j4) {
+      const float4 o = sb4[j4];
+      const int j = 4 * j4;
+      r0 += o.x > me || (o.x == me && j < e);
+      r1 += o.y > me || (o.y == me && j + 1 < e);
+      r2 += o.z > me || (o.z == me && j + 2 < e);
+      r3 += o.w > me || (o.w == me && j + 3 < e);
     }
+    const int rank = r0 + r1 + r2 + r3;
     if (rank < k) chosen[rank] = e;
   }
   __syncthreads();
@@ -488,14 +517,15 @@ __device__ __forceinline__ const float* key_row(const KeyList& L, int kk, int64_
 }
 
 constexpr int ATT_KEYS = 16;   // keys per block
-constexpr int ATT_HEADS = 16;  // most heads per block (two per warp)
+constexpr int ATT_HEADS = 8;   // most heads per block (one per warp)
 constexpr int ATT_THREADS = 256;
 
 // Split-key decode attention, pass 1: block (key chunk c, head group g of hb heads) loads its keys and
 // its heads' queries once into shared memory (float4) and computes, for each head, the chunk's max
-// score m, sum of exp l and the unnormalized output o (flash-decoding partials). Warp w scores heads
-// 2w and 2w + 1 against all ATT_KEYS keys with per-key accumulators in registers (one key load serves
-// both heads; the v3 kernel's per-(head, key) warp reductions with q re-read from global ran 25-40 us).
+// score m, sum of exp l and the unnormalized output o (flash-decoding partials). Warp w scores head w
+// against all ATT_KEYS keys with per-key accumulators in registers (the v3 kernel's per-(head, key)
+// warp reductions with q re-read from global ran 25-40 us; 16 heads per block ran 12-16 us: too much
+// serial work per block, so 8 heads and twice the blocks).
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
                                                                    float* part_o, float* part_ml) {
@@ -520,32 +550,20 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* 
   const float4* qg = (const float4*)(q + (int64_t)g * hb * d);
   for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) ((float4*)qs)[i] = __ldg(qg + i);
   __syncthreads();
-  {
-    const int h0 = 2 * warp, h1 = 2 * warp + 1;
-    const bool has0 = h0 < hb, has1 = h1 < hb;
-    float a0[ATT_KEYS], a1[ATT_KEYS];
+  if (warp < hb) {  // warp w scores head w against every key of the chunk
+    float a0[ATT_KEYS];
 #pragma unroll
-    for (int kk = 0; kk < ATT_KEYS; ++kk) a0[kk] = a1[kk] = 0.0f;
-    if (has0) {
-      const float* q0 = qs + h0 * d;
-      const float* q1 = qs + (has1 ? h1 : h0) * d;
-      for (int j = lane; j < d; j += 32) {
-        const float x0 = q0[j], x1 = q1[j];
+    for (int kk = 0; kk < ATT_KEYS; ++kk) a0[kk] = 0.0f;
+    const float* q0 = qs + warp * d;
+    for (int j = lane; j < d; j += 32) {
+      const float x0 = q0[j];
 #pragma unroll
-        for (int kk = 0; kk < ATT_KEYS; ++kk) {
-          const float kv = keys[kk * d + j];
-          a0[kk] += x0 * kv;
-          a1[kk] += x1 * kv;
-        }
-      }
+      for (int kk = 0; kk < ATT_KEYS; ++kk) a0[kk] += x0 * keys[kk * d + j];
     }
 #pragma unroll
     for (int kk = 0; kk < ATT_KEYS; ++kk) {
-      const float s0 = warp_sum_f(a0[kk]), s1 = warp_sum_f(a1[kk]);
-      if (lane == 0) {
-        if (has0) prob[h0 * ATT_KEYS + kk] = vis[kk] ? s0 * scale : -INFINITY;
-        if (has1) prob[h1 * ATT_KEYS + kk] = vis[kk] ? s1 * scale : -INFINITY;
-      }
+      const float s0 = warp_sum_f(a0[kk]);
+      if (lane == 0) prob[warp * ATT_KEYS + kk] = vis[kk] ? s0 * scale : -INFINITY;
     }
   }
   __syncthreads();
@@ -726,7 +744,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s) {
   const int hb = H % ATT_HEADS == 0 ? ATT_HEADS : (H <= ATT_HEADS ? H : 0);
-  if (hb == 0) throw std::invalid_argument("attention: heads must be <= 16 or a multiple of 16");
+  if (hb == 0) throw std::invalid_argument("attention: heads must be <= 8 or a multiple of 8");
   check_row_post(o, d);
   KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1};
   const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);

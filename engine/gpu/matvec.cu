@@ -16,11 +16,10 @@ template <int QT, int NB, int R>
 __global__ void __launch_bounds__(CTA_THREADS) matvec_kernel(Packed w, const float* x, XQ xq, int batch,
                                                              int groups, int S, float* y) {
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
-  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
   __shared__ float red[CTA_WARPS][R][NB];
-  Iq2Tables tb{s_grid, s_mask};
+  Iq2Tables tb{s_grid};
   if constexpr (QT == QT_IQ2_XXS) {
-    iq2_tables_init(s_grid, s_mask);
+    iq2_tables_init(s_grid);
     __syncthreads();
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;

@@ -2,67 +2,77 @@
 // g = min(W1 b, c), u = clamp(W3 b, -c, c), h = silu(g) u w_k, then y = sum_k W2 h_k.
 // Two kernels: gate+up (one warp computes R/2 rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
+#include <algorithm>
+
 #include "mv_core.cuh"
 
 namespace ds4gpu {
 
 constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
 
+// Persistent over work units (row group x, token-expert pair y) of a gx-by-pairs grid: the IQ2_XXS
+// tables are built once per CTA instead of once per unit (each unit is one x block per lane, so in the
+// v3 kernel the table setup of 3072 short CTAs cost about as much as the weights: 30 us for 13 MB).
+constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 warps share one table
+
 template <int QT>
-__global__ void __launch_bounds__(CTA_THREADS) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
-                                                                 XQ xq, const int32_t* ids, const float* wts,
-                                                                 int k, float clamp, int S, float* h) {
+__global__ void __launch_bounds__(GU_THREADS) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
+                                                                XQ xq, const int32_t* ids, const float* wts,
+                                                                int k, float clamp, int S, int gx, int units,
+                                                                float* h) {
   constexpr int R = MOE_R, RH = MOE_R / 2;
-  __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
-  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
-  __shared__ float red[CTA_WARPS][R];
-  Iq2Tables tb{s_grid, s_mask};
+  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
+  __shared__ float red[GU_WARPS][R];
   if constexpr (QT == QT_IQ2_XXS) {
-    iq2_tables_init(s_grid, s_mask);
+    iq2_lane_tables_init(s_rep);
     __syncthreads();
   }
-  const int pair = blockIdx.y, token = pair / k;
-  const int e = ids[pair];
-  const bool bad = e < 0 || e >= n_expert;
-  const int ee = bad ? 0 : e;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int RG = CTA_WARPS / S, rg = warp / S, cs = warp % S;
-  const int f0 = (blockIdx.x * RG + rg) * RH;
-  const uint8_t* qrow[R];
-  const uint8_t* srow[R];
+  const Iq2LaneTables tb{s_rep, lane};
+  const int RG = GU_WARPS / S, rg = warp / S, cs = warp % S;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int bx = unit % gx, pair = unit / gx, token = pair / k;
+    const int e = ids[pair];
+    const bool bad = e < 0 || e >= n_expert;
+    const int ee = bad ? 0 : e;
+    const int f0 = (bx * RG + rg) * RH;
+    const uint8_t* qrow[R];
+    const uint8_t* srow[R];
 #pragma unroll
-  for (int i = 0; i < RH; ++i) {
-    int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
-    qrow[i] = gate.qs + row * gate.qs_row;
-    srow[i] = gate.sc + row * gate.sc_row;
-    qrow[RH + i] = up.qs + row * up.qs_row;
-    srow[RH + i] = up.sc + row * up.sc_row;
-  }
-  int vec[1] = {token};
-  float acc[R][1];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-  mv_accumulate<QT, 1, R>(qrow, srow, (int)(gate.ncols / 32), (int)(gate.ncols / 256), cs * 32 + lane, 32 * S,
-                          xq, vec, tb, acc);
-  warp_sum<R, 1>(acc);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < RG * RH; t += CTA_THREADS) {
-    int grp = t / RH, i = t % RH;
-    float g = 0.0f, u = 0.0f;
-    for (int c = 0; c < S; ++c) {
-      g += red[grp * S + c][i];
-      u += red[grp * S + c][RH + i];
+    for (int i = 0; i < RH; ++i) {
+      int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
+      qrow[i] = gate.qs + row * gate.qs_row;
+      srow[i] = gate.sc + row * gate.sc_row;
+      qrow[RH + i] = up.qs + row * up.qs_row;
+      srow[RH + i] = up.sc + row * up.sc_row;
     }
-    int f = (blockIdx.x * RG + grp) * RH + i;
-    if (f >= n_ff) continue;
-    g = fminf(g, clamp);
-    u = fminf(fmaxf(u, -clamp), clamp);
-    float v = g / (1.0f + __expf(-g)) * u * wts[pair];
-    h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
+    int vec[1] = {token};
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+    mv_accumulate<QT, 1, R>(qrow, srow, (int)(gate.ncols / 32), (int)(gate.ncols / 256), cs * 32 + lane, 32 * S,
+                            xq, vec, tb, acc);
+    warp_sum<R, 1>(acc);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < RG * RH; t += GU_THREADS) {
+      int grp = t / RH, i = t % RH;
+      float g = 0.0f, u = 0.0f;
+      for (int c = 0; c < S; ++c) {
+        g += red[grp * S + c][i];
+        u += red[grp * S + c][RH + i];
+      }
+      int f = (bx * RG + grp) * RH + i;
+      if (f >= n_ff) continue;
+      g = fminf(g, clamp);
+      u = fminf(fmaxf(u, -clamp), clamp);
+      float v = g / (1.0f + __expf(-g)) * u * wts[pair];
+      h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
+    }
+    __syncthreads();  // red is rewritten by the next unit
   }
 }
 
@@ -71,11 +81,10 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
                                                                const int32_t* ids, int k, int S, float* y) {
   constexpr int R = MOE_R;
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
-  __shared__ unsigned long long s_mask[QT == QT_IQ2_XXS ? 128 : 1];
   __shared__ float red[CTA_WARPS][R];
-  Iq2Tables tb{s_grid, s_mask};
+  Iq2Tables tb{s_grid};
   if constexpr (QT == QT_IQ2_XXS) {
-    iq2_tables_init(s_grid, s_mask);
+    iq2_tables_init(s_grid);
     __syncthreads();
   }
   const int token = blockIdx.y;
@@ -118,14 +127,32 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
   }
 }
 
+// Resident CTAs of a kernel on the whole device (occupancy x SMs).
+template <typename K>
+static int resident_ctas(K kernel, int threads, size_t smem) {
+  int dev = 0, sms = 0, per_sm = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  DS4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return std::max(1, per_sm) * sms;
+}
+
 template <int QT>
 static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                           const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                           cudaStream_t stream) {
   int S = column_splits(gate.ncols / 32);
-  int rows_per_cta = (CTA_WARPS / S) * (MOE_R / 2);
-  dim3 grid((n_ff + rows_per_cta - 1) / rows_per_cta, pairs);
-  moe_gateup_kernel<QT><<<grid, CTA_THREADS, 0, stream>>>(gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, S, h);
+  int rows_per_cta = (GU_WARPS / S) * (MOE_R / 2);
+  const int gx = (n_ff + rows_per_cta - 1) / rows_per_cta, units = gx * pairs;
+  constexpr size_t smem = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
+  static const int resident = [] {
+    if (smem > 48 * 1024)
+      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    return resident_ctas(moe_gateup_kernel<QT>, GU_THREADS, smem);
+  }();
+  const int grid = std::min(units, resident);
+  moe_gateup_kernel<QT><<<grid, GU_THREADS, smem, stream>>>(gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, S, gx,
+                                                            units, h);
   DS4_CHECK_LAUNCH("moe gate/up");
 }
 

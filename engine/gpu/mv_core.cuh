@@ -43,22 +43,43 @@ __device__ __forceinline__ uint32_t ld_stream2(const void* p) {
 }
 __device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 
-// IQ2_XXS lookup tables in shared memory: the grid and, per 7-bit sign field, the byte masks
-// (0xff = negative) of its 8 signs, the eighth sign being the parity of the seven.
+// IQ2_XXS grid in shared memory (256 entries of 8 magnitudes). The 8 signs of a group come from its
+// 7-bit field arithmetically (the eighth is the parity of the seven): a second table lookup per group
+// was half of the shared-memory wavefronts that bound the 2-bit kernels (ncu: L1/TEX 82% busy).
 struct Iq2Tables {
-  unsigned long long* grid;
-  unsigned long long* smask;
+  const unsigned long long* grid;
+  __device__ __forceinline__ unsigned long long operator()(int i) const { return grid[i]; }
 };
 
-__device__ __forceinline__ void iq2_tables_init(unsigned long long* grid, unsigned long long* smask) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = kIq2Grid[i];
-  for (int i = threadIdx.x; i < 128; i += blockDim.x) {
-    unsigned s8 = i | ((__popc(i) & 1) << 7);
-    unsigned long long m = 0;
-    for (int b = 0; b < 8; ++b)
-      if (s8 >> b & 1) m |= 0xffull << (8 * b);
-    smask[i] = m;
+// The grid replicated once per lane (entry i of lane l at [32 i + l]): every lane reads its own banks,
+// so a warp's 32 random lookups take the minimum 2 wavefronts instead of ~5 (64 KB; for persistent
+// kernels that build it once per CTA).
+struct Iq2LaneTables {
+  const uint2* rep;
+  int lane;
+  __device__ __forceinline__ unsigned long long operator()(int i) const {
+    const uint2 v = rep[32 * i + lane];
+    return (unsigned long long)v.x | ((unsigned long long)v.y << 32);
   }
+};
+constexpr size_t IQ2_LANE_TABLE_BYTES = 256 * 32 * sizeof(uint2);
+
+__device__ __forceinline__ void iq2_tables_init(unsigned long long* grid) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = kIq2Grid[i];
+}
+__device__ __forceinline__ void iq2_lane_tables_init(uint2* rep) {
+  for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
+    const unsigned long long g = kIq2Grid[i >> 5];
+    rep[i] = make_uint2((uint32_t)g, (uint32_t)(g >> 32));
+  }
+}
+
+// Byte masks (0x01 per negative byte) of the 8 signs of a 7-bit sign field: bit i of a nibble goes
+// to byte i by one multiply (the shifted copies 0, 7, 14, 21 never overlap, so nothing carries).
+__device__ __forceinline__ void iq2_sign_bytes(uint32_t s7, uint32_t& lo, uint32_t& hi) {
+  const uint32_t s8 = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
+  lo = ((s8 & 15u) * 0x00204081u) & 0x01010101u;
+  hi = ((s8 >> 4) * 0x00204081u) & 0x01010101u;
 }
 
 // The raw bits of one row's x block: codes q (as many words as the type has) and scale bits.
@@ -102,8 +123,8 @@ struct XbCodes {
   float min0, min1;
 };
 
-template <int QT>
-__device__ __forceinline__ void decode_xb(const RawXb& in, const Iq2Tables& tb, XbCodes& o) {
+template <int QT, typename TB>
+__device__ __forceinline__ void decode_xb(const RawXb& in, const TB& grid, XbCodes& o) {
   o.mul0 = o.mul1 = 1;
   o.min0 = o.min1 = 0.0f;
   if constexpr (QT == QT_Q8_0) {
@@ -136,22 +157,22 @@ __device__ __forceinline__ void decode_xb(const RawXb& in, const Iq2Tables& tb, 
     o.dscale = half_bits(in.s0) * (0.5f + (float)(a1 >> 28)) * 0.25f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      unsigned long long g = tb.grid[(a0 >> (8 * k)) & 255];
-      unsigned long long m = tb.smask[(a1 >> (7 * k)) & 127];
+      unsigned long long g = grid((a0 >> (8 * k)) & 255);
+      uint32_t mlo, mhi;
+      iq2_sign_bytes((a1 >> (7 * k)) & 127, mlo, mhi);
       uint32_t glo = (uint32_t)g, ghi = (uint32_t)(g >> 32);
-      uint32_t mlo = (uint32_t)m, mhi = (uint32_t)(m >> 32);
       // negate the masked bytes: (g ^ 0xff) + 1 = 256 - g, no carry since g >= 8
-      o.c[2 * k] = (glo ^ mlo) + (mlo & 0x01010101u);
-      o.c[2 * k + 1] = (ghi ^ mhi) + (mhi & 0x01010101u);
+      o.c[2 * k] = (glo ^ (mlo * 0xffu)) + mlo;
+      o.c[2 * k + 1] = (ghi ^ (mhi * 0xffu)) + mhi;
     }
   }
 }
 
 // acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb.
-template <int QT, int NB, int R>
+template <int QT, int NB, int R, typename TB>
 __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], const uint8_t* const (&srow)[R],
                                               int nxb, int nb, int xb0, int xbstep, const XQ& xq,
-                                              const int (&vec)[NB], const Iq2Tables& tb, float (&acc)[R][NB]) {
+                                              const int (&vec)[NB], const TB& tb, float (&acc)[R][NB]) {
   const int xnxb = xq.n / 32;
   for (int xb = xb0; xb < nxb; xb += xbstep) {
     RawXb raw[R];
