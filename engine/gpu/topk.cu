@@ -8,7 +8,8 @@
 // Algorithm: keys map to uint64 codes whose unsigned order is the double order. Pass p (p = 0..7)
 // builds a 256-bin histogram of byte 7-p of the codes that still share the chosen prefix and picks
 // the digit holding the k-th largest; `gt` counts the codes above the prefix so far. It stops early
-// once the whole chosen bucket is needed (then every code with that prefix is taken). The compaction
+// once the whole chosen bucket is needed (then every code with that prefix is taken) or all codes in
+// it are equal (exact ties would otherwise take all 8 passes). The compaction
 // takes every code with (code >> shift) > prefix and the first k - gt with (code >> shift) == prefix,
 // positions from one block-wide exclusive scan of packed (greater, equal) counts.
 #include "common.cuh"
@@ -50,11 +51,33 @@ __device__ uint64_t block_exclusive_scan(uint64_t v, uint64_t* warp_tot) {
   return warp_tot[warp] + inc - v;
 }
 
-// Adds one count per lane with bin < 256 to hist[bin]; lanes with equal bins add once together
-// (the first passes put nearly every key in one bin). All lanes of the warp must call it.
-__device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin) {
-  const unsigned peers = __match_any_sync(0xffffffffu, bin);
-  if (bin < 256 && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+
+constexpr unsigned FULL = 0xffffffffu;
+
+// Counts the candidate lanes' bins into hist (all lanes of the warp call it). The lanes sharing the
+// first candidate's bin add once together: the first passes put nearly every key in one bin, and
+// 32 lanes adding to one shared address one by one would serialize.
+__device__ __forceinline__ void hist_add(unsigned* hist, bool cand, unsigned bin) {
+  const unsigned lanes = __ballot_sync(FULL, cand);
+  if (!lanes) return;
+  const int lead = __ffs(lanes) - 1;
+  const unsigned lead_bin = __shfl_sync(FULL, bin, lead);
+  const unsigned same = __ballot_sync(FULL, cand && bin == lead_bin);
+  if ((int)(threadIdx.x & 31) == lead) atomicAdd(&hist[bin], __popc(same));
+  else if (cand && bin != lead_bin) atomicAdd(&hist[bin], 1u);
+}
+
+// Bitwise OR and AND of the candidates' codes into o[hi, lo] and a[hi, lo] (all lanes call it; 32-bit
+// halves: native shared atomics). OR == AND at the end of a pass means every candidate holds the same
+// code (ties: no further pass can split them).
+__device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov, uint64_t av, bool any) {
+  if (!__any_sync(FULL, any)) return;
+  const unsigned ohi = __reduce_or_sync(FULL, (unsigned)(ov >> 32)), olo = __reduce_or_sync(FULL, (unsigned)ov);
+  const unsigned ahi = __reduce_and_sync(FULL, (unsigned)(av >> 32)), alo = __reduce_and_sync(FULL, (unsigned)av);
+  if ((threadIdx.x & 31) == 0) {
+    atomicOr(&o[0], ohi), atomicOr(&o[1], olo);
+    atomicAnd(&a[0], ahi), atomicAnd(&a[1], alo);
+  }
 }
 
 // REG > 0: n <= REG * TOPK_THREADS, keys read once into registers. REG == 0: keys re-read from global
@@ -62,7 +85,9 @@ __device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin) {
 template <int REG>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* keys, int n, int k,
                                                                  const int64_t* pos, int ratio, int64_t* sel) {
-  __shared__ unsigned hist[256];
+  // two histograms (and OR/AND words): a pass clears the next one's, saving a barrier per pass
+  __shared__ unsigned hist[2][256];
+  __shared__ unsigned sh_or[2][2], sh_and[2][2];  // [buffer][hi, lo]
   __shared__ uint64_t warp_tot[32];
   __shared__ uint64_t sh_prefix;
   __shared__ int sh_gt, sh_eq;
@@ -82,45 +107,60 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* k
 #pragma unroll
     for (int j = 0; j < (REG ? REG : 1); ++j) code[j] = begin + j < end ? order_code(keys[begin + j]) : 0;
   }
+  for (int i = tid; i < 256; i += blockDim.x) hist[0][i] = 0;
+  if (tid < 2) sh_or[0][tid] = 0, sh_and[0][tid] = ~0u;
+  __syncthreads();
 
   uint64_t prefix = 0;  // the chosen top bytes of the k-th largest code
   int gt = 0;           // codes whose top bytes are above prefix
   int shift = 64;       // prefix = code >> shift for the tied codes
   for (int pass = 0; pass < 8; ++pass) {
-    const int s = 56 - 8 * pass;
-    for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
+    const int s = 56 - 8 * pass, cur = pass & 1;
+    unsigned* h = hist[cur];
+    // the other buffer's last readers finished before the barrier that ended the previous pass
+    for (int i = tid; i < 256; i += blockDim.x) hist[cur ^ 1][i] = 0;
+    if (tid < 2) sh_or[cur ^ 1][tid] = 0, sh_and[cur ^ 1][tid] = ~0u;
+    uint64_t ov = 0, av = ~0ull;
+    bool any = false;
     if (REG) {
 #pragma unroll
       for (int j = 0; j < (REG ? REG : 1); ++j) {
         const uint64_t c = code[j];
         const bool cand = begin + j < end && (pass == 0 || (c >> (s + 8)) == prefix);
-        if (__any_sync(0xffffffffu, cand)) hist_add(hist, cand ? (unsigned)(c >> s) & 255u : 256u);
+        hist_add(h, cand, (unsigned)(c >> s) & 255u);
+        if (cand) ov |= c, av &= c, any = true;
       }
     } else {
       const int n_up = (n + (int)blockDim.x - 1) / (int)blockDim.x * (int)blockDim.x;  // same trip count per warp
       for (int i = tid; i < n_up; i += blockDim.x) {
         const uint64_t c = i < n ? order_code(keys[i]) : 0;
         const bool cand = i < n && (pass == 0 || (c >> (s + 8)) == prefix);
-        if (__any_sync(0xffffffffu, cand)) hist_add(hist, cand ? (unsigned)(c >> s) & 255u : 256u);
+        hist_add(h, cand, (unsigned)(c >> s) & 255u);
+        if (cand) ov |= c, av &= c, any = true;
       }
     }
+    or_and_add(sh_or[cur], sh_and[cur], ov, av, any);
     __syncthreads();
+    if (sh_or[cur][0] == sh_and[cur][0] && sh_or[cur][1] == sh_and[cur][1]) {  // all candidates equal (uniform)
+      prefix = (uint64_t)sh_or[cur][0] << 32 | sh_or[cur][1];
+      shift = 0;
+      break;
+    }
     if (tid < 32) {
       // lane l owns digits 255-8l .. 248-8l (descending), so lane order is code order from the top
       unsigned mine = 0;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) mine += hist[255 - 8 * tid - i];
+      for (int i = 0; i < 8; ++i) mine += h[255 - 8 * tid - i];
       unsigned inc = mine;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
-        const unsigned t = __shfl_up_sync(0xffffffffu, inc, o);
+        const unsigned t = __shfl_up_sync(FULL, inc, o);
         if (tid >= o) inc += t;
       }
       int above = gt + (int)(inc - mine);  // codes above this lane's first digit
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int d = 255 - 8 * tid - i, c = (int)hist[d];
+        const int d = 255 - 8 * tid - i, c = (int)h[d];
         if (above < k && above + c >= k) {  // exactly one digit satisfies this
           sh_prefix = prefix << 8 | (uint64_t)d;
           sh_gt = above;
