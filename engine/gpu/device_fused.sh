@@ -14,7 +14,7 @@ echo "== session tests $(( $(date +%s) - T0 ))s"
 timeout ${SESSION_TIMEOUT:-180} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/test_gpu_session_cuda.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 wait $SYN; cat "$OUT/synth.log"
 echo "== bench $(( $(date +%s) - T0 ))s"
-timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill 512 --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -24
+timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -24
 gzip -f "$OUT/trace.json" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/bench.log" 2>&1
 for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table and the session at 2k

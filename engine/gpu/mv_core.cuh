@@ -67,10 +67,16 @@ constexpr size_t IQ2_LANE_TABLE_BYTES = 256 * 32 * sizeof(uint2);
 __device__ __forceinline__ void iq2_tables_init(unsigned long long* grid) {
   for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = kIq2Grid[i];
 }
+// One global load per lane, then each warp writes 32 consecutive slots per entry (conflict-free);
+// a loop of global load -> store per slot ran ~10 us per CTA (dependent round trips).
 __device__ __forceinline__ void iq2_lane_tables_init(uint2* rep) {
-  for (int i = threadIdx.x; i < 256 * 32; i += blockDim.x) {
-    const unsigned long long g = kIq2Grid[i >> 5];
-    rep[i] = make_uint2((uint32_t)g, (uint32_t)(g >> 32));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int base = 32 * warp; base < 256; base += 32 * nw) {
+    const unsigned long long mine = kIq2Grid[base + lane];
+    for (int j = 0; j < 32; ++j) {
+      const unsigned long long g = __shfl_sync(0xffffffffu, mine, j);
+      rep[32 * (base + j) + lane] = make_uint2((uint32_t)g, (uint32_t)(g >> 32));
+    }
   }
 }
 
