@@ -9,7 +9,7 @@ mount -o remount,size=120G /dev/shm 2>/dev/null
 SYN=$!
 echo "== build $(( $(date +%s) - T0 ))s"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== fused tests $(( $(date +%s) - T0 ))s"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_fused.py tests/test_gpu_kernels.py 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
+timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
 echo "== session tests $(( $(date +%s) - T0 ))s"
 timeout ${SESSION_TIMEOUT:-180} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/test_gpu_session_cuda.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 wait $SYN; cat "$OUT/synth.log"

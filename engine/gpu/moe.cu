@@ -16,7 +16,7 @@ constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
 constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 warps share one table
 
 template <int QT>
-__global__ void __launch_bounds__(GU_THREADS) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
+__global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
                                                                 XQ xq, const int32_t* ids, const float* wts,
                                                                 int k, float clamp, int S, int gx, int units,
                                                                 float* h) {
@@ -141,7 +141,10 @@ template <int QT>
 static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                           const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                           cudaStream_t stream) {
+  // 2-bit experts: two x blocks per lane (the second loaded while the first is decoded) and half the
+  // column splits, so each unit keeps a warp's loads back to back (4 splits: one block per lane, 25 us)
   int S = column_splits(gate.ncols / 32);
+  if (QT == QT_IQ2_XXS || QT == QT_Q2_K) S = std::max(1, S / 2);
   int rows_per_cta = (GU_WARPS / S) * (MOE_R / 2);
   const int gx = (n_ff + rows_per_cta - 1) / rows_per_cta, units = gx * pairs;
   constexpr size_t smem = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;

@@ -174,62 +174,89 @@ __device__ __forceinline__ void decode_xb(const RawXb& in, const TB& grid, XbCod
   }
 }
 
-// acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb.
+// acc[r][b] += row r . x block xb of vector vec[b], from the rows' raw bits of that block.
+template <int QT, int NB, int R, typename TB>
+__device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ& xq, const int (&vec)[NB],
+                                         const TB& tb, float (&acc)[R][NB]) {
+  const int xnxb = xq.n / 32;
+  XbCodes d[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) decode_xb<QT>(raw[r], tb, d[r]);
+  int T[R][NB];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int xh[NB][4], xl[NB][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      int64_t off = (int64_t)vec[b] * xq.n + 32 * xb + 16 * h;
+      int4 vh = __ldg((const int4*)(xq.hi + off));
+      int4 vl = __ldg((const int4*)(xq.lo + off));
+      xh[b][0] = vh.x; xh[b][1] = vh.y; xh[b][2] = vh.z; xh[b][3] = vh.w;
+      xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int b = 0; b < NB; ++b) {
+        int th = 0, tl = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          th = __dp4a((int)d[r].c[4 * h + i], xh[b][i], th);
+          tl = __dp4a((int)d[r].c[4 * h + i], xl[b][i], tl);
+        }
+        int t = 254 * th + tl;
+        if constexpr (QT == QT_Q2_K) t *= (h == 0 ? d[r].mul0 : d[r].mul1);
+        T[r][b] = h == 0 ? t : T[r][b] + t;
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < NB; ++b) {
+    int64_t xi = (int64_t)vec[b] * xnxb + xb;
+    float xs = __ldg(xq.scale + xi);
+    float s0 = 0.0f, s1 = 0.0f;
+    if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) {
+      s0 = __ldg(xq.sum16 + 2 * xi);
+      s1 = __ldg(xq.sum16 + 2 * xi + 1);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float v = d[r].dscale * xs * (float)T[r][b];
+      if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) v -= d[r].min0 * s0 + d[r].min1 * s1;
+      acc[r][b] += v;
+    }
+  }
+}
+
+// acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb. The 2-bit types
+// (3 words per row and block) load the next block while the current one is decoded: one DRAM round
+// trip per warp instead of one per block; Q8_0 (9 words per row) would need too many registers.
 template <int QT, int NB, int R, typename TB>
 __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], const uint8_t* const (&srow)[R],
                                               int nxb, int nb, int xb0, int xbstep, const XQ& xq,
                                               const int (&vec)[NB], const TB& tb, float (&acc)[R][NB]) {
-  const int xnxb = xq.n / 32;
-  for (int xb = xb0; xb < nxb; xb += xbstep) {
-    RawXb raw[R];
+  if constexpr (QT == QT_IQ2_XXS || QT == QT_Q2_K) {
+    if (xb0 >= nxb) return;
+    RawXb cur[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb, nb, raw[r]);  // all rows in flight
-    XbCodes d[R];
+    for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb0, nb, cur[r]);
+    for (int xb = xb0; xb < nxb; xb += xbstep) {
+      const int xn = xb + xbstep;
+      RawXb nxt[R];
+      if (xn < nxb) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) decode_xb<QT>(raw[r], tb, d[r]);
-    int T[R][NB];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int xh[NB][4], xl[NB][4];
-#pragma unroll
-      for (int b = 0; b < NB; ++b) {
-        int64_t off = (int64_t)vec[b] * xq.n + 32 * xb + 16 * h;
-        int4 vh = __ldg((const int4*)(xq.hi + off));
-        int4 vl = __ldg((const int4*)(xq.lo + off));
-        xh[b][0] = vh.x; xh[b][1] = vh.y; xh[b][2] = vh.z; xh[b][3] = vh.w;
-        xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
+        for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xn, nb, nxt[r]);
       }
+      mv_block<QT, NB, R>(cur, xb, xq, vec, tb, acc);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-          int th = 0, tl = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            th = __dp4a((int)d[r].c[4 * h + i], xh[b][i], th);
-            tl = __dp4a((int)d[r].c[4 * h + i], xl[b][i], tl);
-          }
-          int t = 254 * th + tl;
-          if constexpr (QT == QT_Q2_K) t *= (h == 0 ? d[r].mul0 : d[r].mul1);
-          T[r][b] = h == 0 ? t : T[r][b] + t;
-        }
-      }
+      for (int r = 0; r < R; ++r) cur[r] = nxt[r];
     }
+  } else {
+    for (int xb = xb0; xb < nxb; xb += xbstep) {
+      RawXb raw[R];
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      int64_t xi = (int64_t)vec[b] * xnxb + xb;
-      float xs = __ldg(xq.scale + xi);
-      float s0 = 0.0f, s1 = 0.0f;
-      if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) {
-        s0 = __ldg(xq.sum16 + 2 * xi);
-        s1 = __ldg(xq.sum16 + 2 * xi + 1);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float v = d[r].dscale * xs * (float)T[r][b];
-        if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) v -= d[r].min0 * s0 + d[r].min1 * s1;
-        acc[r][b] += v;
-      }
+      for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb, nb, raw[r]);  // all rows in flight
+      mv_block<QT, NB, R>(raw, xb, xq, vec, tb, acc);
     }
   }
 }
