@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from ds4.engine.dist.comm import Combiner, wire_bytes  # noqa: E402
 from ds4.engine.dist.shard import ShardedWeights, expert_blocks, expert_range, expert_slice_f32, is_routed  # noqa: E402
-from ds4.engine.gpu.session import Weights  # noqa: E402
+from ds4.engine.gpu.weights import Weights  # noqa: E402
 from ds4.engine.model import Model  # noqa: E402
 from ds4.gguf_tools import constants as C  # noqa: E402
 from ds4.gguf_tools.reader import open_model  # noqa: E402

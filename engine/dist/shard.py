@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ds4.engine.gpu import ops
-from ds4.engine.gpu.session import EXT_TYPES, Weights
+from ds4.engine.gpu.weights import EXT_TYPES, Weights
 from ds4.gguf_tools import constants as C
 from ds4.gguf_tools.constants import QuantType
 

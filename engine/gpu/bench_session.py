@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
-    from ds4.engine.gpu.session import Session, Weights
+    from ds4.engine.gpu.session import Session
+    from ds4.engine.gpu.weights import Weights
     from ds4.engine.model import Model
 
     ext = gpu.load()
