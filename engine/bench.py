@@ -230,23 +230,14 @@ def measure(peer: str, model: Path, ids_file: Path, n_decode: int, threads: int,
 # ---- decode floor -----------------------------------------------------------------------------------
 def decode_bytes_per_token(gguf: Path) -> dict[str, float]:
     """Weight bytes one decode step reads from the GGUF (as stored), by part."""
+    from ds4.engine.model import decode_weight_bytes
     from ds4.gguf_tools.reader import open_model
 
     f = open_model(gguf)
-    cfg = f.config
-    parts = {"head": 0.0, "layers": 0.0, "experts": 0.0, "embedding row": 0.0}
-    for name, t in f.tensors.items():
-        if name == "output.weight":
-            parts["head"] += t.nbytes
-        elif name == "token_embd.weight":
-            parts["embedding row"] += t.nbytes / cfg.vocab_size
-        elif name.startswith("blk.") and "tid2eid" not in name:
-            if "_exps." in name:
-                parts["experts"] += t.nbytes * cfg.n_expert_used / cfg.n_expert
-            else:
-                parts["layers"] += t.nbytes
-    f.close()
-    return parts
+    try:
+        return decode_weight_bytes(f, f.config)
+    finally:
+        f.close()
 
 
 def read_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:

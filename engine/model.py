@@ -31,6 +31,23 @@ class ModelError(ValueError):
     """A model file that cannot be used (missing tensor, wrong shape, foreign file)."""
 
 
+def decode_weight_bytes(file: Any, cfg: Config) -> dict[str, float]:
+    """Weight bytes one decoded token reads from a GGUF as stored, by part (model-spec §8.2): the
+    output head, every other layer/model tensor, k of E routed experts per layer, one embedding row.
+    The bandwidth floor of decode is their sum over the memory bandwidth."""
+    parts = {"head": 0.0, "layers": 0.0, "experts": 0.0, "embedding row": 0.0}
+    for name, t in file.tensors.items():
+        if name == C.OUTPUT:
+            parts["head"] += t.nbytes
+        elif name == C.TOKEN_EMBD:
+            parts["embedding row"] += t.nbytes / cfg.vocab_size
+        elif "_exps." in name:
+            parts["experts"] += t.nbytes * cfg.n_expert_used / cfg.n_expert
+        elif "tid2eid" not in name:  # the hash table is read one row per token
+            parts["layers"] += t.nbytes
+    return parts
+
+
 class Model:
     def __init__(self, config: Config, tensors: Mapping[str, Any], file: Any = None, path: str | None = None,
                  fused_quant: bool = True):

@@ -207,6 +207,7 @@ def cmd_run(argv: list[str]) -> int:
     meta = {"model": str(model_path), "backend": backend, "machine": machine_description(), "git": git_revision(),
             "gen_tokens": str(args.gen_tokens), "power": str(args.power), "loadavg_at_start": _loadavg(),
             "threads": meta_threads}
+    meta.update(floor_meta(model, backend))
     if args.label:
         meta["label"] = args.label
     if _steering_meta(args):
@@ -232,12 +233,44 @@ def cmd_run(argv: list[str]) -> int:
                  throttle_step=power.step if throttle else None)
     bar.close()
     run = BenchRun(meta=meta, rows=rows)
+    report_floor(run)
     if args.csv:
         write_csv(args.csv, run)
         print(f"wrote {args.csv} ({len(rows)} rows)", file=sys.stderr)
     else:
         sys.stdout.write(format_csv(run))
     return 0
+
+
+def floor_meta(model, backend: str) -> dict[str, str]:
+    """Header fields for the decode bandwidth floor: weight bytes per decoded token (always) and, on
+    the GPU, the device-to-device copy bandwidth measured now and the floor they give."""
+    from ds4.engine.model import decode_weight_bytes
+
+    if getattr(model, "file", None) is None:
+        return {}
+    wbytes = sum(decode_weight_bytes(model.file, model.config).values())
+    meta = {"weight_bytes_per_token": str(int(wbytes))}
+    if backend == "cuda":
+        from ds4.engine import gpu
+
+        gbps = gpu.load().copy_bandwidth()["gbps"]
+        meta["copy_gbps"] = f"{gbps:.0f}"
+        meta["floor_ms"] = f"{wbytes / (gbps * 1e9) * 1e3:.4f}"
+    return meta
+
+
+def report_floor(run: BenchRun) -> None:
+    """On stderr: each frontier's generation speed as a fraction of the bandwidth floor (when known)."""
+    floor = run.meta.get("floor_ms")
+    if not floor:
+        return
+    floor_ms = float(floor)
+    print(f"bandwidth floor {floor_ms:.3f} ms/token ({1e3 / floor_ms:.0f} t/s; "
+          f"{int(run.meta['weight_bytes_per_token']) / 1e9:.3f} GB at {run.meta['copy_gbps']} GB/s)", file=sys.stderr)
+    for row in run.rows:
+        print(f"  ctx {row.ctx_tokens}: gen {row.gen_tps:.1f} t/s = {row.gen_tps * floor_ms / 1e3:.2f} of the floor",
+              file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,29 @@ def test_sweep_csv_schema_and_monotone_frontiers(tiny_gguf, tmp_path):
     assert r.returncode == 0 and (tmp_path / "tiny.svg").read_text().lstrip().startswith("<?xml")
 
 
+def test_sweep_header_has_weight_bytes_per_token(tiny_gguf, tmp_path):
+    """The decode floor's numerator in the header, checked against gguf-py's own tensor sizes."""
+    from gguf import GGUFReader
+
+    from ds4.engine.model import Model
+
+    out = tmp_path / "floor.csv"
+    r = bench_cli("-m", tiny_gguf, "--backend", "cpu", "--ctx-start", 16, "--ctx-max", 16, "--gen-tokens", 2,
+                  "--no-warmup", "--csv", out)
+    assert r.returncode == 0, r.stderr
+    cfg = Model.load(tiny_gguf).config
+    expect = 0.0
+    for t in GGUFReader(str(tiny_gguf)).tensors:
+        if t.name == "token_embd.weight":
+            expect += int(t.n_bytes) / cfg.vocab_size
+        elif "_exps." in t.name:
+            expect += int(t.n_bytes) * cfg.n_expert_used / cfg.n_expert
+        elif "tid2eid" not in t.name:
+            expect += int(t.n_bytes)
+    assert int(read_csv(out).meta["weight_bytes_per_token"]) == int(expect)
+    assert "floor_ms" not in read_csv(out).meta  # no bandwidth is measured on the CPU backend
+
+
 def test_bench_user_errors(tiny_gguf, tmp_path):
     r = bench_cli("-m", tiny_gguf, "--ctx-start", 64, "--ctx-max", 32)
     assert r.returncode == 2 and "--ctx-start" in r.stderr and "Traceback" not in r.stderr

@@ -22,18 +22,6 @@ import numpy as np
 import torch
 
 
-def weight_bytes_per_token(f, cfg) -> int:
-    total = 0
-    for name, t in f.tensors.items():
-        if name == "token_embd.weight":
-            total += t.nbytes // cfg.vocab_size
-        elif "_exps." in name:
-            total += t.nbytes * cfg.n_expert_used // cfg.n_expert
-        elif len(t.ne) >= 2 and "tid2eid" not in name:
-            total += t.nbytes
-    return total
-
-
 def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -> dict:
     """CUDA kernels one decode step launches (an eager step profiled with CUPTI; a graph replays the
     same ones), their summed device time and the kernels that take the most time."""
@@ -80,7 +68,7 @@ def main(argv=None) -> int:
     from ds4.engine import gpu
     from ds4.engine.gpu.session import Session
     from ds4.engine.gpu.weights import Weights
-    from ds4.engine.model import Model
+    from ds4.engine.model import Model, decode_weight_bytes
 
     ext = gpu.load()
     t0 = time.time()
@@ -92,7 +80,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     upload_s = time.time() - t0
     bw = ext.copy_bandwidth()["gbps"]
-    wbytes = weight_bytes_per_token(model.file, cfg)
+    wbytes = int(sum(decode_weight_bytes(model.file, cfg).values()))
     floor_ms = wbytes / (bw * 1e9) * 1e3
     res = {"model": args.model, "device": ext.device_info()["name"], "upload_s": upload_s,
            "copy_gbps": bw, "weight_bytes_per_token": wbytes, "floor_ms": floor_ms,
