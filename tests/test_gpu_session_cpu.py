@@ -58,6 +58,21 @@ def test_prefill_and_decode_match_the_cpu_engine(tiny, chunk):
     assert np.allclose(fa, fb, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
+def test_prefill_attention_in_query_blocks(tiny, monkeypatch):
+    """Prefill attention runs in blocks of queries (each reading its window view and its top-k rows);
+    the block size must not change the result."""
+    from ds4.engine.gpu import session as gpu_session
+
+    m = tiny.with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = _prompt(m.config, 200, seed=6)
+    whole = GpuSession(m, ctx=256, device="cpu").prefill(toks, all_logits=True)
+    monkeypatch.setattr(gpu_session, "ATTN_BLOCK", 7)
+    blocks = GpuSession(m, ctx=256, device="cpu").prefill(toks, all_logits=True)
+    ref = CpuSession(m, ctx=256).prefill(toks, all_logits=True)
+    assert rel(blocks, whole) < 1e-6
+    assert rel(blocks, ref) < 1e-5
+
+
 def test_chunked_prefill_equals_decode_and_rounding_sims_stay_close(tiny):
     cfg = tiny.config
     toks = _prompt(cfg, 160, seed=1)

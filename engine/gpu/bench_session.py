@@ -22,19 +22,16 @@ import numpy as np
 import torch
 
 
-def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -> dict:
-    """CUDA kernels one decode step launches (an eager step profiled with CUPTI; a graph replays the
-    same ones), their summed device time and the kernels that take the most time."""
+def profile_kernels(fn, top: int = 40, trace: str | None = None, ops: bool = False) -> dict:
+    """CUDA kernels fn() launches (profiled with CUPTI), their summed device time and the kernels
+    that take the most time; trace: also write a chrome trace (launch order, grids, durations);
+    ops: also the torch operators (with input shapes) by device time, as a table."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ds4.engine.gpu.session import Session
-
-    s = Session(model, ctx=ctx, weights=W, graphs=False)
-    s.sync([5, 6, 7, 8])
-    s.decode(9)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        s.decode(10)
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    with profile(activities=acts, record_shapes=ops) as prof:
+        fn()
         torch.cuda.synchronize()
     by_name: dict[str, list[float]] = {}
     for e in prof.events():
@@ -45,24 +42,46 @@ def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -
         row = by_name.setdefault(short[:70], [0, 0.0])
         row[0] += 1
         row[1] += e.time_range.elapsed_us()
-    if trace:  # chrome trace: every kernel in launch order with its grid, block and duration
+    if trace:
         prof.export_chrome_trace(trace)
     n = sum(v[0] for v in by_name.values())
     busy = sum(v[1] for v in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernels": n, "kernel_us": busy,
-            "top": [{"name": k, "count": v[0], "us": v[1]} for k, v in ranked]}
+    out = {"kernels": n, "kernel_us": busy, "top": [{"name": k, "count": v[0], "us": v[1]} for k, v in ranked]}
+    if ops:
+        out["ops_table"] = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=40, max_shapes_column_width=70)
+    return out
+
+
+def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -> dict:
+    """The kernels of one decode step (an eager step; a graph replays the same ones)."""
+    from ds4.engine.gpu.session import Session
+
+    s = Session(model, ctx=ctx, weights=W, graphs=False)
+    s.sync([5, 6, 7, 8])
+    s.decode(9)
+    return profile_kernels(lambda: s.decode(10), top, trace)
+
+
+def _print_profile(title: str, prof: dict) -> None:
+    print(f"{title}: {prof['kernels']} kernels, summed kernel time {prof['kernel_us'] / 1e3:.2f} ms", flush=True)
+    for row in prof["top"]:
+        print(f"  {row['us']:9.1f} us {row['count']:5d}x  {row['name']}", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--ctx", type=int, nargs="*", default=[2048, 8192], help="decode contexts (none: no decode)")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
     ap.add_argument("--trace", help="with --count-kernels: write the step's chrome trace (kernel order, grids) here")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="also profile the kernels of one prefill of N tokens")
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
@@ -76,7 +95,7 @@ def main(argv=None) -> int:
     cfg = model.config
     dev = torch.device("cuda")
     W = Weights(model, dev)
-    first = Session(model, ctx=max(64, min(args.ctx)), weights=W)
+    first = Session(model, ctx=64, weights=W)
     torch.cuda.synchronize()
     upload_s = time.time() - t0
     bw = ext.copy_bandwidth()["gbps"]
@@ -90,16 +109,16 @@ def main(argv=None) -> int:
     del first
     rng = np.random.default_rng(0)
     for n in args.prefill:
-        s = Session(model, ctx=n + 8, weights=W)
+        s = Session(model, ctx=n + 8, weights=W, prefill_chunk=args.prefill_chunk)
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
-        s.sync(toks[:8])  # warm-up (allocator, first launches)
+        s.sync(toks[:min(n, 512)])  # warm-up (allocator, cuBLAS, the GEMM and matvec paths)
         s.invalidate()
         torch.cuda.synchronize()
         t = time.time()
         s.sync(toks)
         torch.cuda.synchronize()
         dt = time.time() - t
-        res["prefill"].append({"tokens": n, "s": dt, "tps": n / dt})
+        res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt})
         print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s", flush=True)
         del s
     for P in args.ctx:
@@ -121,12 +140,20 @@ def main(argv=None) -> int:
               f"{row['fraction_of_floor']:.2f} of floor, GPU mem {row['gpu_mem_used_gib']:.1f} GiB", flush=True)
         del s
     if args.count_kernels:
-        prof = count_kernels(model, W, min(args.ctx) + 16, trace=args.trace)
+        prof = count_kernels(model, W, min(args.ctx, default=2048) + 16, trace=args.trace)
         res["kernels_per_token"], res["kernel_profile"] = prof["kernels"], prof
-        print(f"kernels per decoded token: {prof['kernels']}, summed kernel time {prof['kernel_us'] / 1e3:.2f} ms "
-              f"(eager step)", flush=True)
-        for row in prof["top"]:
-            print(f"  {row['us']:9.1f} us {row['count']:5d}x  {row['name']}", flush=True)
+        _print_profile("kernels per decoded token (eager step)", prof)
+    if args.profile_prefill:
+        n = args.profile_prefill
+        s = Session(model, ctx=n + 8, weights=W, prefill_chunk=args.prefill_chunk)
+        toks = rng.integers(2, cfg.vocab_size, n).tolist()
+        s.sync(toks[:min(n, 512)])
+        s.invalidate()
+        prof = profile_kernels(lambda: s.sync(toks), ops=True)
+        res["prefill_profile"] = prof
+        _print_profile(f"prefill of {n} tokens", prof)
+        print(prof["ops_table"], flush=True)
+        del s
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

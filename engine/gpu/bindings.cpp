@@ -490,6 +490,18 @@ PYBIND11_MODULE(_ext, m) {
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
+  m.def("dequant", [](const Tensor& w, uintptr_t out, uintptr_t lo, float scale, int64_t row0, int64_t nrows,
+                       int64_t ld) {
+    launch_dequant(w.p, row0, nrows < 0 ? w.p.nrows - row0 : nrows, (__half*)out, (__half*)lo,
+                   ld < 0 ? w.p.ncols : ld, scale, stream());
+  }, py::arg("w"), py::arg("out"), py::arg("lo") = 0, py::arg("scale") = 1.0f, py::arg("row0") = 0,
+        py::arg("nrows") = -1, py::arg("ld") = -1,
+        "rows of a resident weight times scale as float16 at device address `out` (row stride ld elements); "
+        "lo != 0: also the remainder there, so out + lo holds the value to ~22 bits");
+  m.def("split_half", [](uintptr_t x, int64_t rows, int64_t n, uintptr_t hi, uintptr_t lo, uintptr_t s) {
+    launch_split_half((const float*)x, rows, n, (__half*)hi, (__half*)lo, (float*)s, stream());
+  }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),
+        "rows of float32 x as f16 hi (+ lo when lo != 0) parts of x / s, s = the row's largest magnitude");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu for the semantics.

@@ -62,6 +62,12 @@ struct XQ {
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,
                    uint8_t* sc, int64_t sc_row, cudaStream_t stream);
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream);
+// dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
+// lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
+void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
+                    cudaStream_t stream);
+// x [rows, n] f32 -> s[row] = max |x| (>= 1e-30), hi = f16(x / s), lo (if not null) = f16(x / s - hi).
+void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream);
 // matvec.cu: y[b, r] = W[r] . x[b, g(r)], x is [B, groups, ncols], row r in group r / (nrows / groups).
 // quantize = false: xq already holds x quantized (shared by several matrices reading the same x).
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,

@@ -2,6 +2,8 @@
 # One device call for the fused CUDA engine: build, fused-kernel tests, session tests, synthetic
 # Flash q2 GGUF in /dev/shm, session benchmark (with kernels per token). Logs to $OUT.
 # Usage: bash engine/gpu/device_fused.sh [ctx...]
+# Env: KERNEL_TESTS, PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
+#      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -9,12 +11,12 @@ mount -o remount,size=120G /dev/shm 2>/dev/null
 SYN=$!
 echo "== build $(( $(date +%s) - T0 ))s"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== fused tests $(( $(date +%s) - T0 ))s"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
+timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_prefill.py tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
 echo "== session tests $(( $(date +%s) - T0 ))s"
 timeout ${SESSION_TIMEOUT:-180} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/test_gpu_session_cuda.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 wait $SYN; cat "$OUT/synth.log"
 echo "== bench $(( $(date +%s) - T0 ))s"
-timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -24
+timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-2048} --profile-prefill ${PROFILE_PREFILL:-0} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -${BENCH_TAIL:-24}
 gzip -f "$OUT/trace.json" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/bench.log" 2>&1
 for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table and the session at 2k
@@ -23,5 +25,10 @@ for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table
   grep -E "attn_q_b|attn_output|ffn_gate_shexp|attn_q_a|head|layer" "$OUT/kernels_mv$mv.log" | head -12
   DS4_GPU_MV=$mv timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx 2048 --decode 64 --prefill \
     --json "$OUT/bench_mv$mv.json" 2>&1 | grep -E "decode|floor"
+done
+for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16
+  stamp "prefill gemm=$mode"
+  DS4_GPU_PREFILL_GEMM=$mode timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx --prefill ${PREFILL:-512} \
+    --prefill-chunk ${PREFILL_CHUNK:-2048} --json "$OUT/bench_prefill_$mode.json" 2>&1 | grep -E "prefill|floor"
 done
 echo "== done $(( $(date +%s) - T0 ))s"

@@ -42,6 +42,7 @@ from .weights import Weights, default_device
 L = C.LayerTensor
 F32 = torch.float32
 ROUTE_DENOM_MIN = 6.1035e-5
+ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered keys: 512 x top-k x head_dim)
 
 
 class Session(Timeline):
@@ -468,15 +469,20 @@ class Session(Timeline):
 
     def _attend(self, li, q, keys, mask, cos, sin):
         """q [T, H, d], keys [T or 1, N, d], mask [T, N] → grouped output projection [T, D]."""
-        cfg, W = self.cfg, self.W
-        T, H, d = q.shape
-        sinks = W.vec(C.blk(li, L.ATTN_SINKS))
+        T, d = q.shape[0], q.shape[2]
+        sinks = self.W.vec(C.blk(li, L.ATTN_SINKS))
         s = torch.einsum("thd,tnd->thn", q, keys.expand(T, -1, -1)) * (1.0 / math.sqrt(d))
         s = torch.where(mask[:, None, :], s, torch.full_like(s, -math.inf))
         m = torch.maximum(s.amax(dim=-1), sinks[None, :])
         e = torch.exp(s - m[..., None])
         denom = e.sum(dim=-1) + torch.exp(sinks[None, :] - m)
         o = torch.einsum("thn,tnd->thd", e / denom[..., None], keys.expand(T, -1, -1))
+        return self._attn_out(li, o, cos, sin)
+
+    def _attn_out(self, li, o, cos, sin):
+        """Attention output [T, H, d] (RoPE tail undone) through the grouped output projection → [T, D]."""
+        cfg, W = self.cfg, self.W
+        T, H, d = o.shape
         o = self._f("apply_tail")(o, cos, sin, cfg.rope_dim, inverse=True)
         low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(T, H * d), groups=cfg.o_groups)
         return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
@@ -498,6 +504,8 @@ class Session(Timeline):
 
     # -- prefill (dynamic shapes)
     def _attn_chunk(self, li, a, c, pos0, kv_lin):
+        """Each query reads only its own keys: the raw window (a sliding view of ring + chunk) and the
+        compressed rows it may see (all of them, or the indexer's top-k gathered per query)."""
         cfg, st = self.cfg, self.layers[li]
         T = a.shape[0]
         r = cfg.ratio(li)
@@ -505,37 +513,70 @@ class Session(Timeline):
         q, kv, cos, sin = self._qkv(li, a, c, pos, kv_lin)
         Wn, cap = self.raw_window, self.raw_cap
         old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=self.device)
-        keys = torch.cat([st["raw"][old % cap], kv])
-        key_pos = torch.cat([old, pos])
+        pad = torch.zeros((Wn - 1 - len(old), kv.shape[1]), dtype=F32, device=self.device)
+        win_keys = torch.cat([pad, st["raw"][old % cap], kv])  # row j is position pos0 - (Wn - 1) + j
         keep = pos[-min(T, cap):]
         st["raw"][keep % cap] = kv[T - len(keep):]
-        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - Wn)
+        win = win_keys.unfold(0, Wn, 1)  # [T, d, Wn]: query t's window, oldest key first
+        win_valid = (pos[:, None] - (Wn - 1) + torch.arange(Wn, device=self.device)[None, :]) >= 0
+        comp = sel = comp_valid = None
         if r:
             n_comp = self._compress_chunk(li, a, pos0, indexer=False)
             if r == 4:
                 self._compress_chunk(li, a, pos0, indexer=True)
             n_vis = (pos + 1) // r
-            comp_mask = torch.arange(n_comp, device=self.device)[None, :] < n_vis[:, None]
-            if r == 4 and n_comp and int(n_vis[-1]) > cfg.indexer_top_k:
-                comp_mask = self._indexer_mask_chunk(li, a, c, pos, n_comp, n_vis, comp_mask)
-            keys = torch.cat([keys, st["comp"][:n_comp]])
-            mask = torch.cat([mask, comp_mask], dim=1)
-        return self._attend(li, q, keys[None], mask, cos, sin)
+            comp = st["comp"][:n_comp]
+            K = cfg.indexer_top_k
+            if r == 4 and n_comp > K:  # per-query rows: the top-k where more than k are visible
+                sel = self._indexer_select_chunk(li, a, c, pos, n_comp, n_vis)
+                comp_valid = sel < n_vis[:, None]
+            else:
+                comp_valid = torch.arange(n_comp, device=self.device)[None, :] < n_vis[:, None]
+        o = torch.empty_like(q)
+        for t0 in range(0, T, ATTN_BLOCK):
+            b = slice(t0, min(T, t0 + ATTN_BLOCK))
+            o[b] = self._attend_rows(li, q[b], win[b], win_valid[b], comp,
+                                     None if sel is None else sel[b], None if comp is None else comp_valid[b])
+        return self._attn_out(li, o, cos, sin)
 
-    def _indexer_mask_chunk(self, li, a, c, pos, n, n_vis, visible):
+    def _attend_rows(self, li, q, win, win_valid, comp, sel, comp_valid):
+        """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
+        of comp, or the rows sel [t, k] of it)."""
+        d = q.shape[-1]
+        sinks = self.W.vec(C.blk(li, L.ATTN_SINKS))
+        s = torch.einsum("thd,tdn->thn", q, win)
+        s = torch.where(win_valid[:, None, :], s, -math.inf)
+        if comp is not None:
+            kc = comp[sel] if sel is not None else None
+            sc = torch.einsum("thd,tkd->thk", q, kc) if kc is not None else torch.einsum("thd,nd->thn", q, comp)
+            s = torch.cat([s, torch.where(comp_valid[:, None, :], sc, -math.inf)], dim=-1)
+        s = s * (1.0 / math.sqrt(d))
+        m = torch.maximum(s.amax(dim=-1), sinks[None, :])
+        e = torch.exp(s - m[..., None])
+        p = e / (e.sum(dim=-1) + torch.exp(sinks[None, :] - m))[..., None]
+        Wn = win.shape[-1]
+        o = torch.einsum("thn,tdn->thd", p[..., :Wn], win)
+        if comp is not None:
+            pc = p[..., Wn:]
+            o = o + (torch.einsum("thk,tkd->thd", pc, kc) if kc is not None else torch.einsum("thn,nd->thd", pc, comp))
+        return o
+
+    def _indexer_select_chunk(self, li, a, c, pos, n, n_vis):
+        """[T, k] compressed rows per query: the indexer's top-k (score order, ties to the lower row) where
+        more than k rows are visible, else rows 0..k-1 (the caller masks rows >= n_vis)."""
         cfg, st = self.cfg, self.layers[li]
-        sel = n_vis > cfg.indexer_top_k
-        rows = torch.nonzero(sel).reshape(-1)
-        q, w = self._index_q(li, a[rows], c[rows], pos[rows])
-        dots = torch.einsum("thd,cd->thc", q, st["idx"][:n])
-        scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
-        scores = torch.where(visible[rows], scores, torch.full_like(scores, -math.inf))
-        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :cfg.indexer_top_k]
-        narrowed = torch.zeros((len(rows), n), dtype=torch.bool, device=self.device)
-        narrowed.scatter_(1, chosen, True)
-        visible = visible.clone()
-        visible[rows] = narrowed
-        return visible
+        K = cfg.indexer_top_k
+        sel = torch.arange(K, device=self.device).expand(len(pos), K).clone()
+        rows = torch.nonzero(n_vis > K).reshape(-1)
+        ids = torch.arange(n, device=self.device)
+        for i in range(0, len(rows), ATTN_BLOCK):
+            rb = rows[i:i + ATTN_BLOCK]
+            q, w = self._index_q(li, a[rb], c[rb], pos[rb])
+            dots = torch.einsum("thd,cd->thc", q, st["idx"][:n])
+            scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
+            scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
+            sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        return sel
 
     def _compress_chunk(self, li, a, pos0, indexer: bool) -> int:
         """Stream T tokens into a compressor frontier; append finished rows; return the row count."""

@@ -8,6 +8,8 @@ holds float32 torch tensors, so the session's logic runs (and is tested) on the 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -19,6 +21,13 @@ L = C.LayerTensor
 F32 = torch.float32
 EXT_TYPES = {1: 8, 8: 32, 10: 256, 12: 256, 16: 256}  # qtype -> ne0 multiple the kernels need
 MOE_PIECE = 64  # tokens per routed-MoE launch in prefill (bounds the extension's scratch)
+# Prefill products with at least this many rows go through f16 tensor-core GEMMs on weights dequantized
+# for the call (dequant.cu) instead of the int8 matvec kernels (which stream the weight once per 8 rows);
+# routed experts from MOE_GEMM_MIN tokens, since that path dequantizes every expert of the layer.
+GEMM_MIN = int(os.environ.get("DS4_GPU_GEMM_MIN", "16"))
+MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
+EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
+W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
 
 
 def default_device() -> torch.device:
@@ -112,8 +121,10 @@ class Weights:
             T = x.shape[0]
             wg = w.reshape(groups, w.shape[0] // groups, w.shape[1])
             return torch.einsum("tgi,goi->tgo", x.reshape(T, groups, -1), wg).reshape(T, -1)
-        self._sync_stream()
         T = x.shape[0]
+        if T >= GEMM_MIN:
+            return self._gemm(w, x, groups)
+        self._sync_stream()
         y = torch.empty((T, w.nrows), dtype=F32, device=self.device)
         for i in range(0, T, 8):
             xs, ys = x[i:i + 8], y[i:i + 8]
@@ -123,7 +134,8 @@ class Weights:
     def mm_many(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         """[W_i x] for matrices of the same width; on CUDA the activation is quantized once for all."""
         ws = [self.mat(n) for n in names]
-        if self.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1:
+        if self.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1 \
+                or x.shape[0] >= GEMM_MIN:
             return [self.mm(n, x) for n in names]
         self._sync_stream()
         x = x.contiguous()
@@ -138,6 +150,8 @@ class Weights:
         gate, up, down = (self.mat(n) for n in names)
         T = b.shape[0]
         if not isinstance(gate, torch.Tensor) and not isinstance(down, torch.Tensor):
+            if T >= MOE_GEMM_MIN:
+                return self._moe_gemm(gate, up, down, b, ids, wts, limit)
             self._sync_stream()
             ids32 = ids.to(torch.int32).contiguous()
             wts = wts.contiguous()
@@ -157,6 +171,111 @@ class Weights:
         if self.emulate and self._quantized(names[2]):
             h = ops.quantize_hilo(h)
         return torch.einsum("tkdf,tkf->td", d[ids], h)
+
+    # ---- prefill GEMMs (f16 tensor cores, f32 accumulation and output) ---------------------------
+    # Exact mode (default): weight and activation each split into f16 hi + lo parts (~22 bits), products
+    # hi·hi + hi·lo + lo·hi, so prefill keeps float32-level agreement with decode and the CPU engine (a
+    # single f16 pass, DS4_GPU_PREFILL_GEMM=f16, is ~2e-4 per product: enough to flip near-tied expert
+    # routing, which the measured logits show as 1e-3..4e-3 differences on `small`).
+    def half(self, w, split: bool) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """A resident weight as fresh float16 tensors [rows, cols]: (hi, lo or None, scale), hi + lo = W·scale."""
+        split = split and w.qtype != 1  # F16 weights are exact in one part
+        scale = W_SCALE if split else 1.0
+        hi = torch.empty((w.nrows, w.ncols), dtype=torch.float16, device=self.device)
+        lo = torch.empty_like(hi) if split else None
+        self._sync_stream()
+        self.ext.dequant(w, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), scale)
+        return hi, lo, scale
+
+    def to_half(self, x: torch.Tensor):
+        """to_half in one kernel (split_half of dequant.cu) for float32 rows on the device."""
+        if self.ext is None:
+            return to_half(x, EXACT_GEMM)
+        x = x.contiguous()
+        rows, n = x.shape
+        hi = torch.empty((rows, n), dtype=torch.float16, device=self.device)
+        lo = torch.empty_like(hi) if EXACT_GEMM else None
+        s = torch.empty((rows, 1), dtype=F32, device=self.device)
+        self._sync_stream()
+        self.ext.split_half(x.data_ptr(), rows, n, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), s.data_ptr())
+        return hi, lo, s
+
+    def _gemm(self, w, x: torch.Tensor, groups: int) -> torch.Tensor:
+        T = x.shape[0]
+        hi, lo, scale = self.half(w, EXACT_GEMM)
+        xh, xl, s = self.to_half(x)
+        if groups == 1:
+            return split_product(xh, xl, hi.T, None if lo is None else lo.T) * (s / scale)
+        n_in, n_out = w.ncols, w.nrows // groups
+
+        def wg(t):
+            return None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)
+
+        def xg(t):
+            return None if t is None else t.view(T, groups, n_in).transpose(0, 1)
+
+        y = split_product(xg(xh), xg(xl), wg(hi), wg(lo))
+        return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
+
+    def _moe_gemm(self, gate, up, down, b, ids, wts, limit: float) -> torch.Tensor:
+        """Routed experts for many tokens. Assignments sorted by expert; each expert's first `cap` of them go
+        into one zero-padded [E, cap, ·] batched GEMM per matrix (cap ~ twice the mean load), the rest of a
+        busy expert's (routing can be very uneven: one expert taking half the tokens) into plain GEMMs on
+        that expert's weights, so the padding never multiplies the work."""
+        T, k = ids.shape
+        n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=n_expert)
+        counts_host = counts.cpu().tolist()  # the one host sync of the layer
+        cap = min(max(counts_host), max(16, -(-2 * T * k // n_expert)))
+        starts = torch.cumsum(counts, 0) - counts
+        e_sorted = flat[order]
+        slot = torch.arange(T * k, device=self.device) - starts[e_sorted]
+        in_batch = slot < cap
+        eb, sb = e_sorted[in_batch], slot[in_batch]
+        starts_host = [0] * n_expert
+        for e in range(1, n_expert):
+            starts_host[e] = starts_host[e - 1] + counts_host[e - 1]
+        overflow = [(e, starts_host[e] + cap, starts_host[e] + c) for e, c in enumerate(counts_host) if c > cap]
+        tok = order // k
+
+        def experts(w, xh, xl, n_out: int, n_in: int) -> torch.Tensor:
+            hi, lo, scale = self.half(w, EXACT_GEMM)
+            wh = hi.view(n_expert, n_out, n_in).transpose(1, 2)
+            wl = None if lo is None else lo.view(n_expert, n_out, n_in).transpose(1, 2)
+            # rows [0, cap) of expert e: its hi activations, [cap, 2 cap): the lo ones, so hi and lo share one
+            # pass over the expert's hi weights (these GEMMs are bound by reading the weights)
+            parts = 1 if xl is None else 2
+            xb = torch.zeros((n_expert, parts * cap, n_in), dtype=torch.float16, device=self.device)
+            xb[eb, sb] = xh[in_batch]
+            if xl is not None:
+                xb[eb, sb + cap] = xl[in_batch]
+            y = mm_f32(xb, wh)
+            if xl is not None:
+                y = y[:, :cap] + y[:, cap:]
+            if wl is not None:
+                y += mm_f32(xb[:, :cap], wl)
+            out = torch.empty((T * k, n_out), dtype=F32, device=self.device)
+            out[in_batch] = y[eb, sb]
+            for e, r0, r1 in overflow:
+                out[r0:r1] = split_product(xh[r0:r1], None if xl is None else xl[r0:r1], wh[e],
+                                           None if wl is None else wl[e])
+            return out * (1.0 / scale)
+
+        xh, xl, s = self.to_half(b)
+        sa = s[tok]
+        pick = (lambda t: None if t is None else t[tok])
+        g = experts(gate, pick(xh), pick(xl), n_ff, n_embd) * sa
+        u = experts(up, pick(xh), pick(xl), n_ff, n_embd) * sa
+        h = torch.empty_like(g)
+        self.ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
+        h *= wts.reshape(-1)[order, None]
+        hh, hl, hs = self.to_half(h)
+        y_sorted = experts(down, hh, hl, n_embd, n_ff) * hs
+        y = torch.empty((T * k, n_embd), dtype=F32, device=self.device)
+        y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
+        return y.view(T, k, n_embd).sum(dim=1)
 
     def _quantized(self, name: str) -> bool:
         f = self.model.file
@@ -180,3 +299,40 @@ class Weights:
             t = torch.from_numpy(self.model.w(name)).to(self.device)
             self._vecs[key] = t
         return t
+
+
+def to_half(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """x [..., n] float32 -> (hi, lo or None, s [..., 1]) with hi + lo = x / s in float16 and s the row's
+    largest magnitude, so no activation overflows float16 and every row keeps its relative precision."""
+    s = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    xn = x / s  # the split_half kernel of dequant.cu computes the same, bit for bit
+    hi = xn.to(torch.float16)
+    return hi, (xn - hi.float()).to(torch.float16) if split else None, s
+
+
+def split_product(xh, xl, wh, wl) -> torch.Tensor:
+    """(xh + xl) @ (wh + wl) in float32 without the lo·lo term (below float32 rounding); lo parts may be None.
+    xh and xl go through one GEMM (stacked rows): one pass over wh."""
+    if xl is None:
+        y = mm_f32(xh, wh)
+    else:
+        m = xh.shape[-2]
+        both = mm_f32(torch.cat([xh, xl], dim=-2), wh)
+        y = both[..., :m, :] + both[..., m:, :]
+    if wl is not None:
+        y += mm_f32(xh, wl)
+    return y
+
+
+_OUT_DTYPE = [True]  # torch.mm/bmm(..., out_dtype=float32) available (torch >= 2.8 on CUDA)
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result."""
+    fn = torch.mm if a.dim() == 2 else torch.bmm
+    if _OUT_DTYPE[0]:
+        try:
+            return fn(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE[0] = False
+    return fn(a.float(), b.float())  # an f16 result could overflow or round away the lo parts

@@ -1,0 +1,144 @@
+// Resident quantized rows -> f16 rows, the operand of the prefill GEMMs (tensor cores need a float
+// type; prefill multiplies each weight by thousands of tokens, so writing it out once per chunk costs
+// little next to the products). The decode is the matvec kernels' own (load_xb / decode_xb of
+// mv_core.cuh), so the device layout is read one way only:
+//   element j of an x block = dscale * mul_h * code_j - min_h,  h = j / 16,
+// with signed int8 codes for Q8_0 and IQ2_XXS and unsigned ones for the K-quants.
+// A quantized weight needs up to ~22 significant bits (an f16 scale times a small integer), f16 has 11:
+// with `lo`, the value times `scale` is written as hi + lo (two f16s, ~22 bits), so a GEMM split in
+// hi/lo parts reproduces the float32 product; `scale` (a power of two) keeps lo out of f16 subnormals.
+#include "mv_core.cuh"
+
+namespace ds4gpu {
+
+constexpr int DQ_THREADS = 256;
+
+// Stores one warp's 32 x blocks (64 B per lane) through shared memory, so that consecutive lanes write
+// consecutive 16-byte words: each store instruction covers 512 contiguous bytes when the warp's blocks
+// are adjacent in the row (a lane writing its own 64 B spread every instruction over 2 KB).
+__device__ __forceinline__ void warp_store_blocks(uint4* stage, const uint32_t (&bits)[16], __half* out, int64_t dst,
+                                                  bool valid) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) stage[4 * lane + q] = make_uint4(bits[4 * q], bits[4 * q + 1], bits[4 * q + 2], bits[4 * q + 3]);
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int word = 32 * q + lane, src = word >> 2, part = word & 3;
+    const int64_t at = __shfl_sync(0xffffffffu, dst, src);
+    const bool ok = __shfl_sync(0xffffffffu, valid, src);
+    if (ok) *reinterpret_cast<uint4*>(out + at + 8 * part) = stage[word];
+  }
+  __syncwarp();
+}
+
+template <int QT>
+__global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t row0, int64_t nrows, __half* out,
+                                                             __half* lo_out, int64_t ld, float scale) {
+  __shared__ unsigned long long grid[256];
+  __shared__ uint4 stage[DQ_THREADS / 32][128];
+  if constexpr (QT == QT_IQ2_XXS) {
+    iq2_tables_init(grid);
+    __syncthreads();
+  }
+  const int nxb = (int)(w.ncols / 32), nb = (int)(w.ncols / 256);
+  const int64_t i = blockIdx.x * (int64_t)DQ_THREADS + threadIdx.x;
+  const bool valid = i < nrows * nxb;
+  const int64_t r = valid ? i / nxb : 0;
+  const int xb = valid ? (int)(i % nxb) : 0;
+  const uint8_t* qrow = w.qs + (row0 + r) * w.qs_row;
+  const uint8_t* srow = w.sc + (row0 + r) * w.sc_row;
+  RawXb raw;
+  load_xb<QT>(qrow, srow, xb, nb, raw);
+  XbCodes c;
+  decode_xb<QT>(raw, Iq2Tables{grid}, c);
+  constexpr bool is_signed = QT == QT_Q8_0 || QT == QT_IQ2_XXS;
+  uint32_t hi_bits[16], lo_bits[16];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float mul = c.dscale * (float)(k < 4 ? c.mul0 : c.mul1);
+    const float mn = k < 4 ? c.min0 : c.min1;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      float v[2];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t byte = (c.c[k] >> (16 * p + 8 * b)) & 255u;
+        const int code = is_signed ? (int)(int8_t)byte : (int)byte;
+        v[b] = (mul * (float)code - mn) * scale;
+      }
+      const __half2 h = __floats2half2_rn(v[0], v[1]);
+      const float2 hf = __half22float2(h);
+      const __half2 l = __floats2half2_rn(v[0] - hf.x, v[1] - hf.y);
+      hi_bits[2 * k + p] = *reinterpret_cast<const uint32_t*>(&h);
+      lo_bits[2 * k + p] = *reinterpret_cast<const uint32_t*>(&l);
+    }
+  }
+  const int64_t dst = r * ld + 32 * (int64_t)xb;
+  uint4* st = stage[threadIdx.x / 32];
+  warp_store_blocks(st, hi_bits, out, dst, valid);
+  if (lo_out) warp_store_blocks(st, lo_bits, lo_out, dst, valid);
+}
+
+void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
+                    cudaStream_t stream) {
+  if (row0 < 0 || nrows < 0 || row0 + nrows > w.nrows) throw std::invalid_argument("dequant: rows out of range");
+  if (ld < w.ncols || ld % 8) throw std::invalid_argument("dequant: ld must be >= ncols and a multiple of 8");
+  if (nrows == 0) return;
+  if (w.qtype == QT_F16) {  // already f16: a copy (exact, so no lo part and no scale)
+    if (lo || scale != 1.0f) throw std::invalid_argument("dequant: F16 rows take no lo part and no scale");
+    DS4_CHECK(cudaMemcpy2DAsync(out, (size_t)ld * 2, w.qs + row0 * w.qs_row, (size_t)w.qs_row, (size_t)w.ncols * 2,
+                                (size_t)nrows, cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  const int64_t threads = nrows * (w.ncols / 32);
+  const unsigned blocks = (unsigned)((threads + DQ_THREADS - 1) / DQ_THREADS);
+  switch (w.qtype) {
+    case QT_Q8_0: dequant_kernel<QT_Q8_0><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
+    case QT_Q4_K: dequant_kernel<QT_Q4_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
+    case QT_Q2_K: dequant_kernel<QT_Q2_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
+    case QT_IQ2_XXS: dequant_kernel<QT_IQ2_XXS><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
+    default: throw std::invalid_argument("dequant: quant type " + std::to_string(w.qtype) + " has no GPU kernel");
+  }
+  DS4_CHECK_LAUNCH("dequant_kernel");
+}
+
+}  // namespace ds4gpu
+
+namespace ds4gpu {
+
+// One CTA per row: s = max |x| (floored at 1e-30), hi = f16(x / s), lo = f16(x / s - hi): the activation
+// operand of the prefill GEMMs in one pass (the torch chain abs/amax/div/cast/sub/cast took six).
+constexpr int SPLIT_THREADS = 256;
+
+__global__ void __launch_bounds__(SPLIT_THREADS) split_half_kernel(const float* x, int64_t n, __half* hi, __half* lo,
+                                                                  float* s) {
+  __shared__ float red[SPLIT_THREADS / 32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * n;
+  float m = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) m = fmaxf(m, fabsf(xr[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < SPLIT_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+  m = fmaxf(m, 1e-30f);
+  for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+    const float v = xr[i] / m;
+    const __half h = __float2half_rn(v);
+    hi[row * n + i] = h;
+    if (lo) lo[row * n + i] = __float2half_rn(v - __half2float(h));
+  }
+  if (threadIdx.x == 0) s[row] = m;
+}
+
+void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return;
+  split_half_kernel<<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
+  DS4_CHECK_LAUNCH("split_half_kernel");
+}
+
+}  // namespace ds4gpu

@@ -1,0 +1,124 @@
+"""The prefill GEMM path of the CUDA engine (engine/gpu/dequant.cu, weights.Weights._gemm/_moe_gemm) against
+the numpy dequantize-then-matmul reference, on fresh random GGUF blocks. Skipped without a CUDA device.
+
+The dequantized f16 rows must equal the reference values rounded to f16 (one rounding step), and
+their hi + lo split the values to ~22 bits; the products (hi/lo f16 operands, f32 accumulation) must
+agree with the float64 reference to 1e-5 (the single-pass DS4_GPU_PREFILL_GEMM=f16 mode: 1e-3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.engine import gpu
+from ds4.gguf_tools.constants import QuantType as Q
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+torch = pytest.importorskip("torch")
+
+from ds4.engine.gpu.weights import EXACT_GEMM  # noqa: E402
+from test_gpu_kernels import TOL, dequant, moe_reference, random_blocks, rel_err  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_stream():
+    yield
+    gpu.load().reset_stream()  # Weights points the extension at torch's stream; later tests capture on its own
+
+
+def _weights():
+    from ds4.engine.gpu.weights import Weights
+
+    return Weights(None, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q2_K, Q.IQ2_XXS, Q.F16])
+def test_dequant_rows_equal_the_reference_in_f16(qtype: Q) -> None:
+    rows, cols = 96, 1024
+    rng = np.random.default_rng(int(qtype) + 40)
+    raw = random_blocks(qtype, rows, cols, rng)
+    w = gpu.upload(f"dq.{qtype.name}", qtype, (cols, rows), raw)
+    ref = dequant(qtype, raw, cols)
+    ext = gpu.load()
+    out = torch.full((rows, cols), float("nan"), dtype=torch.float16, device="cuda")
+    ext.dequant(w, out.data_ptr())
+    torch.cuda.synchronize()
+    got = out.double().cpu().numpy()
+    # one f16 rounding of the exact value (half an ulp, 2^-11 relative), or the subnormal step near 0
+    assert np.all(np.abs(got - ref) <= 2.0 ** -11 * np.abs(ref) + 6e-8), qtype.name
+    # a row range into a wider buffer: other rows and the padding columns stay untouched
+    wide = torch.full((rows, cols + 64), -7.0, dtype=torch.float16, device="cuda")
+    ext.dequant(w, wide.data_ptr(), row0=10, nrows=20, ld=cols + 64)
+    torch.cuda.synchronize()
+    part = wide.double().cpu().numpy()
+    np.testing.assert_array_equal(part[:20, :cols], got[10:30])
+    assert (part[:, cols:] == -7.0).all() and (part[20:] == -7.0).all()
+    with pytest.raises(ValueError, match="rows out of range"):
+        ext.dequant(w, wide.data_ptr(), row0=90, nrows=20)
+    if qtype == Q.F16:
+        return
+    # hi + lo parts of the value times 2^10: the exact GEMMs' operand, ~22 significant bits
+    lo = torch.full((rows, cols), float("nan"), dtype=torch.float16, device="cuda")
+    ext.dequant(w, out.data_ptr(), lo.data_ptr(), 1024.0)
+    torch.cuda.synchronize()
+    both = (out.double() + lo.double()).cpu().numpy() / 1024.0
+    assert np.all(np.abs(both - ref) <= 2.0 ** -20 * np.abs(ref) + 1e-10), qtype.name
+
+
+@pytest.mark.parametrize("qtype,groups", [(Q.Q8_0, 1), (Q.Q8_0, 8), (Q.F16, 1), (Q.Q2_K, 1)])
+def test_gemm_matches_the_reference(qtype: Q, groups: int) -> None:
+    rows, cols, T = 512, 1024, 40
+    rng = np.random.default_rng(int(qtype) * 10 + groups)
+    raw = random_blocks(qtype, rows, cols, rng)
+    w = gpu.upload(f"gemm.{qtype.name}.{groups}", qtype, (cols, rows), raw)
+    x = rng.standard_normal((T, groups * cols)).astype(np.float32)
+    x[:, :64] *= 300.0  # magnitudes far outside f16's comfortable range get scaled per row
+    wd = dequant(qtype, raw, cols)
+    per = rows // groups
+    ref = np.concatenate([x[:, g * cols:(g + 1) * cols].astype(np.float64) @ wd[g * per:(g + 1) * per].T
+                          for g in range(groups)], axis=1)
+    got = _weights()._gemm(w, torch.from_numpy(x).cuda(), groups).cpu().numpy()
+    err = rel_err(got.astype(np.float64), ref)
+    assert err <= (1e-5 if EXACT_GEMM else TOL), f"{qtype.name} groups={groups}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("mix", ["q2", "q4"])
+def test_moe_gemm_matches_the_reference(mix: str) -> None:
+    qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
+    n_embd, n_ff, n_expert, k, T = 1024, 512, 16, 6, 40
+    rng = np.random.default_rng(50 if mix == "q2" else 51)
+    gate_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
+    up_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
+    down_raw = random_blocks(qd, n_expert * n_embd, n_ff, rng).reshape(n_expert, n_embd, -1)
+    gate = gpu.upload("blk.1.ffn_gate_exps.weight", qg, (n_embd, n_ff, n_expert), gate_raw)
+    up = gpu.upload("blk.1.ffn_up_exps.weight", qg, (n_embd, n_ff, n_expert), up_raw)
+    down = gpu.upload("blk.1.ffn_down_exps.weight", qd, (n_ff, n_embd, n_expert), down_raw)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32) * 2.0
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[:30, 0] = 3  # one expert much busier than the rest: past the batched GEMM's padding
+    wts = rng.uniform(0.1, 0.5, (T, k)).astype(np.float32)
+    ref = moe_reference(gate_raw, up_raw, down_raw, qg, qd, x.astype(np.float64), ids, wts, 10.0)
+    dev = torch.device("cuda")
+    got = _weights()._moe_gemm(gate, up, down, torch.from_numpy(x).to(dev), torch.from_numpy(ids).long().to(dev),
+                               torch.from_numpy(wts).to(dev), 10.0)
+    err = rel_err(got.cpu().numpy().astype(np.float64), ref)
+    assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix}: rel err {err:.2e}"
+
+
+def test_split_half_is_the_scaled_hi_lo_of_each_row() -> None:
+    from ds4.engine.gpu.weights import to_half
+
+    rng = np.random.default_rng(60)
+    x = rng.standard_normal((37, 1000)).astype(np.float32) * np.logspace(-3, 4, 37, dtype=np.float32)[:, None]
+    x[5] = 0.0  # an all-zero row keeps a positive scale
+    xt = torch.from_numpy(x).cuda()
+    hi, lo, s = _weights().to_half(xt)
+    want_hi, want_lo, want_s = to_half(xt, True)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(s.cpu().numpy(), want_s.cpu().numpy())
+    np.testing.assert_array_equal(hi.cpu().numpy(), want_hi.cpu().numpy())
+    if lo is not None:
+        np.testing.assert_array_equal(lo.cpu().numpy(), want_lo.cpu().numpy())
+        back = (hi.double() + lo.double()) * s.double()
+        assert float(((back - xt.double()).abs() / xt.double().abs().amax(1, keepdim=True).clamp_min(1e-30)).max()) < 2e-7
