@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
     ap.add_argument("--trace", help="with --count-kernels: write the step's chrome trace (kernel order, grids) here")
-    ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk (the session default)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="also profile the kernels of one prefill of N tokens")
     args = ap.parse_args(argv)

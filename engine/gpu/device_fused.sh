@@ -16,7 +16,7 @@ echo "== session tests $(( $(date +%s) - T0 ))s"
 timeout ${SESSION_TIMEOUT:-180} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/test_gpu_session_cuda.py 2>&1 | tee "$OUT/tests.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 wait $SYN; cat "$OUT/synth.log"
 echo "== bench $(( $(date +%s) - T0 ))s"
-timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-2048} --profile-prefill ${PROFILE_PREFILL:-0} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -${BENCH_TAIL:-24}
+timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-8192} --profile-prefill ${PROFILE_PREFILL:-0} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -${BENCH_TAIL:-24}
 gzip -f "$OUT/trace.json" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/bench.log" 2>&1
 for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table and the session at 2k
@@ -29,6 +29,6 @@ done
 for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16
   stamp "prefill gemm=$mode"
   DS4_GPU_PREFILL_GEMM=$mode timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx --prefill ${PREFILL:-512} \
-    --prefill-chunk ${PREFILL_CHUNK:-2048} --json "$OUT/bench_prefill_$mode.json" 2>&1 | grep -E "prefill|floor"
+    --prefill-chunk ${PREFILL_CHUNK:-8192} --json "$OUT/bench_prefill_$mode.json" 2>&1 | grep -E "prefill|floor"
 done
 echo "== done $(( $(date +%s) - T0 ))s"

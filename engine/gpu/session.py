@@ -17,7 +17,11 @@ Design. The model math of model-spec §3-4 is written once in torch over device 
 engine). Two paths share the sublayers:
 - `_chunk` (prefill, any T): dynamic shapes, the raw window from ring + chunk, compressors
   pooled window-by-window from the frontier, the indexer's top-k per query (stable, lowest index
-  first), as ds4.engine.forward does;
+  first), as ds4.engine.forward does; each query attends to its window (a sliding view) and its
+  own compressed rows (gathered), in blocks of queries; weight products of 16+ rows are f16
+  tensor-core GEMMs on weights dequantized per call, split hi/lo so they agree with float32
+  (ds4.engine.gpu.weights), and chunks are long (8192 tokens) because every chunk dequantizes
+  every weight once;
 - `_step` (decode, T = 1): static shapes only (positions are a device tensor; ring rows, visible
   compressed rows and the emission of a compressed row are masks and `where`s), so the whole
   token is captured once in a CUDA graph and replayed.
@@ -46,7 +50,7 @@ ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered key
 
 
 class Session(Timeline):
-    def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 2048, hooks=None, impl: str | None = None,
+    def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 8192, hooks=None, impl: str | None = None,
                  progress=None, device: str | torch.device | None = None, graphs: bool | None = None,
                  weights: Weights | None = None):
         if hooks is not None:

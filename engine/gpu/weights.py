@@ -244,18 +244,15 @@ class Weights:
             hi, lo, scale = self.half(w, EXACT_GEMM)
             wh = hi.view(n_expert, n_out, n_in).transpose(1, 2)
             wl = None if lo is None else lo.view(n_expert, n_out, n_in).transpose(1, 2)
-            # rows [0, cap) of expert e: its hi activations, [cap, 2 cap): the lo ones, so hi and lo share one
-            # pass over the expert's hi weights (these GEMMs are bound by reading the weights)
-            parts = 1 if xl is None else 2
-            xb = torch.zeros((n_expert, parts * cap, n_in), dtype=torch.float16, device=self.device)
-            xb[eb, sb] = xh[in_batch]
-            if xl is not None:
-                xb[eb, sb + cap] = xl[in_batch]
-            y = mm_f32(xb, wh)
-            if xl is not None:
-                y = y[:, :cap] + y[:, cap:]
-            if wl is not None:
-                y += mm_f32(xb[:, :cap], wl)
+
+            def batch(rows):
+                if rows is None:
+                    return None
+                xb = torch.zeros((n_expert, cap, n_in), dtype=torch.float16, device=self.device)
+                xb[eb, sb] = rows[in_batch]
+                return xb
+
+            y = split_product(batch(xh), batch(xl), wh, wl)
             out = torch.empty((T * k, n_out), dtype=F32, device=self.device)
             out[in_batch] = y[eb, sb]
             for e, r0, r1 in overflow:
@@ -312,15 +309,12 @@ def to_half(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | 
 
 def split_product(xh, xl, wh, wl) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) in float32 without the lo·lo term (below float32 rounding); lo parts may be None.
-    xh and xl go through one GEMM (stacked rows): one pass over wh."""
-    if xl is None:
-        y = mm_f32(xh, wh)
-    else:
-        m = xh.shape[-2]
-        both = mm_f32(torch.cat([xh, xl], dim=-2), wh)
-        y = both[..., :m, :] + both[..., m:, :]
+    The lo products accumulate into the result inside the GEMM (beta = 1): no extra pass over it."""
+    y = mm_f32(xh, wh)
+    if xl is not None:
+        acc_mm(y, xl, wh)
     if wl is not None:
-        y += mm_f32(xh, wl)
+        acc_mm(y, xh, wl)
     return y
 
 
@@ -336,3 +330,18 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE[0] = False
     return fn(a.float(), b.float())  # an f16 result could overflow or round away the lo parts
+
+
+_ACC_DTYPE = [True]  # torch.addmm/baddbmm(..., out_dtype=float32, out=y) available
+
+
+def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it."""
+    if _ACC_DTYPE[0] and y.is_cuda:
+        fn = torch.addmm if a.dim() == 2 else torch.baddbmm
+        try:
+            fn(y, a, b, out_dtype=torch.float32, out=y)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ACC_DTYPE[0] = False
+    y += mm_f32(a, b)
