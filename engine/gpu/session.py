@@ -545,24 +545,24 @@ class Session(Timeline):
 
     def _attend_rows(self, li, q, win, win_valid, comp, sel, comp_valid):
         """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
-        of comp, or the rows sel [t, k] of it)."""
-        d = q.shape[-1]
+        of comp, or the rows sel [t, k] of it). The sink is one more score column, so the softmax is one
+        fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time)."""
+        t, H, d = q.shape
         sinks = self.W.vec(C.blk(li, L.ATTN_SINKS))
-        s = torch.einsum("thd,tdn->thn", q, win)
-        s = torch.where(win_valid[:, None, :], s, -math.inf)
+        q = q * (1.0 / math.sqrt(d))
+        s = torch.einsum("thd,tdn->thn", q, win).masked_fill_(~win_valid[:, None, :], -math.inf)
+        parts, kc = [s], None
         if comp is not None:
             kc = comp[sel] if sel is not None else None
             sc = torch.einsum("thd,tkd->thk", q, kc) if kc is not None else torch.einsum("thd,nd->thn", q, comp)
-            s = torch.cat([s, torch.where(comp_valid[:, None, :], sc, -math.inf)], dim=-1)
-        s = s * (1.0 / math.sqrt(d))
-        m = torch.maximum(s.amax(dim=-1), sinks[None, :])
-        e = torch.exp(s - m[..., None])
-        p = e / (e.sum(dim=-1) + torch.exp(sinks[None, :] - m))[..., None]
+            parts.append(sc.masked_fill_(~comp_valid[:, None, :], -math.inf))
+        parts.append(sinks[None, :, None].expand(t, H, 1))
+        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         Wn = win.shape[-1]
         o = torch.einsum("thn,tdn->thd", p[..., :Wn], win)
         if comp is not None:
-            pc = p[..., Wn:]
-            o = o + (torch.einsum("thk,tkd->thd", pc, kc) if kc is not None else torch.einsum("thn,nd->thd", pc, comp))
+            pc = p[..., Wn:-1]
+            o += torch.einsum("thk,tkd->thd", pc, kc) if kc is not None else torch.einsum("thn,nd->thd", pc, comp)
         return o
 
     def _indexer_select_chunk(self, li, a, c, pos, n, n_vis):
