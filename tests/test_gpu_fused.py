@@ -54,14 +54,18 @@ def test_rms_norm(K):
     assert rel(K.rms_norm(x, None, 1e-6), ops.rms_norm(x.double(), None, 1e-6)) < 1e-6
 
 
+# T = 1 and 3: one launch (the last mix block of a token finishes it; run twice, so the per-token count
+# must have been reset); 3 at D = 6144: the two-launch path (D too wide for it); 70: the mix as one GEMM.
+@pytest.mark.parametrize("T,D", [(1, 4096), (3, 1024), (3, 6144), (70, 512)])
 @pytest.mark.parametrize("head", [False, True])
-def test_hc_pre(K, head):
+def test_hc_pre(K, head, T, D):
     g = torch.Generator().manual_seed(1)
-    T, n, D = 3, 4, 1024
+    n = 4
     M = n if head else (2 + n) * n
     X, Wf = rnd(g, T, n, D), rnd(g, M, n * D, scale=0.02)
     scale, base, nw = rnd(g, 3) if not head else rnd(g, 1), rnd(g, M, scale=0.5), rnd(g, D)
-    out, post, comb = K.hc_pre(X, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head)
+    for _ in range(2):
+        out, post, comb = K.hc_pre(X, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head)
     Xd = X.double()
     mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
     if head:

@@ -213,8 +213,9 @@ def test_resident_model_from_written_gguf(tmp_path) -> None:
         assert rel_err(gpu.matvec_host(model[name], x)[0], ref) <= TOL, name
 
 
-# ---- the batch-1 Q8_0 kernel of matvec_q8.cu (DS4_GPU_MV=2; 3 adds programmatic dependent launch) ----
-# The variable is read once per process, so that kernel runs in a subprocess that writes its outputs;
+# ---- the batch-1 Q8_0 kernels: DS4_GPU_MV=1 matvec.cu's general kernel, 2 matvec_stream.cu's, 3 the same
+# with programmatic dependent launch (4, the default, adds F16 and several matrices per launch).
+# The variable is read once per process, so a variant runs in a subprocess that writes its outputs;
 # this process holds them to the float64 reference and to the default kernel (same activation
 # quantization, so only the float summation order differs).
 MV2_CASES = [  # (cols, rows, groups): Flash shapes, then odd ones (rows of no particular multiple)
@@ -239,14 +240,21 @@ def shared_inputs() -> tuple[list[np.ndarray], np.ndarray]:
     return raws, rng.standard_normal((1, 4096)).astype(np.float32) * 3.0
 
 
+def mv_takes(variant: str, rows: int, groups: int) -> bool:
+    """Shapes a variant's kernel takes (the general kernel needs rows per group in multiples of 8)."""
+    return variant != "1" or (rows // groups) % 8 == 0
+
+
 def mv2_outputs(path: str) -> None:
     """Run in the subprocess: every case through ext.matvec / ext.matvec_shared, saved to `path`."""
     import os
 
-    assert os.environ.get("DS4_GPU_MV") in ("2", "3")
+    assert os.environ.get("DS4_GPU_MV") in ("1", "2", "3")
     ext = gpu.load()
     ys = {}
     for i, (cols, rows, groups) in enumerate(MV2_CASES):
+        if not mv_takes(os.environ["DS4_GPU_MV"], rows, groups):
+            continue
         raw, x = mv2_inputs(i)
         ys[f"y{i}"] = run_matvec(gpu.upload(f"mv2.{i}", Q.Q8_0, (cols, rows), raw), x, groups)
     raws, x = shared_inputs()
@@ -260,7 +268,7 @@ def mv2_outputs(path: str) -> None:
     np.savez(path, **ys)
 
 
-@pytest.mark.parametrize("variant", ["2", "3"])
+@pytest.mark.parametrize("variant", ["1", "2", "3"])
 def test_q8_0_batch1_kernel_v2_matches_reference_and_default(variant: str, tmp_path) -> None:
     import os
     import subprocess
@@ -273,8 +281,10 @@ def test_q8_0_batch1_kernel_v2_matches_reference_and_default(variant: str, tmp_p
     res = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     got = np.load(out)
-    default_here = os.environ.get("DS4_GPU_MV", "1") in ("", "1")
+    default_here = os.environ.get("DS4_GPU_MV", "4") in ("", "4")
     for i, (cols, rows, groups) in enumerate(MV2_CASES):
+        if not mv_takes(variant, rows, groups):
+            continue
         raw, x = mv2_inputs(i)
         y2 = got[f"y{i}"]
         assert y2.shape == (1, rows)
@@ -283,7 +293,7 @@ def test_q8_0_batch1_kernel_v2_matches_reference_and_default(variant: str, tmp_p
         ref = np.einsum("sc,sc->s", dequant(Q.Q8_0, raw[pick], cols), xg)
         err = rel_err(y2[0, pick], ref)
         assert err <= TOL, f"DS4_GPU_MV={variant} {cols}x{rows} groups={groups}: rel err {err:.2e}"
-        if default_here and (rows // groups) % 8 == 0:  # shapes the default kernel takes
+        if default_here:  # the default (streaming) kernel in this process
             y1 = run_matvec(gpu.upload(f"mv1.{i}", Q.Q8_0, (cols, rows), raw), x, groups)
             d = rel_err(y2, y1)
             assert d <= 1e-5, f"DS4_GPU_MV={variant} {cols}x{rows}: {d:.2e} from the default kernel"

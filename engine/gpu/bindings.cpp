@@ -341,6 +341,22 @@ void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& 
 template <typename T>
 T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
+// ys[i] = ws[i] . x in one launch (batch 1; raw device pointers, y_i of ws[i] rows, x of ncols values or
+// 2 ncols for swiglu). False, with nothing launched, when the kernel does not take these matrices.
+bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, const std::vector<uintptr_t>& ys,
+                  bool swiglu, float clamp) {
+  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_multi: one y per weight");
+  if (ws.size() > 4) return false;
+  const Packed* ps[4];
+  float* yp[4];
+  for (size_t i = 0; i < ws.size(); ++i) {
+    ps[i] = &ws[i]->p;
+    yp[i] = ptr<float>(ys[i]);
+  }
+  return launch_matvec_multi(ps, yp, (int)ws.size(), ptr<const float>(x), swiglu ? MV_X_SWIGLU : MV_X_PLAIN, clamp,
+                             stream());
+}
+
 RowPost row_post_args(bool norm, uintptr_t w, float eps, uintptr_t freq, int rope_dim, bool inverse, int fp8_nope,
                       bool qat, float had_scale) {
   RowPost o;
@@ -502,6 +518,10 @@ PYBIND11_MODULE(_ext, m) {
     launch_split_half((const float*)x, rows, n, (__half*)hi, (__half*)lo, (float*)s, stream());
   }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),
         "rows of float32 x as f16 hi (+ lo when lo != 0) parts of x / s, s = the row's largest magnitude");
+  m.def("matvec_multi", &matvec_multi, py::arg("ws"), py::arg("x"), py::arg("ys"), py::arg("swiglu") = false,
+        py::arg("clamp") = 0.0f,
+        "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
+        "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu for the semantics.
@@ -511,11 +531,15 @@ PYBIND11_MODULE(_ext, m) {
   m.def("hc_parts", &hc_parts, "partial sums per token of the mHC mix (scratch rows for hc_pre)");
   m.def("hc_pre", [](uintptr_t X, uintptr_t Wf, uintptr_t part, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T,
                      int n, int D, int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post,
-                     uintptr_t comb) {
+                     uintptr_t comb, int parts) {
     launch_hc_pre(ptr<const float>(X), ptr<const float>(Wf), ptr<float>(part), ptr<const float>(scale),
                   ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head,
-                  ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream());
-  });
+                  ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream(), parts);
+  }, "mHC pre; parts > 0: part already holds that many partial mixes per token [T, parts, M + 1] (the last "
+     "column: the sum of squares), so only pass 2 runs",
+     py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
+     py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
+     py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
   m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
                       uintptr_t Xo) {
     launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
-CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_q8.cu", "moe.cu", "fused.cu", "topk.cu", "dequant.cu"]
+CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "moe.cu", "fused.cu", "topk.cu", "dequant.cu"]
 HEADERS = ["common.cuh", "mv_core.cuh", "iq2_tables.inc"]
 
 

@@ -72,6 +72,12 @@ void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __ha
 // quantize = false: xq already holds x quantized (shared by several matrices reading the same x).
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
                    cudaStream_t stream, bool quantize = true);
+// matvec.cu / matvec_stream.cu: y_i = W_i . x for up to 4 matrices of one width and type (Q8_0 or F16), batch 1,
+// one launch; x_op MV_X_SWIGLU: x = swiglu(g, u) of x = [g | u] (2 ncols values, clamp c). False (nothing
+// launched) when the shapes or types do not fit that kernel or DS4_GPU_MV < 4.
+enum MvXOp { MV_X_PLAIN = 0, MV_X_SWIGLU = 1 };
+bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, const float* x, int x_op, float clamp,
+                         cudaStream_t stream);
 // moe.cu: routed experts for `tokens` tokens with k experts each (ids/weights [tokens, k] on device).
 struct MoeScratch {
   XQ xq_in;      // tokens vectors of n_embd
@@ -98,7 +104,7 @@ void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, 
 int hc_parts(int n, int D);
 void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
                    const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                   float* out, float* post, float* comb, cudaStream_t s);
+                   float* out, float* post, float* comb, cudaStream_t s, int parts = 0);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
 void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,

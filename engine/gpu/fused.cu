@@ -164,9 +164,9 @@ __global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, c
 // blocks streaming the 1.5 MB weight at once (one block streaming it ran ~10 us on one SM).
 // Warp w owns rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 of the slice.
 constexpr int HC_COLS = 256;
-__global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
-                                                     float* part) {
-  const int p = blockIdx.x, t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, int M, int nD, int P, float* part,
+                                             int p, int t) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = p * HC_COLS + lane * 8;
   const bool full = c0 + 8 <= nD;
   float x[8];
@@ -212,6 +212,10 @@ __global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float
       if (lane == 0 && m0 + 8 * j < M) out[m0 + 8 * j] = s;
     }
   }
+}
+__global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
+                                                     float* part) {
+  hc_mix_block(X, Wf, M, nD, P, part, blockIdx.x, blockIdx.y);
 }
 
 // mHC pre, pass 2, token blockIdx.x (1024 threads): mix = sum of the P partials (warp m sums row m),
@@ -337,6 +341,116 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
       float4 o = norm_w ? make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w)
                         : make_float4(u[k].x * r2, u[k].y * r2, u[k].z * r2, u[k].w * r2);
       ((float4*)(out + (int64_t)t * D))[d4] = o;
+    }
+  }
+}
+
+// mHC pre in one launch (decode): the blocks of hc_mix_kernel, and the last block of a token to finish
+// (atomic count; the count is reset for the next launch or graph replay) does pass 2 with 256 threads.
+// Its last warp computes post and comb (Sinkhorn, ~2 us of dependent shuffles) while the other 7 form
+// out: nothing in this kernel waits for comb, so the barriers of out's norm are named ones among those
+// 224 threads. Each of them computes the n pre weights itself (n sigmoids) instead of waiting for them.
+// Partials are read with ld.global.cg: other blocks wrote them during this kernel.
+constexpr int HC1_THREADS = 256, HC1_COLS = HC1_THREADS - 32, HC1_MAXU = 5;  // D <= 4 * 5 * 224 = 4480
+constexpr int HC1_MAX_T = 64;
+__device__ unsigned g_hc_count[HC1_MAX_T];
+
+__device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the HC1_COLS column threads
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum_f(v);
+  if (lane == 0) sh[warp] = v;
+  asm volatile("bar.sync 1, %0;" ::"r"(HC1_COLS) : "memory");
+  float t = 0.0f;
+#pragma unroll
+  for (int i = 0; i < HC1_COLS / 32; ++i) t += sh[i];
+  return t;
+}
+
+__global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X, const float* Wf, int M, int P,
+                                                                 float* part, const float* scale, const float* base,
+                                                                 const float* norm_w, int n, int D, int iters,
+                                                                 float eps_rms, float eps_hc, bool head, float* out,
+                                                                 float* post_out, float* comb_out) {
+  __shared__ float mixs[8 * 10 + 1];
+  __shared__ float red[32];
+  __shared__ bool last;
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&g_hc_count[t], 1u) == (unsigned)P - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) g_hc_count[t] = 0;
+  const float* Xt = X + (int64_t)t * n * D;
+  const int D4 = D / 4, tid = threadIdx.x;
+  float4 xs[HC1_MAXU][4];  // this thread's columns of the (up to 4) streams, requested before the mix is known
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int d4 = tid + k * HC1_COLS;
+      xs[k][i] = (tid < HC1_COLS && d4 < D4 && i < n) ? __ldg((const float4*)(Xt + (int64_t)i * D) + d4)
+                                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  for (int m = warp; m <= M; m += HC1_THREADS / 32) {
+    const float* pm = part + (int64_t)t * P * (M + 1) + m;
+    float v = 0.0f;
+    for (int p = lane; p < P; p += 32) v += __ldcg(pm + (int64_t)p * (M + 1));
+    v = warp_sum_f(v);
+    if (lane == 0) mixs[m] = v;
+  }
+  __syncthreads();
+  const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
+  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
+    if (head) return;
+    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
+    const int l = lane & 15;  // n == 4: comb on 16 lanes (a, b) = (l / 4, l % 4), lanes 16-31 mirror 0-15
+    float v = mixs[8 + l] * r * scale[2] + base[8 + l];
+    float mx = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float e = expf(v - mx);
+    float s = e + __shfl_xor_sync(0xffffffffu, e, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    v = e / s + eps_hc;
+    for (int it = 0; it < iters; ++it) {  // as hc_pre_kernel
+      if (it > 0) {
+        s = v + __shfl_xor_sync(0xffffffffu, v, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        v = __fdividef(v, s + eps_hc);
+      }
+      s = v + __shfl_xor_sync(0xffffffffu, v, 4);
+      s += __shfl_xor_sync(0xffffffffu, s, 8);
+      v = __fdividef(v, s + eps_hc);
+    }
+    if (lane < 16) comb_out[(int64_t)t * 16 + lane] = v;
+    return;
+  }
+  float pre[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
+  float4 u[HC1_MAXU];
+  float su = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
+      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
+    }
+    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+  }
+  su = cols_sum(su, red);
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    const int d4 = tid + k * HC1_COLS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      ((float4*)(out + (int64_t)t * D))[d4] =
+          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
     }
   }
 }
@@ -687,15 +801,34 @@ void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, 
 
 int hc_parts(int n, int D) { return (n * D + HC_COLS - 1) / HC_COLS; }
 
+// $DS4_GPU_HC_ONE=0: the two-launch hc_pre for decode too (benchmark A/B).
+static bool hc_one_launch() {
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_HC_ONE");
+    return !(e && e[0] == '0');
+  }();
+  return v;
+}
+
 void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
                    const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                   float* out, float* post, float* comb, cudaStream_t s) {
+                   float* out, float* post, float* comb, cudaStream_t s, int parts) {
   if (n > 8) throw std::invalid_argument("hc_pre: at most 8 streams");
   if (D % 4 || D > 4 * HC_MAXU * HC_THREADS) throw std::invalid_argument("hc_pre: D must be a multiple of 4, <= 16384");
-  const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
-  if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
-  hc_mix_kernel<<<dim3(P, T), 256, 0, s>>>(X, Wf, M, n * D, P, part);
-  DS4_CHECK_LAUNCH("hc_mix");
+  const int M = head ? n : (2 + n) * n;
+  int P = parts;
+  if (P <= 0) {
+    P = hc_parts(n, D);
+    if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
+    if (hc_one_launch() && T <= HC1_MAX_T && n <= 4 && (head || n == 4) && D <= 4 * HC1_MAXU * HC1_COLS) {
+      hc_mix_pre_kernel<<<dim3(P, T), HC1_THREADS, 0, s>>>(X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
+                                                            eps_rms, eps_hc, head, out, post, comb);
+      DS4_CHECK_LAUNCH("hc_mix_pre");
+      return;
+    }
+    hc_mix_kernel<<<dim3(P, T), 256, 0, s>>>(X, Wf, M, n * D, P, part);
+    DS4_CHECK_LAUNCH("hc_mix");
+  }
   hc_pre_kernel<<<T, HC_THREADS, 0, s>>>(X, part, P, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, out,
                                          post, comb);
   DS4_CHECK_LAUNCH("hc_pre");

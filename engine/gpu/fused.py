@@ -17,6 +17,7 @@ import math
 import torch
 
 F32 = torch.float32
+HC_GEMM_MIN = 64  # hc_pre: tokens from which the mix is one GEMM (float32; TF32 stays off, torch's default)
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 
 
@@ -52,10 +53,18 @@ class Fused:
         out = torch.empty((T, D), dtype=F32, device=self.device)
         post = torch.empty((T, n), dtype=F32, device=self.device)
         comb = torch.empty((T, n, n), dtype=F32, device=self.device)
-        part = torch.empty((T, self.ext.hc_parts(n, D), M + 1), dtype=F32, device=self.device)
+        parts = 0
+        if T >= HC_GEMM_MIN:  # prefill: the mix as one float32 GEMM, not T decode-shaped reductions
+            flat = X.reshape(T, n * D)
+            part = torch.empty((T, 1, M + 1), dtype=F32, device=self.device)
+            torch.mm(flat, Wf.T, out=part[:, 0, :M])
+            torch.linalg.vector_norm(flat, dim=1, out=part[:, 0, M]).square_()
+            parts = 1
+        else:
+            part = torch.empty((T, self.ext.hc_parts(n, D), M + 1), dtype=F32, device=self.device)
         self._stream()
         self.ext.hc_pre(_p(X), _p(Wf), _p(part), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters),
-                        float(eps_rms), float(eps_hc), bool(head), _p(out), _p(post), _p(comb))
+                        float(eps_rms), float(eps_hc), bool(head), _p(out), _p(post), _p(comb), parts)
         return out, post, comb
 
     def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,

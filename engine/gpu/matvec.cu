@@ -113,29 +113,37 @@ static void launch_qt(const Packed& w, const float* x, const XQ& xq, int batch, 
   else launch_nb<QT, 8>(w, x, xq, batch, groups, y, stream);
 }
 
-// matvec_q8.cu: the batch-1 Q8_0 kernel used under DS4_GPU_MV=2/3 (x quantized in the kernel when
-// `quantize`); false if it does not take this shape (then this file's kernel runs).
-bool launch_matvec_q8(const Packed& w, const float* x, const XQ& xq, int groups, float* y, cudaStream_t stream,
-                      bool quantize, bool pdl);
+// matvec_stream.cu: the batch-1 streaming kernel for Q8_0 and F16 (x staged in the kernel unless xq is
+// given; up to 4 matrices of one width per launch); false if it does not take this shape.
+bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
+                          int x_op, float clamp, cudaStream_t stream, bool pdl);
 
-// $DS4_GPU_MV selects the batch-1 Q8_0 kernel: 1 this file's, 2 matvec_q8.cu's (x quantized in the
-// kernel), 3 (default) the same with programmatic dependent launch. Read once (benchmark A/B; H200,
-// Flash q2 decode at 2k: 11.10 / 9.95 / 9.76 ms per token).
+// $DS4_GPU_MV selects the batch-1 kernels: 1 this file's, 2 matvec_stream.cu's for Q8_0, 3 the same with
+// programmatic dependent launch, 4 (default) also F16 and several matrices per launch (matvec_multi).
+// Read once (benchmark A/B; H200, Flash q2 decode at 2k: 11.10 / 9.95 / 9.76 ms per token for 1 / 2 / 3).
 static int mv_variant() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_MV");
-    return e ? atoi(e) : 3;
+    return e ? atoi(e) : 4;
   }();
   return v;
+}
+
+bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, const float* x, int x_op, float clamp,
+                         cudaStream_t stream) {
+  return mv_variant() >= 4 && launch_matvec_stream(ws, ys, nw, x, nullptr, 1, x_op, clamp, stream, true);
 }
 
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
                    cudaStream_t stream, bool quantize) {
   if (batch < 1 || batch > MAX_BATCH) throw std::invalid_argument("matvec batch must be 1..8");
   if (groups < 1 || w.nrows % groups) throw std::invalid_argument("rows must split evenly into groups");
-  if (batch == 1 && w.qtype == QT_Q8_0 && mv_variant() >= 2 &&
-      launch_matvec_q8(w, x, xq, groups, y, stream, quantize, mv_variant() >= 3))
-    return;
+  if (batch == 1 && ((w.qtype == QT_Q8_0 && mv_variant() >= 2) || (w.qtype == QT_F16 && mv_variant() >= 4))) {
+    const Packed* ws[1] = {&w};
+    float* ys[1] = {y};
+    const XQ* planes = (quantize || w.qtype == QT_F16) ? nullptr : &xq;
+    if (launch_matvec_stream(ws, ys, 1, x, planes, groups, 0, 0.0f, stream, mv_variant() >= 3)) return;
+  }
   if (w.qtype != QT_F16 && quantize) launch_quantize_x(x, batch * groups, (int)w.ncols, xq, stream);
   switch (w.qtype) {
     case QT_F16: launch_qt<QT_F16>(w, x, xq, batch, groups, y, stream); break;

@@ -412,8 +412,7 @@ class Session(Timeline):
                                    W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok,
                                    cfg.n_expert_used, cfg.routed_scale)
             out = W.moe(li, b, ids, w, limit)
-            g, u = W.mm_many([C.blk(li, L.FFN_GATE_SHEXP), C.blk(li, L.FFN_UP_SHEXP)], b)
-            return out, W.mm(C.blk(li, L.FFN_DOWN_SHEXP), self.K.swiglu(g, u, limit))
+            return out, W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
         s = torch.sqrt(torch.nn.functional.softplus(logits))
         if cfg.is_hash_layer(li):
             ids = W.ids(C.blk(li, L.FFN_GATE_TID2EID))[tok]
@@ -426,8 +425,11 @@ class Session(Timeline):
         w = torch.gather(s, 1, ids)
         w = w / torch.clamp(w.sum(dim=1, keepdim=True), min=ROUTE_DENOM_MIN) * cfg.routed_scale
         out = W.moe(li, b, ids, w, limit)
-        g, u = W.mm_many([C.blk(li, L.FFN_GATE_SHEXP), C.blk(li, L.FFN_UP_SHEXP)], b)
-        return out, W.mm(C.blk(li, L.FFN_DOWN_SHEXP), ops.swiglu(g, u, limit))
+        return out, W.swiglu_ffn(self._shexp(li), b, limit, ops.swiglu)
+
+    @staticmethod
+    def _shexp(li: int) -> list[str]:
+        return [C.blk(li, t) for t in (L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP)]
 
     # -- attention pieces shared by both paths
     def _qkv(self, li, a, c, pos, kv_lin):

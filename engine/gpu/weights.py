@@ -141,9 +141,28 @@ class Weights:
         x = x.contiguous()
         T = x.shape[0]
         ys = [torch.empty((T, w.nrows), dtype=F32, device=self.device) for w in ws]
+        if T == 1 and self.ext.matvec_multi(ws, x.data_ptr(), [y.data_ptr() for y in ys]):
+            return ys  # one launch for all of them (matvec_stream.cu)
         for i in range(0, T, 8):
             self.ext.matvec_shared(ws, self._arr(x[i:i + 8]), [self._arr(y[i:i + 8]) for y in ys])
         return ys
+
+    def swiglu_ffn(self, names: list[str], x: torch.Tensor, limit: float, swiglu) -> torch.Tensor:
+        """down · swiglu(gate · x, up · x) for names = [gate, up, down] (the shared expert). Decode on CUDA:
+        gate and up in one launch into [g | u], SwiGLU applied by the down launch while it stages x."""
+        gate, up, down = (self.mat(n) for n in names)
+        if self.ext is not None and x.shape[0] == 1 and not any(isinstance(w, torch.Tensor) for w in (gate, up, down)):
+            self._sync_stream()
+            x = x.contiguous()
+            F = gate.nrows
+            gu = torch.empty((1, 2 * F), dtype=F32, device=self.device)
+            if up.nrows == F and self.ext.matvec_multi([gate, up], x.data_ptr(), [gu.data_ptr(), gu[:, F:].data_ptr()]):
+                y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
+                if down.ncols == F and self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
+                    return y
+                return self.mm(names[2], swiglu(gu[:, :F], gu[:, F:], limit))
+        g, u = self.mm_many(names[:2], x)
+        return self.mm(names[2], swiglu(g, u, limit))
 
     def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
         names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]

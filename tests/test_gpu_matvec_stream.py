@@ -1,0 +1,119 @@
+"""Several matrices in one launch (ext.matvec_multi, matvec_stream.cu) against the float64 reference.
+
+Decode merges the products that read the same activation (q_a + kv, shared gate + up, compressor kv +
+score) and applies the shared expert's SwiGLU while the down projection stages its input. Each output is
+held to dequantize-then-matmul in float64; outputs start as NaN so an unwritten row fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.engine import gpu
+from ds4.gguf_tools.constants import QuantType as Q
+
+from test_gpu_kernels import TOL, dequant, random_blocks, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+
+torch = pytest.importorskip("torch")
+F16_TOL = 1e-5  # f16 weights times f32 activations, f32 sums: only rounding of the sums
+
+
+@pytest.fixture(autouse=True)
+def _own_stream():
+    ext = gpu.load()
+    ext.set_stream(torch.cuda.current_stream().cuda_stream)
+    yield
+    torch.cuda.synchronize()
+    ext.reset_stream()
+
+
+def upload(name: str, qtype: Q, cols: int, rows: int, rng) -> tuple[object, np.ndarray]:
+    raw = random_blocks(qtype, rows, cols, rng)
+    return gpu.upload(name, qtype, (cols, rows), raw), dequant(qtype, raw, cols)
+
+
+def multi(ws, x: np.ndarray, swiglu: bool = False, clamp: float = 0.0):
+    ext = gpu.load()
+    xt = torch.from_numpy(np.ascontiguousarray(x, np.float32)).cuda()
+    ys = [torch.full((1, w.nrows), float("nan"), device="cuda") for w in ws]
+    ok = ext.matvec_multi(ws, xt.data_ptr(), [y.data_ptr() for y in ys], swiglu, clamp)
+    torch.cuda.synchronize()
+    return ok, [y.cpu().numpy()[0] for y in ys]
+
+
+@pytest.mark.parametrize("qtype,cols,rows,tol", [
+    (Q.Q8_0, 4096, (1024, 512), TOL),        # q_a + kv
+    (Q.Q8_0, 4096, (2048, 2048), TOL),       # shared gate + up
+    (Q.Q8_0, 1024, (1000, 7, 33, 256), TOL),  # four segments, rows of no particular multiple
+    (Q.F16, 4096, (1024, 1024), F16_TOL),    # compressor kv + score (ratio 4)
+    (Q.F16, 4096, (256, 256, 64), F16_TOL),  # indexer compressor kv + score, indexer weights
+    (Q.F16, 1024, (8192,), F16_TOL),         # indexer q_b
+    (Q.F16, 520, (5, 3), F16_TOL),           # odd widths: a partial chunk
+])
+def test_segments_match_reference(qtype: Q, cols: int, rows: tuple[int, ...], tol: float) -> None:
+    rng = np.random.default_rng(cols + sum(rows))
+    mats = [upload(f"multi.{qtype.name}.{i}", qtype, cols, r, rng) for i, r in enumerate(rows)]
+    x = rng.standard_normal(cols).astype(np.float32)
+    x[: cols // 8] *= 20.0  # uneven magnitudes across x blocks
+    ok, ys = multi([w for w, _ in mats], x)
+    assert ok
+    for (w, wd), y in zip(mats, ys):
+        err = rel_err(y, wd @ x.astype(np.float64))
+        assert err <= tol, f"{qtype.name} {cols}x{w.nrows} of {rows}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.F16])
+def test_swiglu_input(qtype: Q) -> None:
+    """down · swiglu(g, u) with x = [g | u]: the clamp on g (above) and u (both sides) is exercised."""
+    rng = np.random.default_rng(5)
+    F, D, clamp = 2048, 4096, 10.0
+    w, wd = upload(f"swiglu.{qtype.name}", qtype, F, D, rng)
+    gu = (rng.standard_normal(2 * F) * 8.0).astype(np.float32)
+    ok, (y,) = multi([w], gu, swiglu=True, clamp=clamp)
+    assert ok
+    g = np.minimum(gu[:F].astype(np.float64), clamp)
+    u = np.clip(gu[F:].astype(np.float64), -clamp, clamp)
+    assert (gu[:F] > clamp).any() and (np.abs(gu[F:]) > clamp).any()
+    ref = wd @ (g / (1.0 + np.exp(-g)) * u)
+    err = rel_err(y, ref)
+    assert err <= (TOL if qtype == Q.Q8_0 else F16_TOL), f"{qtype.name}: rel err {err:.2e}"
+
+
+def test_declines_what_it_cannot_take() -> None:
+    """False and nothing written: 2-bit experts, mixed widths or types, more than four matrices."""
+    rng = np.random.default_rng(9)
+    iq2, _ = upload("decline.iq2", Q.IQ2_XXS, 4096, 64, rng)
+    a, _ = upload("decline.a", Q.Q8_0, 4096, 64, rng)
+    b, _ = upload("decline.b", Q.Q8_0, 2048, 64, rng)
+    f, _ = upload("decline.f", Q.F16, 4096, 64, rng)
+    x = rng.standard_normal(4096).astype(np.float32)
+    for ws in ([iq2], [a, b], [a, f], [a] * 5):
+        ok, ys = multi(ws, x)
+        assert not ok, [w.name for w in ws]
+        assert all(np.isnan(y).all() for y in ys)
+
+
+def test_shared_expert_through_weights(tmp_path) -> None:
+    """Weights.swiglu_ffn on the device (two launches) equals the separate products and SwiGLU."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.weights import Weights
+
+    rng = np.random.default_rng(3)
+    names = ["gate", "up", "down"]
+    mats = {n: upload(f"ffn.{n}", Q.Q8_0, c, r, rng) for n, (c, r) in zip(names, [(4096, 2048)] * 2 + [(2048, 4096)])}
+
+    class Resident(Weights):  # the uploaded matrices, without a model file
+        def mat(self, name):
+            return mats[name][0]
+
+    W = Resident(None, torch.device("cuda"))
+    x = torch.from_numpy(rng.standard_normal((1, 4096)).astype(np.float32) * 4).cuda()
+    y = W.swiglu_ffn(names, x, 7.0, ops.swiglu).cpu().numpy()[0]
+    xd = x.cpu().numpy()[0].astype(np.float64)
+    g, u = (mats[n][1] @ xd for n in names[:2])
+    g = np.minimum(g, 7.0)
+    ref = mats["down"][1] @ (g / (1.0 + np.exp(-g)) * np.clip(u, -7.0, 7.0))
+    assert rel_err(y, ref) <= TOL
