@@ -76,6 +76,33 @@ def test_hc_pre(K, head, T, D):
     assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
 
 
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize("with_y2", [False, True])
+def test_hc_post_pre(K, head, with_y2):
+    """hc_post then the next hc_pre in one launch: X' as hc_post computes it, the pre outputs as the float64 ops."""
+    g = torch.Generator().manual_seed(2)
+    T, n, D = 2, 4, 4096
+    M = n if head else (2 + n) * n
+    X, y1 = rnd(g, T, n, D), rnd(g, T, D)
+    y2 = rnd(g, T, D) if with_y2 else None
+    post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
+    Wf = rnd(g, M, n * D, scale=0.02)
+    scale, base, nw = rnd(g, 3) if not head else rnd(g, 1), rnd(g, M, scale=0.5), rnd(g, D)
+    for _ in range(2):  # twice: the per-token count of the last block must be reset
+        Xn, out, post, comb = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head)
+    assert rel(Xn, K.hc_post(X, y1, y2, post_in, comb_in)) < 1e-7
+    Xd = ops.hc_post(X.double(), y1.double() if y2 is None else y1.double() + y2.double(), post_in.double(),
+                     comb_in.double())
+    assert rel(Xn, Xd) < 1e-6
+    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
+    if head:
+        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
+    else:
+        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
+        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
+    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+
+
 def test_hc_post(K):
     g = torch.Generator().manual_seed(2)
     T, n, D = 2, 4, 1000

@@ -540,6 +540,17 @@ PYBIND11_MODULE(_ext, m) {
      py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
      py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
      py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
+  m.def("hc_one_launch_takes", &hc_one_launch_takes, py::arg("T"), py::arg("n"), py::arg("D"), py::arg("head"),
+        "whether hc_post_pre (and the one-launch hc_pre) take this shape");
+  m.def("hc_post_pre", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post_in, uintptr_t comb_in, uintptr_t Xo,
+                          uintptr_t Wf, uintptr_t part, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T, int n,
+                          int D, int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post,
+                          uintptr_t comb) {
+    launch_hc_post_pre(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post_in),
+                       ptr<const float>(comb_in), ptr<float>(Xo), ptr<const float>(Wf), ptr<float>(part),
+                       ptr<const float>(scale), ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters,
+                       eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream());
+  }, "Xo = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of Xo, in one launch");
   m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
                       uintptr_t Xo) {
     launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),

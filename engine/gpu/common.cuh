@@ -105,6 +105,13 @@ int hc_parts(int n, int D);
 void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
                    const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
                    float* out, float* post, float* comb, cudaStream_t s, int parts = 0);
+// hc_post then hc_pre of the next sublayer in one launch (decode): Xo = hc_post(X, y1, y2, post_in, comb_in),
+// then hc_pre of Xo. Only where hc_one_launch_takes(T, n, D, head).
+bool hc_one_launch_takes(int T, int n, int D, bool head);
+void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
+                        float* Xo, const float* Wf, float* part, const float* scale, const float* base,
+                        const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                        float* out, float* post, float* comb, cudaStream_t s);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
 void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,

@@ -3,7 +3,8 @@
 # Flash q2 GGUF in /dev/shm, session benchmark (with kernels per token). Logs to $OUT.
 # Usage: bash engine/gpu/device_fused.sh [ctx...]
 # Env: KERNEL_TESTS, PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
-#      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare), *_TIMEOUT.
+#      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare),
+#      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_MV_PREFETCH=0"), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -25,6 +26,11 @@ for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table
   grep -E "attn_q_b|attn_output|ffn_gate_shexp|attn_q_a|head|layer" "$OUT/kernels_mv$mv.log" | head -12
   DS4_GPU_MV=$mv timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx 2048 --decode 64 --prefill \
     --json "$OUT/bench_mv$mv.json" 2>&1 | grep -E "decode|floor"
+done
+for envs in ${ENV_AB:-}; do  # A/B of switches read by the kernels: "VAR=v[,VAR2=w]" per run, decode at 2k + prefill
+  stamp "env $envs"
+  env ${envs//,/ } timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx 2048 --decode 64 \
+    --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-8192} 2>&1 | grep -E "prefill|decode"
 done
 for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16
   stamp "prefill gemm=$mode"

@@ -164,8 +164,58 @@ __global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, c
 // blocks streaming the 1.5 MB weight at once (one block streaming it ran ~10 us on one SM).
 // Warp w owns rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 of the slice.
 constexpr int HC_COLS = 256;
+// The previous sublayer's mHC post, applied by hc_mix_pre_kernel while it reads X (y1 null: none).
+struct HcPost {
+  const float* y1 = nullptr;
+  const float* y2 = nullptr;
+  const float* post = nullptr;
+  const float* comb = nullptr;
+  float* Xo = nullptr;  // X' = post(X), [T, n, D]
+};
+
+// Columns c0 .. c0 + 7 of flatten(X'_t) with X' = post_b (y1 + y2) + sum_a comb[a, b] X[a] (hc_post_kernel's
+// arithmetic, operation for operation); warp 0 writes them to Xo. n <= 4, D a multiple of 8.
+__device__ __forceinline__ void hc_post_cols(const float* X, const HcPost& hp, int n, int D, int t, int c0,
+                                             float (&x)[8]) {
+  const int i = c0 / D, d = c0 - i * D;
+  const float* yr = hp.y1 + (int64_t)t * D + d;
+  float y[8], xa[4][8];
+  {
+    const float4 a = __ldg((const float4*)yr), b = __ldg((const float4*)(yr + 4));
+    y[0] = a.x; y[1] = a.y; y[2] = a.z; y[3] = a.w; y[4] = b.x; y[5] = b.y; y[6] = b.z; y[7] = b.w;
+  }
+  if (hp.y2) {
+    const float* y2r = hp.y2 + (int64_t)t * D + d;
+    const float4 a = __ldg((const float4*)y2r), b = __ldg((const float4*)(y2r + 4));
+    y[0] += a.x; y[1] += a.y; y[2] += a.z; y[3] += a.w; y[4] += b.x; y[5] += b.y; y[6] += b.z; y[7] += b.w;
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    if (a < n) {
+      const float* xr = X + ((int64_t)t * n + a) * D + d;
+      const float4 u = __ldg((const float4*)xr), v = __ldg((const float4*)(xr + 4));
+      xa[a][0] = u.x; xa[a][1] = u.y; xa[a][2] = u.z; xa[a][3] = u.w;
+      xa[a][4] = v.x; xa[a][5] = v.y; xa[a][6] = v.z; xa[a][7] = v.w;
+    }
+  }
+  const float pb = hp.post[(int64_t)t * n + i];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.0f;
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+      if (a < n) s += hp.comb[((int64_t)t * n + a) * n + i] * xa[a][j];
+    x[j] = pb * y[j] + s;
+  }
+  if (threadIdx.x < 32) {
+    float* o = hp.Xo + (int64_t)t * n * D + c0;
+    *(float4*)o = make_float4(x[0], x[1], x[2], x[3]);
+    *(float4*)(o + 4) = make_float4(x[4], x[5], x[6], x[7]);
+  }
+}
+
 __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, int M, int nD, int P, float* part,
-                                             int p, int t) {
+                                             int p, int t, const HcPost& hp = HcPost(), int n = 0, int D = 0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = p * HC_COLS + lane * 8;
   const bool full = c0 + 8 <= nD;
@@ -173,7 +223,9 @@ __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, in
   const float* Xt = X + (int64_t)t * nD;
 #pragma unroll
   for (int i = 0; i < 8; ++i) x[i] = 0.0f;
-  if (full) {
+  if (hp.y1) {
+    if (full) hc_post_cols(X, hp, n, D, t, c0, x);
+  } else if (full) {
     float4 a = __ldg((const float4*)(Xt + c0)), b = __ldg((const float4*)(Xt + c0 + 4));
     x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
   } else {
@@ -347,12 +399,15 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
 
 // mHC pre in one launch (decode): the blocks of hc_mix_kernel, and the last block of a token to finish
 // (atomic count; the count is reset for the next launch or graph replay) does pass 2 with 256 threads.
-// Its last warp computes post and comb (Sinkhorn, ~2 us of dependent shuffles) while the other 7 form
-// out: nothing in this kernel waits for comb, so the barriers of out's norm are named ones among those
-// 224 threads. Each of them computes the n pre weights itself (n sigmoids) instead of waiting for them.
-// Partials are read with ld.global.cg: other blocks wrote them during this kernel.
+// With hp.y1 the blocks first apply the previous sublayer's mHC post to their columns (and write X'),
+// so hc_post needs no launch of its own. Pass 2: the partials are read once, coalesced, into shared
+// memory (other blocks wrote them during this kernel: ld.global.cg); the last warp computes post and
+// comb, Sinkhorn in one thread's registers (the 4 x 4 sums in the xor-shuffle order of hc_pre_kernel,
+// without its ~40 dependent shuffles), while the other 7 warps form out: nothing waits for comb, so
+// out's norm uses named barriers among those 224 threads, each of which computes the n pre weights itself.
 constexpr int HC1_THREADS = 256, HC1_COLS = HC1_THREADS - 32, HC1_MAXU = 5;  // D <= 4 * 5 * 224 = 4480
 constexpr int HC1_MAX_T = 64;
+constexpr int HC1_MAX_PART = 72 * 25;  // P x (M + 1): P <= 4 * 4480 / 256 = 70, M + 1 <= 25
 __device__ unsigned g_hc_count[HC1_MAX_T];
 
 __device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the HC1_COLS column threads
@@ -366,38 +421,92 @@ __device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the
   return t;
 }
 
+// comb = Sinkhorn(softmax rows of the 4 x 4 logits) with hc_pre_kernel's arithmetic, in one thread.
+__device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
+                                          float eps, float* comb) {
+  float v[4][4];
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    float l[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) l[b] = mixs[8 + 4 * a + b] * r * sc + base[8 + 4 * a + b];
+    const float mx = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
+    float e[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) e[b] = expf(l[b] - mx);
+    const float s = (e[0] + e[1]) + (e[2] + e[3]);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) v[a][b] = e[b] / s + eps;
+  }
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const float s = (v[a][0] + v[a][1]) + (v[a][2] + v[a][3]);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) v[a][b] = __fdividef(v[a][b], s + eps);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float s = (v[0][b] + v[1][b]) + (v[2][b] + v[3][b]);
+#pragma unroll
+      for (int a = 0; a < 4; ++a) v[a][b] = __fdividef(v[a][b], s + eps);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) comb[4 * a + b] = v[a][b];
+}
+
 __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X, const float* Wf, int M, int P,
                                                                  float* part, const float* scale, const float* base,
                                                                  const float* norm_w, int n, int D, int iters,
                                                                  float eps_rms, float eps_hc, bool head, float* out,
-                                                                 float* post_out, float* comb_out) {
+                                                                 float* post_out, float* comb_out, HcPost hp) {
+  __shared__ float s_part[HC1_MAX_PART];
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float red[32];
   __shared__ bool last;
-  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t);
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t, hp, n, D);
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&g_hc_count[t], 1u) == (unsigned)P - 1;
+  if (tid == 0) last = atomicAdd(&g_hc_count[t], 1u) == (unsigned)P - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (threadIdx.x == 0) g_hc_count[t] = 0;
-  const float* Xt = X + (int64_t)t * n * D;
-  const int D4 = D / 4, tid = threadIdx.x;
+  if (tid == 0) g_hc_count[t] = 0;
+  const int D4 = D / 4;
+  const float* Xt = (hp.y1 ? hp.Xo : X) + (int64_t)t * n * D;
   float4 xs[HC1_MAXU][4];  // this thread's columns of the (up to 4) streams, requested before the mix is known
 #pragma unroll
   for (int k = 0; k < HC1_MAXU; ++k)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int d4 = tid + k * HC1_COLS;
-      xs[k][i] = (tid < HC1_COLS && d4 < D4 && i < n) ? __ldg((const float4*)(Xt + (int64_t)i * D) + d4)
-                                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float4* p4 = (const float4*)(Xt + (int64_t)i * D) + d4;
+      xs[k][i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (tid < HC1_COLS && d4 < D4 && i < n) xs[k][i] = hp.y1 ? __ldcg(p4) : __ldg(p4);  // X' is from this kernel
     }
+  const int np = P * (M + 1);
+  const float* pt = part + (int64_t)t * np;
+  for (int i0 = tid; i0 < np; i0 += 8 * HC1_THREADS) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * HC1_THREADS;
+      v[u] = i < np ? __ldcg(pt + i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (i0 + u * HC1_THREADS < np) s_part[i0 + u * HC1_THREADS] = v[u];
+  }
+  __syncthreads();
   for (int m = warp; m <= M; m += HC1_THREADS / 32) {
-    const float* pm = part + (int64_t)t * P * (M + 1) + m;
     float v = 0.0f;
-    for (int p = lane; p < P; p += 32) v += __ldcg(pm + (int64_t)p * (M + 1));
+    for (int p = lane; p < P; p += 32) v += s_part[p * (M + 1) + m];
     v = warp_sum_f(v);
     if (lane == 0) mixs[m] = v;
   }
@@ -406,25 +515,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
   if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
     if (head) return;
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
-    const int l = lane & 15;  // n == 4: comb on 16 lanes (a, b) = (l / 4, l % 4), lanes 16-31 mirror 0-15
-    float v = mixs[8 + l] * r * scale[2] + base[8 + l];
-    float mx = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float e = expf(v - mx);
-    float s = e + __shfl_xor_sync(0xffffffffu, e, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    v = e / s + eps_hc;
-    for (int it = 0; it < iters; ++it) {  // as hc_pre_kernel
-      if (it > 0) {
-        s = v + __shfl_xor_sync(0xffffffffu, v, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        v = __fdividef(v, s + eps_hc);
-      }
-      s = v + __shfl_xor_sync(0xffffffffu, v, 4);
-      s += __shfl_xor_sync(0xffffffffu, s, 8);
-      v = __fdividef(v, s + eps_hc);
-    }
-    if (lane < 16) comb_out[(int64_t)t * 16 + lane] = v;
+    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
     return;
   }
   float pre[4];
@@ -810,6 +901,28 @@ static bool hc_one_launch() {
   return v;
 }
 
+bool hc_one_launch_takes(int T, int n, int D, bool head) {
+  return hc_one_launch() && T <= HC1_MAX_T && n <= 4 && (head || n == 4) && D % 8 == 0 &&
+         D <= 4 * HC1_MAXU * HC1_COLS && hc_parts(n, D) * ((head ? n : (2 + n) * n) + 1) <= HC1_MAX_PART;
+}
+
+void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
+                        float* Xo, const float* Wf, float* part, const float* scale, const float* base,
+                        const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                        float* out, float* post, float* comb, cudaStream_t s) {
+  if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
+  HcPost hp;
+  hp.y1 = y1;
+  hp.y2 = y2;
+  hp.post = post_in;
+  hp.comb = comb_in;
+  hp.Xo = Xo;
+  const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
+  hc_mix_pre_kernel<<<dim3(P, T), HC1_THREADS, 0, s>>>(X, Wf, M, P, part, scale, base, norm_w, n, D, iters, eps_rms,
+                                                        eps_hc, head, out, post, comb, hp);
+  DS4_CHECK_LAUNCH("hc_post_pre");
+}
+
 void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
                    const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
                    float* out, float* post, float* comb, cudaStream_t s, int parts) {
@@ -820,9 +933,9 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
   if (P <= 0) {
     P = hc_parts(n, D);
     if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
-    if (hc_one_launch() && T <= HC1_MAX_T && n <= 4 && (head || n == 4) && D <= 4 * HC1_MAXU * HC1_COLS) {
+    if (hc_one_launch_takes(T, n, D, head)) {
       hc_mix_pre_kernel<<<dim3(P, T), HC1_THREADS, 0, s>>>(X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
-                                                            eps_rms, eps_hc, head, out, post, comb);
+                                                            eps_rms, eps_hc, head, out, post, comb, HcPost());
       DS4_CHECK_LAUNCH("hc_mix_pre");
       return;
     }

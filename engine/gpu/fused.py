@@ -13,11 +13,13 @@ DS4_GPU_FUSED=0 turns them off (the session then runs the torch ops).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 F32 = torch.float32
-HC_GEMM_MIN = 64  # hc_pre: tokens from which the mix is one GEMM (float32; TF32 stays off, torch's default)
+# hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
+HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 
 
@@ -66,6 +68,30 @@ class Fused:
         self.ext.hc_pre(_p(X), _p(Wf), _p(part), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters),
                         float(eps_rms), float(eps_hc), bool(head), _p(out), _p(post), _p(comb), parts)
         return out, post, comb
+
+    def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
+                    comb_in: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                    norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False):
+        """X' = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of X': (X', out, post, comb). One launch for
+        decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise."""
+        T, n, D = X.shape
+        M = n if head else (2 + n) * n
+        if not self.ext.hc_one_launch_takes(T, n, D, bool(head)) or Wf.dtype != F32 or tuple(Wf.shape) != (M, n * D):
+            Xn = self.hc_post(X, y1, y2, post_in, comb_in)
+            return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head))
+        X, y1, Wf = X.contiguous(), y1.contiguous(), Wf.contiguous()
+        y2 = None if y2 is None else y2.contiguous()
+        post_in, comb_in = post_in.contiguous(), comb_in.contiguous()
+        Xn = torch.empty_like(X)
+        out = torch.empty((T, D), dtype=F32, device=self.device)
+        post = torch.empty((T, n), dtype=F32, device=self.device)
+        comb = torch.empty((T, n, n), dtype=F32, device=self.device)
+        part = torch.empty((T, self.ext.hc_parts(n, D), M + 1), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.hc_post_pre(_p(X), _p(y1), _p(y2), _p(post_in), _p(comb_in), _p(Xn), _p(Wf), _p(part), _p(scale),
+                             _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms), float(eps_hc), bool(head),
+                             _p(out), _p(post), _p(comb))
+        return Xn, out, post, comb
 
     def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:

@@ -340,7 +340,8 @@ class Session(Timeline):
     def _chunk(self, tok: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
         T = tok.shape[0]
         pos = torch.arange(pos0, pos0 + T, device=self.device)
-        X = self._layers(tok, pos, lambda li, a, c, kv: self._attn_chunk(li, a, c, pos0, kv))
+        X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_chunk(li, a, c, pos0, kv))
+        X = self._hc_post(X, *pending)
         if not all_logits:
             X = X[-1:]
         return self._head(X)
@@ -348,23 +349,26 @@ class Session(Timeline):
     def _step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         self._in_step = True
         try:
-            X = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
-            return self._head(X)[0]
+            X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
+            return self._head(X, pending)[0]
         finally:
             self._in_step = False
 
-    def _layers(self, tok, pos, attn) -> torch.Tensor:
+    def _layers(self, tok, pos, attn):
+        """The residual streams X before the last sublayer's mHC post, and that post's inputs (y1, y2, post,
+        comb): each sublayer's post is applied by the next mHC pre, in the same launch where it can be."""
         cfg, W = self.cfg, self.W
         e = W.embedding()[tok].to(F32)
         X = e[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
+        pending = None
         for li in range(cfg.n_layer):
-            a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM)
-            qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one quantization of a
+            X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM, pending)
+            qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
             c = self._rms_norm(qa, W.vec(C.blk(li, L.ATTN_Q_A_NORM)))
-            X = self._hc_post(X, attn(li, a, c, kv), None, post, comb)
-            b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM)
-            X = self._hc_post(X, *self._moe(li, b, tok), post, comb)
-        return X
+            pending = (attn(li, a, c, kv), None, post, comb)
+            X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM, pending)
+            pending = (*self._moe(li, b, tok), post, comb)
+        return X, pending
 
     def _rms_norm(self, x, w):
         if self.K is not None:
@@ -376,25 +380,38 @@ class Session(Timeline):
             return self.K.hc_post(X, y1, y2, post, comb)
         return ops.hc_post(X, y1 if y2 is None else y1 + y2, post, comb)
 
-    def _hc_pre(self, li, X, fn, scale, base, norm):
-        """mHC pre of a sublayer, then its RMS norm: (normalized input, post, comb)."""
+    def _hc_pre(self, li, X, fn, scale, base, norm, pending=None):
+        """The previous sublayer's mHC post (pending: y1, y2, post, comb), then the mHC pre of this one and its
+        RMS norm: (X after the post, normalized input, post, comb)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         if self.K is not None:  # the mix and the RMS of flatten(X) are computed in the kernels
-            return self.K.hc_pre(X, W.dense(C.blk(li, fn)), W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)),
-                                 W.vec(C.blk(li, norm)), cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+            args = (W.dense(C.blk(li, fn)), W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), W.vec(C.blk(li, norm)),
+                    cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
+            if pending is not None:
+                return self.K.hc_post_pre(X, *pending, *args)
+            return (X, *self.K.hc_pre(X, *args))
+        if pending is not None:
+            X = self._hc_post(X, *pending)
         mix = W.mm(C.blk(li, fn), ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         pre, post, comb = self._f("hc_weights")(mix, W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), n,
                                          cfg.sinkhorn_iters, cfg.hc_eps)
-        return ops.rms_norm(ops.stream_sum(pre, X), W.vec(C.blk(li, norm)), cfg.rms_eps), post, comb
+        return X, ops.rms_norm(ops.stream_sum(pre, X), W.vec(C.blk(li, norm)), cfg.rms_eps), post, comb
 
-    def _head(self, X: torch.Tensor) -> torch.Tensor:
+    def _head(self, X: torch.Tensor, pending=None) -> torch.Tensor:
+        """Logits from the residual streams (pending: the last sublayer's mHC post, not yet applied)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         if self.K is not None:
-            h, _, _ = self.K.hc_pre(X, W.dense(C.OUTPUT_HC_FN), W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE),
-                                    W.vec(C.OUTPUT_NORM), 0, cfg.rms_eps, cfg.hc_eps, head=True)
+            args = (W.dense(C.OUTPUT_HC_FN), W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE), W.vec(C.OUTPUT_NORM), 0,
+                    cfg.rms_eps, cfg.hc_eps)
+            if pending is not None:
+                _, h, _, _ = self.K.hc_post_pre(X, *pending, *args, head=True)
+            else:
+                h, _, _ = self.K.hc_pre(X, *args, head=True)
             return W.mm(C.OUTPUT, h)
+        if pending is not None:
+            X = self._hc_post(X, *pending)
         mix = W.mm(C.OUTPUT_HC_FN, ops.rms_norm(X.reshape(T, n * D), None, cfg.rms_eps))
         wts = torch.sigmoid(mix * W.vec(C.OUTPUT_HC_SCALE)[0] + W.vec(C.OUTPUT_HC_BASE)) + cfg.hc_eps
         h = ops.stream_sum(wts, X)
