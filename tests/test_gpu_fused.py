@@ -134,6 +134,24 @@ def test_norm_rope_heads_kv_ring_and_inverse(K):
     assert torch.all(ring[torch.arange(128, device=DEV) != 2] == 7.0)
 
 
+def test_norm_rope_two_jobs_in_one_launch(K):
+    """Decode's query heads and KV ring row in one launch: each exactly as its own launch writes it."""
+    g = torch.Generator().manual_seed(13)
+    H, d, rd = 16, 512, 64
+    freq, pos = freq_table(rd), torch.tensor([300], device=DEV)
+    q_lin, kv, w = rnd(g, 1, H * d, scale=2.0), rnd(g, 1, d, scale=2.0), rnd(g, d)
+    rings = [torch.full((128, d), 7.0, device=DEV) for _ in range(2)]
+    kv_job = dict(x=kv, d=d, rows_per_token=1, norm=True, w=w, freq=freq, rope_dim=rd, fp8_nope=d - rd,
+                  out=rings[0], ring_cap=128)
+    q = K.norm_rope(q_lin, d, H, pos, norm=True, freq=freq, rope_dim=rd, also=kv_job)
+    q_alone = K.norm_rope(q_lin, d, H, pos, norm=True, freq=freq, rope_dim=rd)
+    K.norm_rope(**{**kv_job, "out": rings[1]}, pos=pos)
+    assert torch.equal(q, q_alone) and torch.equal(rings[0], rings[1])
+    assert torch.all(rings[0][torch.arange(128, device=DEV) != 300 % 128] == 7.0)
+    with pytest.raises(ValueError, match="out"):
+        K.norm_rope(q_lin, d, H, pos, norm=True, freq=freq, rope_dim=rd, also={**kv_job, "out": None})
+
+
 def test_norm_rope_indexer_qat(K):
     g = torch.Generator().manual_seed(4)
     Hi, di, rd = 16, 128, 64

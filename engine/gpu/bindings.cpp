@@ -372,6 +372,20 @@ RowPost row_post_args(bool norm, uintptr_t w, float eps, uintptr_t freq, int rop
   return o;
 }
 
+NormRopeJob norm_rope_job(const py::tuple& t) {
+  if (t.size() != 15) throw std::invalid_argument("norm_rope: a job has 15 fields");
+  NormRopeJob j;
+  j.x = ptr<const float>(t[0].cast<uintptr_t>());
+  j.rows = t[1].cast<int>();
+  j.d = t[2].cast<int>();
+  j.rows_per_token = t[3].cast<int>();
+  j.o = row_post_args(t[4].cast<bool>(), t[5].cast<uintptr_t>(), t[6].cast<float>(), t[7].cast<uintptr_t>(),
+                      t[8].cast<int>(), t[9].cast<bool>(), t[10].cast<int>(), t[11].cast<bool>(), t[12].cast<float>());
+  j.ring_cap = t[13].cast<int>();
+  j.out = ptr<float>(t[14].cast<uintptr_t>());
+  return j;
+}
+
 struct Graph {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -556,13 +570,13 @@ PYBIND11_MODULE(_ext, m) {
     launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),
                    ptr<const float>(comb), T, n, D, ptr<float>(Xo), stream());
   });
-  m.def("norm_rope", [](uintptr_t x, int rows, int d, int rows_per_token, uintptr_t pos, bool norm, uintptr_t w,
-                        float eps, uintptr_t freq, int rope_dim, bool inverse, int fp8_nope, bool qat, float had_scale,
-                        int ring_cap, uintptr_t out) {
-    launch_norm_rope(ptr<const float>(x), rows, d, rows_per_token, ptr<const int64_t>(pos),
-                     row_post_args(norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale), ring_cap,
-                     ptr<float>(out), stream());
-  });
+  m.def("norm_rope", [](uintptr_t pos, const std::vector<py::tuple>& jobs) {
+    if (jobs.empty() || jobs.size() > 2) throw std::invalid_argument("norm_rope: one or two jobs");
+    NormRopeJob j[2];
+    for (size_t i = 0; i < jobs.size(); ++i) j[i] = norm_rope_job(jobs[i]);
+    launch_norm_rope(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
+  }, "jobs: (x, rows, d, rows_per_token, norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale, "
+     "ring_cap, out) each; the second runs in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("router", [](uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok, int T, int E, int k, float scale,
                      uintptr_t ids, uintptr_t wts) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),

@@ -114,8 +114,15 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
                         float* out, float* post, float* comb, cudaStream_t s);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
-void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,
-                      int ring_cap, float* out, cudaStream_t s);
+struct NormRopeJob {
+  const float* x = nullptr;
+  int rows = 0, d = 0, rows_per_token = 1;
+  RowPost o;
+  int ring_cap = 0;
+  float* out = nullptr;
+};
+// rows of x -> row post -> out; b (optional): a second job in the same launch (same positions).
+void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s);

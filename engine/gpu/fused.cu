@@ -4,6 +4,8 @@
 // orders differ. Decode (T = 1) reads the position from device memory, so a CUDA graph can replay it.
 #include <math.h>
 
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace ds4gpu {
@@ -567,20 +569,23 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
 }
 
 // One row per block: x[row] -> row_post -> out[row] (or the ring row pos % ring_cap when ring_cap > 0).
-// Token of a row: row / rows_per_token; its position pos[token].
-__global__ void norm_rope_kernel(const float* x, int d, int rows_per_token, const int64_t* pos, RowPost o,
-                                 int ring_cap, float* out) {
+// Token of a row: row / rows_per_token; its position pos[token]. Blocks past job a's rows do job b's
+// (decode: the query heads and the KV row in one launch).
+__global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* pos) {
   extern __shared__ float sh[];
+  __shared__ float red[32];
+  const bool second = (int)blockIdx.x >= a.rows;
+  const NormRopeJob& j = second ? b : a;
+  const int d = j.d;
   float* v = sh;
   float* tmp = sh + d;
-  __shared__ float red[32];
-  const int row = blockIdx.x, t = row / rows_per_token;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = x[(int64_t)row * d + i];
+  const int row = second ? blockIdx.x - a.rows : blockIdx.x, t = row / j.rows_per_token;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = j.x[(int64_t)row * d + i];
   __syncthreads();
   const int64_t p = pos ? pos[t] : 0;
-  row_post(v, tmp, d, (float)p, o, red);
-  int64_t orow = ring_cap > 0 ? p % ring_cap : row;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) out[orow * d + i] = v[i];
+  row_post(v, tmp, d, (float)p, j.o, red);
+  int64_t orow = j.ring_cap > 0 ? p % j.ring_cap : row;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) j.out[orow * d + i] = v[i];
 }
 
 // MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: s = sqrt(softplus(logit)),
@@ -962,10 +967,16 @@ static void check_row_post(const RowPost& o, int d) {
   if (o.qat && (d % 32 || (d & (d - 1)))) throw std::invalid_argument("FP4 simulation needs a power-of-two row");
 }
 
-void launch_norm_rope(const float* x, int rows, int d, int rows_per_token, const int64_t* pos, const RowPost& o,
-                      int ring_cap, float* out, cudaStream_t s) {
-  check_row_post(o, d);
-  norm_rope_kernel<<<rows, 128, 2 * d * sizeof(float), s>>>(x, d, rows_per_token, pos, o, ring_cap, out);
+void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s) {
+  NormRopeJob none = a;
+  none.rows = 0;
+  const NormRopeJob& jb = b ? *b : none;
+  for (const NormRopeJob* j : {&a, &jb}) {
+    check_row_post(j->o, j->d);
+    if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
+  }
+  const int d = std::max(a.d, jb.rows ? jb.d : 0);
+  norm_rope_kernel<<<a.rows + jb.rows, 128, 2 * d * sizeof(float), s>>>(a, jb, pos);
   DS4_CHECK_LAUNCH("norm_rope");
 }
 

@@ -106,18 +106,32 @@ class Fused:
     def norm_rope(self, x: torch.Tensor, d: int, rows_per_token: int, pos: torch.Tensor | None, *,
                   norm: bool = False, w: torch.Tensor | None = None, eps: float = 1e-6,
                   freq: torch.Tensor | None = None, rope_dim: int = 0, inverse: bool = False, fp8_nope: int = 0,
-                  qat: bool = False, out: torch.Tensor | None = None, ring_cap: int = 0) -> torch.Tensor:
+                  qat: bool = False, out: torch.Tensor | None = None, ring_cap: int = 0,
+                  also: dict | None = None) -> torch.Tensor:
         """Rows of length d: [rms_norm (* w)] → [RoPE tail at pos[row // rows_per_token]] → [FP8 | FP4 sim].
-        ring_cap > 0 (one row): written to out[pos % ring_cap] instead of a new tensor."""
+        ring_cap > 0 (one row): written to out[pos % ring_cap] instead of a new tensor. also: the arguments
+        (x, d, rows_per_token and the keywords) of a second norm_rope with the same pos, run in the same
+        launch (its output is written to its `out`, which it must give)."""
+        first = self._norm_rope_job(x, d, rows_per_token, norm=norm, w=w, eps=eps, freq=freq, rope_dim=rope_dim,
+                                    inverse=inverse, fp8_nope=fp8_nope, qat=qat, out=out, ring_cap=ring_cap)
+        jobs = [first]
+        if also is not None:
+            if also.get("out") is None:
+                raise ValueError("norm_rope: the second job needs its out tensor")
+            jobs.append(self._norm_rope_job(**also))
+        self._stream()
+        self.ext.norm_rope(_p(pos), [job for job, _, _ in jobs])  # jobs hold the inputs alive until launched
+        return first[1]
+
+    def _norm_rope_job(self, x, d, rows_per_token, *, norm=False, w=None, eps=1e-6, freq=None, rope_dim=0,
+                       inverse=False, fp8_nope=0, qat=False, out=None, ring_cap=0):
         x = x.contiguous()
         rows = x.numel() // d
         if out is None:
             out = torch.empty((rows, d), dtype=F32, device=self.device)
-        self._stream()
-        self.ext.norm_rope(_p(x), rows, d, rows_per_token, _p(pos), bool(norm), _p(w), float(eps), _p(freq),
-                           int(rope_dim), bool(inverse), int(fp8_nope), bool(qat), float(1.0 / math.sqrt(d)),
-                           int(ring_cap), _p(out))
-        return out
+        job = (_p(x), rows, d, rows_per_token, bool(norm), _p(w), float(eps), _p(freq), int(rope_dim), bool(inverse),
+               int(fp8_nope), bool(qat), float(1.0 / math.sqrt(d)), int(ring_cap), _p(out))
+        return job, out, x
 
     # ---- MoE -----------------------------------------------------------------------------------
     def router(self, logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
@@ -200,10 +214,11 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     H, d, rd = cfg.n_head, cfg.head_dim, cfg.rope_dim
     freq = sess._freq[r != 0]
     cfreq = sess._freq[True]
-    q = K.norm_rope(W.mm(C.blk(li, L.ATTN_Q_B), c), d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd)
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
-    K.norm_rope(kv_lin, d, 1, pos, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps, freq=freq,
-                rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
+    kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
+                  freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
+    q = K.norm_rope(W.mm(C.blk(li, L.ATTN_Q_B), c), d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
+                    also=kv_job)  # the KV row into the ring in the same launch
     comp = sel = None
     if r:
         for indexer in ((False, True) if r == 4 else (False,)):
