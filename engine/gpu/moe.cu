@@ -3,10 +3,17 @@
 // Two kernels: gate+up (one warp computes R/2 rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
 #include <algorithm>
+#include <cstdlib>
 
 #include "mv_core.cuh"
 
 namespace ds4gpu {
+
+__device__ __forceinline__ void grid_dependency_wait_moe() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
 
@@ -76,6 +83,62 @@ __global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_kernel(Packed gate, 
   }
 }
 
+// Second design (DS4_GPU_MOE_GU=2, default): each warp computes whole rows, RH of gate and the same RH of up,
+// over all columns (lane l takes x blocks l, l + 32, ...), then SwiGLU on its own lanes: no column split across
+// warps, so no shared-memory reduction and no CTA barrier per unit (the first design paid two per unit of one
+// x block per lane). Units (pair, RH rows) are dealt to the warps of a persistent grid; 3 CTAs per SM. Launched
+// with programmatic dependent launch: the lane tables are built before griddepcontrol.wait, overlapping the
+// previous kernel's tail.
+constexpr int GU2_RH = 2;
+template <int QT>
+__global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
+                                                                     int n_expert, XQ xq, const int32_t* ids,
+                                                                     const float* wts, int k, float clamp,
+                                                                     int units, float* h) {
+  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
+  if constexpr (QT == QT_IQ2_XXS) {
+    iq2_lane_tables_init(s_rep);
+    __syncthreads();
+  }
+  const int lane = threadIdx.x & 31;
+  grid_dependency_wait_moe();
+  const Iq2LaneTables tb{s_rep, lane};
+  const int groups = (n_ff + RH - 1) / RH;
+  const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
+  for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
+    const int pair = unit / groups, f0 = (unit - pair * groups) * RH, token = pair / k;
+    const int e = ids[pair];
+    const bool bad = e < 0 || e >= n_expert;
+    const int ee = bad ? 0 : e;
+    const uint8_t* qrow[R];
+    const uint8_t* srow[R];
+#pragma unroll
+    for (int i = 0; i < RH; ++i) {
+      const int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
+      qrow[i] = gate.qs + row * gate.qs_row;
+      srow[i] = gate.sc + row * gate.sc_row;
+      qrow[RH + i] = up.qs + row * up.qs_row;
+      srow[RH + i] = up.sc + row * up.sc_row;
+    }
+    int vec[1] = {token};
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+    mv_accumulate<QT, 1, R>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
+    warp_sum<R, 1>(acc);
+#pragma unroll
+    for (int i = 0; i < RH; ++i) {
+      const int f = f0 + i;
+      if (lane == i && f < n_ff) {
+        const float g = fminf(acc[i][0], clamp), u = fminf(fmaxf(acc[RH + i][0], -clamp), clamp);
+        const float v = g / (1.0f + __expf(-g)) * u * wts[pair];
+        h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
+      }
+    }
+  }
+}
+
 template <int QT>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y) {
@@ -137,10 +200,49 @@ static int resident_ctas(K kernel, int threads, size_t smem) {
   return std::max(1, per_sm) * sms;
 }
 
+// $DS4_GPU_MOE_GU: 1 the first gate/up design (column splits, CTA barriers), 2 (default) whole rows per warp.
+static int gateup_variant() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MOE_GU");
+    return e ? atoi(e) : 2;
+  }();
+  return v;
+}
+
+template <int QT>
+static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
+                               const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
+                               cudaStream_t stream) {
+  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
+  constexpr size_t smem = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
+  static const int resident = [] {
+    if (smem > 48 * 1024)
+      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_rows_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+    return resident_ctas(moe_gateup_rows_kernel<QT>, GU_THREADS, smem);
+  }();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, resident), 1, 1);
+  cfg.blockDim = dim3(GU_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
+                               units, h));
+}
+
 template <int QT>
 static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                           const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                           cudaStream_t stream) {
+  if (gateup_variant() >= 2) {
+    launch_gateup_rows<QT>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+    return;
+  }
   // 2-bit experts: two x blocks per lane (the second loaded while the first is decoded) and half the
   // column splits, so each unit keeps a warp's loads back to back (4 splits: one block per lane, 25 us)
   int S = column_splits(gate.ncols / 32);
