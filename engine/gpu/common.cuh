@@ -57,6 +57,45 @@ struct XQ {
   int n = 0;
 };
 
+// ---- programmatic dependent launch (sm_90) ----
+// Kernels launched by launch_k start with pdl_begin(): griddepcontrol.launch_dependents lets the next kernel
+// of the stream be scheduled at once (its CTAs are resident and waiting when this grid ends, instead of being
+// launched then), and griddepcontrol.wait holds this kernel until the previous grid has completed and its
+// memory is visible. So the ~1-2 us launch gap between dependent kernels overlaps the previous kernel, and
+// nothing is read or written before the data it depends on is complete. Without the launch attribute
+// ($DS4_GPU_PDL=0) both instructions do nothing and the stream orders kernels as usual.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_begin() {
+  pdl_trigger();
+  pdl_wait();
+}
+bool pdl_enabled();  // $DS4_GPU_PDL, default on
+
+template <typename... KArgs, typename... Args>
+inline void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                     Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
+}
+
 // ---- launchers (all asynchronous on `stream`) ----
 // repack.cu
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,

@@ -128,6 +128,7 @@ __device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o,
 constexpr int RMS_THREADS = 512;
 __global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, const float* w, float* y, int n,
                                                                float eps) {
+  pdl_begin();
   __shared__ float red[32];
   const float* xr = x + (int64_t)blockIdx.x * n;
   float* yr = y + (int64_t)blockIdx.x * n;
@@ -269,6 +270,7 @@ __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, in
 }
 __global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
                                                      float* part) {
+  pdl_begin();
   hc_mix_block(X, Wf, M, nD, P, part, blockIdx.x, blockIdx.y);
 }
 
@@ -282,6 +284,7 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
                                                             const float* norm_w, int n, int D, int iters,
                                                             float eps_rms, float eps_hc, bool head, float* out,
                                                             float* post_out, float* comb_out) {
+  pdl_begin();
   __shared__ float red[32];
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float pre[16], comb[64];
@@ -467,6 +470,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
                                                                  const float* norm_w, int n, int D, int iters,
                                                                  float eps_rms, float eps_hc, bool head, float* out,
                                                                  float* post_out, float* comb_out, HcPost hp) {
+  pdl_begin();
   __shared__ float s_part[HC1_MAX_PART];
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float red[32];
@@ -551,6 +555,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
 // mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
 __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2, const float* post,
                                const float* comb, int n, int D, float* Xo) {
+  pdl_begin();
   const int t = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   if (d >= D) return;
@@ -572,6 +577,7 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
 // Token of a row: row / rows_per_token; its position pos[token]. Blocks past job a's rows do job b's
 // (decode: the query heads and the KV row in one launch).
 __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* pos) {
+  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
   const bool second = (int)blockIdx.x >= a.rows;
@@ -597,6 +603,7 @@ constexpr int ROUTER_THREADS = 256;
 __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
                                                                 const int64_t* table, const int64_t* tok, int E,
                                                                 int k, float scale, int32_t* ids, float* wts) {
+  pdl_begin();
   __shared__ float s[ROUTER_THREADS];
   __shared__ __align__(16) float sb[ROUTER_THREADS];
   __shared__ int chosen[16];
@@ -645,6 +652,7 @@ __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* log
 }
 
 __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out) {
+  pdl_begin();
   int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= n) return;
   float a = fminf(g[i], limit);
@@ -657,6 +665,7 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
 __global__ void compress_step_kernel(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc,
                                      float* rows, const int64_t* pos, int r, int width, RowPost o) {
+  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
   const int64_t p = *pos;
@@ -744,6 +753,7 @@ constexpr int ATT_THREADS = 256;
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
                                                                    float* part_o, float* part_ml) {
+  pdl_begin();
   extern __shared__ float sh[];
   float* keys = sh;                          // [ATT_KEYS][d]
   float* qs = sh + ATT_KEYS * d;             // [hb][d]
@@ -816,6 +826,7 @@ __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const
                                                                            int n_chunks, int H, int d,
                                                                            const float* sinks, const int64_t* pos,
                                                                            RowPost o, float* out) {
+  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
   float* v = sh;
@@ -856,6 +867,7 @@ __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const
 // so the lanes' reads of one column fall in different banks).
 __global__ void index_keys_kernel(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
                                   const int64_t* pos, int ratio, float scale, double* keys) {
+  pdl_begin();
   extern __shared__ float sh[];
   float* qs = sh;                          // [Hi][di + 1]
   float* rows = sh + Hi * (di + 1);        // [warps][di]
@@ -891,7 +903,7 @@ __global__ void index_keys_kernel(const float* q, const float* w, const float* i
 // ---- launchers -------------------------------------------------------------------------------------
 
 void launch_rms_norm(const float* x, const float* w, float* y, int rows, int n, float eps, cudaStream_t s) {
-  rms_norm_kernel<<<rows, RMS_THREADS, 0, s>>>(x, w, y, n, eps);
+  launch_k(rms_norm_kernel, dim3(rows), dim3(RMS_THREADS), 0, s, x, w, y, n, eps);
   DS4_CHECK_LAUNCH("rms_norm");
 }
 
@@ -923,8 +935,8 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
   hp.comb = comb_in;
   hp.Xo = Xo;
   const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
-  hc_mix_pre_kernel<<<dim3(P, T), HC1_THREADS, 0, s>>>(X, Wf, M, P, part, scale, base, norm_w, n, D, iters, eps_rms,
-                                                        eps_hc, head, out, post, comb, hp);
+  launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
+           eps_rms, eps_hc, head, out, post, comb, hp);
   DS4_CHECK_LAUNCH("hc_post_pre");
 }
 
@@ -939,16 +951,16 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
     P = hc_parts(n, D);
     if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
     if (hc_one_launch_takes(T, n, D, head)) {
-      hc_mix_pre_kernel<<<dim3(P, T), HC1_THREADS, 0, s>>>(X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
-                                                            eps_rms, eps_hc, head, out, post, comb, HcPost());
+      launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D,
+               iters, eps_rms, eps_hc, head, out, post, comb, HcPost());
       DS4_CHECK_LAUNCH("hc_mix_pre");
       return;
     }
-    hc_mix_kernel<<<dim3(P, T), 256, 0, s>>>(X, Wf, M, n * D, P, part);
+    launch_k(hc_mix_kernel, dim3(P, T), dim3(256), 0, s, X, Wf, M, n * D, P, part);
     DS4_CHECK_LAUNCH("hc_mix");
   }
-  hc_pre_kernel<<<T, HC_THREADS, 0, s>>>(X, part, P, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, out,
-                                         post, comb);
+  launch_k(hc_pre_kernel, dim3(T), dim3(HC_THREADS), 0, s, X, part, P, scale, base, norm_w, n, D, iters, eps_rms,
+           eps_hc, head, out, post, comb);
   DS4_CHECK_LAUNCH("hc_pre");
 }
 
@@ -956,7 +968,7 @@ void launch_hc_post(const float* X, const float* y1, const float* y2, const floa
                     int n, int D, float* Xo, cudaStream_t s) {
   if (n > 16) throw std::invalid_argument("hc_post: at most 16 streams");
   dim3 grid((D + 255) / 256, T);
-  hc_post_kernel<<<grid, 256, 0, s>>>(X, y1, y2, post, comb, n, D, Xo);
+  launch_k(hc_post_kernel, dim3(grid), dim3(256), 0, s, X, y1, y2, post, comb, n, D, Xo);
   DS4_CHECK_LAUNCH("hc_post");
 }
 
@@ -976,19 +988,19 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
     if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
   }
   const int d = std::max(a.d, jb.rows ? jb.d : 0);
-  norm_rope_kernel<<<a.rows + jb.rows, 128, 2 * d * sizeof(float), s>>>(a, jb, pos);
+  launch_k(norm_rope_kernel, dim3(a.rows + jb.rows), dim3(128), 2 * d * sizeof(float), s, a, jb, pos);
   DS4_CHECK_LAUNCH("norm_rope");
 }
 
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s) {
   if (E > 256 || k > 16 || k > E) throw std::invalid_argument("router: E <= 256 and k <= 16");
-  router_kernel<<<T, ROUTER_THREADS, 0, s>>>(logits, bias, table, tok, E, k, scale, ids, wts);
+  launch_k(router_kernel, dim3(T), dim3(ROUTER_THREADS), 0, s, logits, bias, table, tok, E, k, scale, ids, wts);
   DS4_CHECK_LAUNCH("router");
 }
 
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s) {
-  swiglu_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(g, u, n, limit, out);
+  launch_k(swiglu_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0, s, g, u, n, limit, out);
   DS4_CHECK_LAUNCH("swiglu");
 }
 
@@ -996,7 +1008,8 @@ void launch_compress_step(const float* kv, const float* sc, const float* ape, fl
                           const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s) {
   const int d = r == 4 ? width / 2 : width;
   check_row_post(o, d);
-  compress_step_kernel<<<1, 256, 2 * d * sizeof(float), s>>>(kv, sc, ape, s_kv, s_sc, rows, pos, r, width, o);
+  launch_k(compress_step_kernel, dim3(1), dim3(256), 2 * d * sizeof(float), s, kv, sc, ape, s_kv, s_sc, rows, pos, r,
+           width, o);
   DS4_CHECK_LAUNCH("compress_step");
 }
 
@@ -1017,7 +1030,8 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     DS4_CHECK(cudaFuncSetAttribute(attn_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  attn_partial_kernel<<<dim3(nc, H / hb), ATT_THREADS, shm, s>>>(q, L, n_keys, d, hb, pos, scale, part_o, part_ml);
+  launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
+           part_ml);
   DS4_CHECK_LAUNCH("attention partial");
   size_t shm2 = (size_t)(2 * d + nc) * sizeof(float);
   static size_t shm2_set = 0;
@@ -1025,7 +1039,8 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     DS4_CHECK(cudaFuncSetAttribute(attn_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
     shm2_set = shm2;
   }
-  attn_combine_kernel<<<H, ATT_COMBINE_THREADS, shm2, s>>>(part_o, part_ml, nc, H, d, sinks, pos, o, out);
+  launch_k(attn_combine_kernel, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o,
+           out);
   DS4_CHECK_LAUNCH("attention combine");
 }
 
@@ -1038,7 +1053,8 @@ void launch_index_keys(const float* q, const float* w, const float* idx, int n_r
     DS4_CHECK(cudaFuncSetAttribute(index_keys_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  index_keys_kernel<<<(n_rows + 7) / 8, 256, shm, s>>>(q, w, idx, n_rows, Hi, di, pos, ratio, scale, keys);
+  launch_k(index_keys_kernel, dim3((n_rows + 7) / 8), dim3(256), shm, s, q, w, idx, n_rows, Hi, di, pos, ratio, scale,
+           keys);
   DS4_CHECK_LAUNCH("index_keys");
 }
 

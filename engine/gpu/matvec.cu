@@ -15,6 +15,7 @@ __host__ __device__ constexpr int rows_per_warp() {
 template <int QT, int NB, int R>
 __global__ void __launch_bounds__(CTA_THREADS) matvec_kernel(Packed w, const float* x, XQ xq, int batch,
                                                              int groups, int S, float* y) {
+  pdl_begin();
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
   __shared__ float red[CTA_WARPS][R][NB];
   Iq2Tables tb{s_grid};
@@ -74,7 +75,7 @@ static void launch_r(const Packed& w, const float* x, const XQ& xq, int batch, i
   if ((w.nrows / groups) % R)
     throw std::invalid_argument("rows per group must be a multiple of " + std::to_string(R));
   unsigned grid = (unsigned)((w.nrows + rows_per_cta - 1) / rows_per_cta);
-  matvec_kernel<QT, NB, R><<<grid, CTA_THREADS, 0, stream>>>(w, x, xq, batch, groups, S, y);
+  launch_k(matvec_kernel<QT, NB, R>, dim3(grid), dim3(CTA_THREADS), 0, stream, w, x, xq, batch, groups, S, y);
   DS4_CHECK_LAUNCH("matvec");
 }
 
@@ -125,6 +126,14 @@ static int mv_variant() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_MV");
     return e ? atoi(e) : 4;
+  }();
+  return v;
+}
+
+bool pdl_enabled() {
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_PDL");
+    return !(e && e[0] == '0');
   }();
   return v;
 }

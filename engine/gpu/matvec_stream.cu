@@ -312,17 +312,6 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
   }
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void grid_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // Grid (persistent CTAs per group, groups); CTA of 4 or 8 warps; dynamic shared memory: the staged x.
 template <int QT, int R, int C>
 __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs a) {
@@ -339,8 +328,8 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
     if (++sp > last) { sp = 0; tp += NW; }
     if (tp < T) mv_prefetch<QT, R, C>(a, g, tp, sp, lane);
   }
-  grid_launch_dependents();
-  grid_dependency_wait();                                 // x (and y's readers) are from earlier kernels
+  pdl_trigger();
+  pdl_wait();  // x (and y's readers) are from earlier kernels
   mv_stage_x<QT>(a, g, mv_smem);
   __syncthreads();
 
@@ -405,7 +394,7 @@ static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, boo
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
   DS4_CHECK(cudaLaunchKernelEx(&cfg, matvec_stream_kernel<QT, R, C>, a));
 }
 

@@ -9,12 +9,6 @@
 
 namespace ds4gpu {
 
-__device__ __forceinline__ void grid_dependency_wait_moe() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
 
 // Persistent over work units (row group x, token-expert pair y) of a gx-by-pairs grid: the IQ2_XXS
@@ -27,6 +21,7 @@ __global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_kernel(Packed gate, 
                                                                 XQ xq, const int32_t* ids, const float* wts,
                                                                 int k, float clamp, int S, int gx, int units,
                                                                 float* h) {
+  pdl_begin();
   constexpr int R = MOE_R, RH = MOE_R / 2;
   extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
   __shared__ float red[GU_WARPS][R];
@@ -97,12 +92,13 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
                                                                      int units, float* h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
+  pdl_trigger();
   if constexpr (QT == QT_IQ2_XXS) {
     iq2_lane_tables_init(s_rep);
     __syncthreads();
   }
   const int lane = threadIdx.x & 31;
-  grid_dependency_wait_moe();
+  pdl_wait();  // ids, x and h's readers are from earlier kernels
   const Iq2LaneTables tb{s_rep, lane};
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
@@ -142,6 +138,7 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
 template <int QT>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y) {
+  pdl_begin();
   constexpr int R = MOE_R;
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
   __shared__ float red[CTA_WARPS][R];
@@ -230,7 +227,7 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
                                units, h));
 }
@@ -256,8 +253,8 @@ static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_
     return resident_ctas(moe_gateup_kernel<QT>, GU_THREADS, smem);
   }();
   const int grid = std::min(units, resident);
-  moe_gateup_kernel<QT><<<grid, GU_THREADS, smem, stream>>>(gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, S, gx,
-                                                            units, h);
+  launch_k(moe_gateup_kernel<QT>, dim3(grid), dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k,
+           clamp, S, gx, units, h);
   DS4_CHECK_LAUNCH("moe gate/up");
 }
 
@@ -267,7 +264,7 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
   int S = column_splits(k * down.ncols / 32);
   int rows_per_cta = (CTA_WARPS / S) * MOE_R;
   dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
-  moe_down_kernel<QT><<<grid, CTA_THREADS, 0, stream>>>(down, n_embd, n_expert, xq, ids, k, S, y);
+  launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
   DS4_CHECK_LAUNCH("moe down");
 }
 

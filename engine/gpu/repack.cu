@@ -126,6 +126,7 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 // One warp per 32 columns. hi = round(x / s), lo = round((x / s - hi) * 254) with s = amax / 127,
 // so x = s * hi + s / 254 * lo to within s / 508 (about 1.6e-5 of the block's largest value).
 __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out) {
+  pdl_begin();
   int64_t xb = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (xb >= nxb_total) return;
   int lane = threadIdx.x & 31;
@@ -154,7 +155,7 @@ void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t str
   int64_t total = (int64_t)nvec * n / 32;
   int threads = 256;
   unsigned grid = (unsigned)((total + 7) / 8);
-  quantize_x_kernel<<<grid, threads, 0, stream>>>(x, total, out);
+  launch_k(quantize_x_kernel, dim3(grid), dim3(threads), 0, stream, x, total, out);
   DS4_CHECK_LAUNCH("quantize_x");
 }
 

@@ -85,6 +85,7 @@ __device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov
 template <int REG>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* keys, int n, int k,
                                                                  const int64_t* pos, int ratio, int64_t* sel) {
+  pdl_begin();
   // two histograms (and OR/AND words): a pass clears the next one's, saving a barrier per pass
   __shared__ unsigned hist[2][256];
   __shared__ unsigned sh_or[2][2], sh_and[2][2];  // [buffer][hi, lo]
@@ -210,9 +211,9 @@ void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int 
   if (k < 1 || k > n) throw std::invalid_argument("topk_rows: need 1 <= k <= n");
   if (pos && ratio < 1) throw std::invalid_argument("topk_rows: ratio must be >= 1");
   if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
-    topk_rows_kernel<TOPK_REG_ITEMS><<<1, TOPK_THREADS, 0, s>>>(keys, n, k, pos, ratio, sel);
+    launch_k(topk_rows_kernel<TOPK_REG_ITEMS>, dim3(1), dim3(TOPK_THREADS), 0, s, keys, n, k, pos, ratio, sel);
   else
-    topk_rows_kernel<0><<<1, TOPK_THREADS, 0, s>>>(keys, n, k, pos, ratio, sel);
+    launch_k(topk_rows_kernel<0>, dim3(1), dim3(TOPK_THREADS), 0, s, keys, n, k, pos, ratio, sel);
   DS4_CHECK_LAUNCH("topk_rows");
 }
 
