@@ -4,7 +4,7 @@
 # Usage: bash engine/gpu/device_fused.sh [ctx...]
 # Env: KERNEL_TESTS, PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
 #      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare),
-#      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_MV_PREFETCH=0"), *_TIMEOUT.
+#      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_PDL=0"), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null

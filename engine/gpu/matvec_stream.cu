@@ -23,7 +23,6 @@
 // repack; x does), and the kernel lets its own successor start early, so back-to-back matvecs overlap
 // their tails and heads.
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <tuple>
 
@@ -64,7 +63,6 @@ struct MvArgs {
   int quantize;
   int x_op;
   float clamp;  // MV_X_SWIGLU: x = silu(min(g, c)) * clamp(u, -c, c)
-  int prefetch;  // steps a warp keeps requested into L2 beyond its register buffers (0: none)
 };
 
 // The segment of a tile: its matrix, output and the tile's index inside it (nseg <= 4, uniform per warp;
@@ -117,33 +115,6 @@ __device__ __forceinline__ void mv_load(const MvArgs& a, int g, int tile, int st
         o.q[r][c] = make_uint4(0, 0, 0, 0);
         o.s[r][c] = 0;  // f16 +0: the padded x scales are 0 too, so the term is exactly 0
       }
-    }
-  }
-}
-
-// The step `step` of tile `tile` into L2 (prefetch.global.L2, one 128-byte line per lane and
-// instruction): no registers held, so a warp can have steps in flight beyond its two register buffers,
-// and before griddepcontrol.wait the DRAM stream starts while the previous kernel finishes and x is staged.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-template <int QT, int R, int C>
-__device__ __forceinline__ void mv_prefetch(const MvArgs& a, int g, int tile, int step, int lane) {
-  constexpr int CC = chunk_cols<QT>();
-  constexpr int BPC = QT == QT_F16 ? 2 : 1;
-  constexpr int LPR = C * MV_CHUNK_BYTES / 128;                 // code lines per row and step
-  constexpr int SPR = QT == QT_Q8_0 ? (C * CC / 16 + 127) / 128 : 0;  // scale lines (2 bytes per 32 columns)
-  const SegView sv = seg_of(a, tile);
-  const int64_t c0 = (int64_t)step * C * CC;
-#pragma unroll
-  for (int i = lane; i < R * (LPR + SPR); i += 32) {
-    const int r = i / (LPR + SPR), l = i % (LPR + SPR);
-    const int64_t row = (int64_t)g * sv.rows + min(sv.t * R + r, sv.rows - 1);
-    if (l < LPR) {
-      const int64_t off = c0 * BPC + 128 * l;
-      if (off < (int64_t)a.ncols * BPC) prefetch_l2(sv.qs + row * a.qs_row + off);
-    } else {
-      const int64_t off = c0 / 16 + 128 * (l - LPR);
-      if (off < a.ncols / 16) prefetch_l2(sv.sc + row * a.sc_row + off);
     }
   }
 }
@@ -322,12 +293,6 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
   MvStep<QT, R, C> A, B;
   int ta = blockIdx.x * W + (threadIdx.x >> 5), sa = 0;  // the step buffer A holds
   if (ta < T) mv_load<QT, R, C>(a, g, ta, sa, lane, A);  // weights: independent of earlier kernels
-  const int last = a.nsteps - 1;
-  int tp = ta, sp = sa;  // the step most recently sent to L2 (prefetch distance a.prefetch steps past A's)
-  for (int i = 0; i < a.prefetch; ++i) {
-    if (++sp > last) { sp = 0; tp += NW; }
-    if (tp < T) mv_prefetch<QT, R, C>(a, g, tp, sp, lane);
-  }
   pdl_trigger();
   pdl_wait();  // x (and y's readers) are from earlier kernels
   mv_stage_x<QT>(a, g, mv_smem);
@@ -336,16 +301,11 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  auto prefetch_next = [&]() {
-    if (a.prefetch == 0) return;
-    if (++sp > last) { sp = 0; tp += NW; }
-    if (tp < T) mv_prefetch<QT, R, C>(a, g, tp, sp, lane);
-  };
+  const int last = a.nsteps - 1;
   while (ta < T) {
     int tb = ta, sb = sa + 1;  // the step after A's, into B
     if (sb > last) { sb = 0; tb += NW; }
     if (tb < T) mv_load<QT, R, C>(a, g, tb, sb, lane, B);
-    prefetch_next();
     mv_consume<QT, R, C>(A, mv_smem, a.kpad, sa, lane, acc);
     if (sa == last) mv_finish<R>(a, g, ta, lane, acc);
     if (tb >= T) break;
@@ -353,7 +313,6 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
     sa = sb + 1;
     if (sa > last) { sa = 0; ta += NW; }
     if (ta < T) mv_load<QT, R, C>(a, g, ta, sa, lane, A);
-    prefetch_next();
     mv_consume<QT, R, C>(B, mv_smem, a.kpad, sb, lane, acc);
     if (sb == last) mv_finish<R>(a, g, tb, lane, acc);
   }
@@ -427,16 +386,6 @@ static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_
   else launch_rc<QT, 1, 8>(a, groups, threads, smem, pdl, stream);
 }
 
-// $DS4_GPU_MV_PREFETCH: steps per warp requested into L2 ahead of the register loads (default 0: off; H200,
-// Flash q2 decode at 2k: 8.62 ms per token without, 8.88 with 2 steps, 8.92 with 4).
-static int prefetch_steps() {
-  static const int v = [] {
-    const char* e = getenv("DS4_GPU_MV_PREFETCH");
-    return e ? std::max(0, std::min(16, atoi(e))) : 0;
-  }();
-  return v;
-}
-
 bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
                           int x_op, float clamp, cudaStream_t stream, bool pdl) {
   if (nw < 1 || nw > MV_MAX_SEG || groups < 1 || groups > 65535 || (nw > 1 && groups > 1)) return false;
@@ -466,7 +415,6 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
   a.quantize = xq == nullptr ? 1 : 0;
   a.x_op = x_op;
   a.clamp = clamp;
-  a.prefetch = prefetch_steps();
   if (qt == QT_F16) launch_qt<QT_F16>(a, groups, rows, pdl, stream);
   else launch_qt<QT_Q8_0>(a, groups, rows, pdl, stream);
   return true;

@@ -1,89 +1,24 @@
 // Routed MoE for decode (model-spec §3.7 steps 4 and 6): for each token and each of its k experts,
 // g = min(W1 b, c), u = clamp(W3 b, -c, c), h = silu(g) u w_k, then y = sum_k W2 h_k.
-// Two kernels: gate+up (one warp computes R/2 rows of W1 and the same rows of W3, SwiGLU in the
+// Two kernels: gate+up (one warp computes RH rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
 #include <algorithm>
-#include <cstdlib>
 
 #include "mv_core.cuh"
 
 namespace ds4gpu {
 
-constexpr int MOE_R = 8;  // rows per warp (gate+up: 4 of each)
+constexpr int MOE_R = 8;  // rows per warp of the down kernel
 
-// Persistent over work units (row group x, token-expert pair y) of a gx-by-pairs grid: the IQ2_XXS
-// tables are built once per CTA instead of once per unit (each unit is one x block per lane, so in the
-// v3 kernel the table setup of 3072 short CTAs cost about as much as the weights: 30 us for 13 MB).
-constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 warps share one table
+constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 warps share one IQ2_XXS table
 
-template <int QT>
-__global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_kernel(Packed gate, Packed up, int n_ff, int n_expert,
-                                                                XQ xq, const int32_t* ids, const float* wts,
-                                                                int k, float clamp, int S, int gx, int units,
-                                                                float* h) {
-  pdl_begin();
-  constexpr int R = MOE_R, RH = MOE_R / 2;
-  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
-  __shared__ float red[GU_WARPS][R];
-  if constexpr (QT == QT_IQ2_XXS) {
-    iq2_lane_tables_init(s_rep);
-    __syncthreads();
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const Iq2LaneTables tb{s_rep, lane};
-  const int RG = GU_WARPS / S, rg = warp / S, cs = warp % S;
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int bx = unit % gx, pair = unit / gx, token = pair / k;
-    const int e = ids[pair];
-    const bool bad = e < 0 || e >= n_expert;
-    const int ee = bad ? 0 : e;
-    const int f0 = (bx * RG + rg) * RH;
-    const uint8_t* qrow[R];
-    const uint8_t* srow[R];
-#pragma unroll
-    for (int i = 0; i < RH; ++i) {
-      int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
-      qrow[i] = gate.qs + row * gate.qs_row;
-      srow[i] = gate.sc + row * gate.sc_row;
-      qrow[RH + i] = up.qs + row * up.qs_row;
-      srow[RH + i] = up.sc + row * up.sc_row;
-    }
-    int vec[1] = {token};
-    float acc[R][1];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    mv_accumulate<QT, 1, R>(qrow, srow, (int)(gate.ncols / 32), (int)(gate.ncols / 256), cs * 32 + lane, 32 * S,
-                            xq, vec, tb, acc);
-    warp_sum<R, 1>(acc);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
-    }
-    __syncthreads();
-    for (int t = threadIdx.x; t < RG * RH; t += GU_THREADS) {
-      int grp = t / RH, i = t % RH;
-      float g = 0.0f, u = 0.0f;
-      for (int c = 0; c < S; ++c) {
-        g += red[grp * S + c][i];
-        u += red[grp * S + c][RH + i];
-      }
-      int f = (bx * RG + grp) * RH + i;
-      if (f >= n_ff) continue;
-      g = fminf(g, clamp);
-      u = fminf(fmaxf(u, -clamp), clamp);
-      float v = g / (1.0f + __expf(-g)) * u * wts[pair];
-      h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
-    }
-    __syncthreads();  // red is rewritten by the next unit
-  }
-}
-
-// Second design (DS4_GPU_MOE_GU=2, default): each warp computes whole rows, RH of gate and the same RH of up,
-// over all columns (lane l takes x blocks l, l + 32, ...), then SwiGLU on its own lanes: no column split across
-// warps, so no shared-memory reduction and no CTA barrier per unit (the first design paid two per unit of one
-// x block per lane). Units (pair, RH rows) are dealt to the warps of a persistent grid; 3 CTAs per SM. Launched
-// with programmatic dependent launch: the lane tables are built before griddepcontrol.wait, overlapping the
-// previous kernel's tail.
+// Gate/up: each warp computes whole rows, RH of gate and the same RH of up, over all columns (lane l takes x
+// blocks l, l + 32, ...), then SwiGLU on its own lanes: no column split across warps, so no shared-memory
+// reduction and no CTA barrier per unit. Units (pair, RH rows) are dealt to the warps of a persistent grid
+// (the IQ2_XXS lane tables are built once per CTA, before griddepcontrol.wait: they overlap the previous
+// kernel); 3 CTAs per SM. The v4 kernel (column splits, two CTA barriers per unit of one x block per lane)
+// ran at the same speed on the H200 (23-24 us for Flash's 6 IQ2_XXS experts): the cost is the instructions
+// of the 2-bit decode (ncu: 61% of SM issue, 22% of DRAM), not the barriers.
 constexpr int GU2_RH = 2;
 template <int QT>
 __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
@@ -197,15 +132,6 @@ static int resident_ctas(K kernel, int threads, size_t smem) {
   return std::max(1, per_sm) * sms;
 }
 
-// $DS4_GPU_MOE_GU: 1 the first gate/up design (column splits, CTA barriers), 2 (default) whole rows per warp.
-static int gateup_variant() {
-  static const int v = [] {
-    const char* e = getenv("DS4_GPU_MOE_GU");
-    return e ? atoi(e) : 2;
-  }();
-  return v;
-}
-
 template <int QT>
 static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
@@ -233,32 +159,6 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
 }
 
 template <int QT>
-static void launch_gateup(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
-                          const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
-                          cudaStream_t stream) {
-  if (gateup_variant() >= 2) {
-    launch_gateup_rows<QT>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
-    return;
-  }
-  // 2-bit experts: two x blocks per lane (the second loaded while the first is decoded) and half the
-  // column splits, so each unit keeps a warp's loads back to back (4 splits: one block per lane, 25 us)
-  int S = column_splits(gate.ncols / 32);
-  if (QT == QT_IQ2_XXS || QT == QT_Q2_K) S = std::max(1, S / 2);
-  int rows_per_cta = (GU_WARPS / S) * (MOE_R / 2);
-  const int gx = (n_ff + rows_per_cta - 1) / rows_per_cta, units = gx * pairs;
-  constexpr size_t smem = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
-  static const int resident = [] {
-    if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    return resident_ctas(moe_gateup_kernel<QT>, GU_THREADS, smem);
-  }();
-  const int grid = std::min(units, resident);
-  launch_k(moe_gateup_kernel<QT>, dim3(grid), dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k,
-           clamp, S, gx, units, h);
-  DS4_CHECK_LAUNCH("moe gate/up");
-}
-
-template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
                         int tokens, int k, float* y, cudaStream_t stream) {
   int S = column_splits(k * down.ncols / 32);
@@ -281,10 +181,10 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   const int pairs = tokens * k;
   launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
   switch (gate.qtype) {
-    case QT_Q8_0: launch_gateup<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_Q4_K: launch_gateup<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_Q2_K: launch_gateup<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_IQ2_XXS: launch_gateup<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q8_0: launch_gateup_rows<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q4_K: launch_gateup_rows<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q2_K: launch_gateup_rows<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_IQ2_XXS: launch_gateup_rows<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
     default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
   }
   launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
