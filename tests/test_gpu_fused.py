@@ -77,11 +77,11 @@ def test_hc_pre(K, head, T, D):
 
 
 @pytest.mark.parametrize("head", [False, True])
-@pytest.mark.parametrize("with_y2", [False, True])
-def test_hc_post_pre(K, head, with_y2):
+@pytest.mark.parametrize("with_y2,D", [(False, 4096), (True, 4096), (True, 1000)])  # 1000: a partial last mix block
+def test_hc_post_pre(K, head, with_y2, D):
     """hc_post then the next hc_pre in one launch: X' as hc_post computes it, the pre outputs as the float64 ops."""
     g = torch.Generator().manual_seed(2)
-    T, n, D = 2, 4, 4096
+    T, n = 2, 4
     M = n if head else (2 + n) * n
     X, y1 = rnd(g, T, n, D), rnd(g, T, D)
     y2 = rnd(g, T, D) if with_y2 else None
@@ -101,6 +101,19 @@ def test_hc_post_pre(K, head, with_y2):
         pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
         assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
     assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+
+
+def test_hc_post_pre_refuses_in_place(K):
+    g = torch.Generator().manual_seed(12)
+    T, n, D = 1, 4, 1024
+    X, y1, post_in, comb_in = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n)
+    Wf, scale, base = rnd(g, 24, n * D, scale=0.02), rnd(g, 3), rnd(g, 24)
+    part = torch.empty((T, K.ext.hc_parts(n, D), 25), device=DEV)
+    out, post, comb = torch.empty(T, D, device=DEV), torch.empty(T, n, device=DEV), torch.empty(T, n, n, device=DEV)
+    with pytest.raises(ValueError, match="overlap"):
+        K.ext.hc_post_pre(X.data_ptr(), y1.data_ptr(), 0, post_in.data_ptr(), comb_in.data_ptr(), X.data_ptr(),
+                          Wf.data_ptr(), part.data_ptr(), scale.data_ptr(), base.data_ptr(), 0, T, n, D, 20, 1e-6,
+                          1e-6, False, out.data_ptr(), post.data_ptr(), comb.data_ptr())
 
 
 def test_hc_post(K):

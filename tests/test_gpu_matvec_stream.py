@@ -48,6 +48,7 @@ def multi(ws, x: np.ndarray, swiglu: bool = False, clamp: float = 0.0):
     (Q.Q8_0, 4096, (1024, 512), TOL),        # q_a + kv
     (Q.Q8_0, 4096, (2048, 2048), TOL),       # shared gate + up
     (Q.Q8_0, 1024, (1000, 7, 33, 256), TOL),  # four segments, rows of no particular multiple
+    (Q.Q8_0, 1280, (300, 40), TOL),          # a width that leaves the last step part padding
     (Q.F16, 4096, (1024, 1024), F16_TOL),    # compressor kv + score (ratio 4)
     (Q.F16, 4096, (256, 256, 64), F16_TOL),  # indexer compressor kv + score, indexer weights
     (Q.F16, 1024, (8192,), F16_TOL),         # indexer q_b
@@ -80,6 +81,19 @@ def test_swiglu_input(qtype: Q) -> None:
     ref = wd @ (g / (1.0 + np.exp(-g)) * u)
     err = rel_err(y, ref)
     assert err <= (TOL if qtype == Q.Q8_0 else F16_TOL), f"{qtype.name}: rel err {err:.2e}"
+
+
+def test_f16_groups() -> None:
+    """Block-diagonal F16 rows through ext.matvec (batch 1 takes the streaming kernel): y[r] = W[r] . x[g(r)]."""
+    from test_gpu_kernels import run_matvec
+
+    rng = np.random.default_rng(11)
+    cols, rows, groups = 512, 64, 4
+    w, wd = upload("f16.groups", Q.F16, cols, rows, rng)
+    x = rng.standard_normal((1, groups * cols)).astype(np.float32)
+    y = run_matvec(w, x, groups)[0]
+    ref = np.einsum("rc,rc->r", wd, x.astype(np.float64).reshape(groups, cols)[np.arange(rows) // (rows // groups)])
+    assert rel_err(y, ref) <= F16_TOL
 
 
 def test_declines_what_it_cannot_take() -> None:

@@ -145,7 +145,8 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
                    const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
                    float* out, float* post, float* comb, cudaStream_t s, int parts = 0);
 // hc_post then hc_pre of the next sublayer in one launch (decode): Xo = hc_post(X, y1, y2, post_in, comb_in),
-// then hc_pre of Xo. Only where hc_one_launch_takes(T, n, D, head).
+// then hc_pre of Xo. Only where hc_one_launch_takes(T, n, D, head); Xo must not overlap the inputs (not in
+// place, unlike hc_post); X, Xo, y1, y2 16-byte aligned. One stream per device (per-device arrival counts).
 bool hc_one_launch_takes(int T, int n, int D, bool head);
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,

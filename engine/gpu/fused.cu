@@ -413,6 +413,8 @@ __global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, cons
 constexpr int HC1_THREADS = 256, HC1_COLS = HC1_THREADS - 32, HC1_MAXU = 5;  // D <= 4 * 5 * 224 = 4480
 constexpr int HC1_MAX_T = 64;
 constexpr int HC1_MAX_PART = 72 * 25;  // P x (M + 1): P <= 4 * 4480 / 256 = 70, M + 1 <= 25
+// Arrival counts per token, one set per device: launches of this kernel must not run concurrently (one stream
+// per device, as the session uses; PDL keeps launches on one stream apart: each waits for the previous grid).
 __device__ unsigned g_hc_count[HC1_MAX_T];
 
 __device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the HC1_COLS column threads
@@ -928,6 +930,17 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
                         float* out, float* post, float* comb, cudaStream_t s) {
   if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
+  // the blocks read all streams of X at their columns while others write X': never in place
+  const uintptr_t o0 = (uintptr_t)Xo, o1 = o0 + sizeof(float) * (size_t)T * n * D;
+  auto overlaps = [&](const float* p, int64_t count) {
+    const uintptr_t a = (uintptr_t)p;
+    return p && a < o1 && o0 < a + sizeof(float) * (size_t)count;
+  };
+  if (overlaps(X, (int64_t)T * n * D) || overlaps(y1, (int64_t)T * D) || overlaps(y2, (int64_t)T * D) ||
+      overlaps(post_in, (int64_t)T * n) || overlaps(comb_in, (int64_t)T * n * n))
+    throw std::invalid_argument("hc_post_pre: Xo must not overlap its inputs");
+  if (((uintptr_t)X | (uintptr_t)Xo | (uintptr_t)y1 | (uintptr_t)y2) & 15)
+    throw std::invalid_argument("hc_post_pre: X, Xo, y1, y2 must be 16-byte aligned (float4 access)");
   HcPost hp;
   hp.y1 = y1;
   hp.y2 = y2;

@@ -76,7 +76,9 @@ class Fused:
         decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
-        if not self.ext.hc_one_launch_takes(T, n, D, bool(head)) or Wf.dtype != F32 or tuple(Wf.shape) != (M, n * D):
+        aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (X, y1, y2))  # float4 loads in the kernel
+        if not (aligned and self.ext.hc_one_launch_takes(T, n, D, bool(head))) or Wf.dtype != F32 \
+                or tuple(Wf.shape) != (M, n * D):
             Xn = self.hc_post(X, y1, y2, post_in, comb_in)
             return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head))
         X, y1, Wf = X.contiguous(), y1.contiguous(), Wf.contiguous()

@@ -442,7 +442,7 @@ class Session(Timeline):
         w = torch.gather(s, 1, ids)
         w = w / torch.clamp(w.sum(dim=1, keepdim=True), min=ROUTE_DENOM_MIN) * cfg.routed_scale
         out = W.moe(li, b, ids, w, limit)
-        return out, W.swiglu_ffn(self._shexp(li), b, limit, ops.swiglu)
+        return out, W.swiglu_ffn(self._shexp(li), b, limit, ops.swiglu, fuse=False)  # DS4_GPU_FUSED=0: torch ops
 
     @staticmethod
     def _shexp(li: int) -> list[str]:

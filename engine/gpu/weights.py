@@ -147,9 +147,10 @@ class Weights:
             self.ext.matvec_shared(ws, self._arr(x[i:i + 8]), [self._arr(y[i:i + 8]) for y in ys])
         return ys
 
-    def swiglu_ffn(self, names: list[str], x: torch.Tensor, limit: float, swiglu) -> torch.Tensor:
+    def swiglu_ffn(self, names: list[str], x: torch.Tensor, limit: float, swiglu, fuse: bool = True) -> torch.Tensor:
         """down · swiglu(gate · x, up · x) for names = [gate, up, down] (the shared expert). Decode on CUDA:
-        gate and up in one launch into [g | u], SwiGLU applied by the down launch while it stages x."""
+        gate and up in one launch into [g | u]; with fuse, SwiGLU is applied by the down launch while it stages
+        x (swiglu_kernel's arithmetic), else by `swiglu`."""
         gate, up, down = (self.mat(n) for n in names)
         if self.ext is not None and x.shape[0] == 1 and not any(isinstance(w, torch.Tensor) for w in (gate, up, down)):
             self._sync_stream()
@@ -158,7 +159,8 @@ class Weights:
             gu = torch.empty((1, 2 * F), dtype=F32, device=self.device)
             if up.nrows == F and self.ext.matvec_multi([gate, up], x.data_ptr(), [gu.data_ptr(), gu[:, F:].data_ptr()]):
                 y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
-                if down.ncols == F and self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
+                if fuse and down.ncols == F and \
+                        self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
                     return y
                 return self.mm(names[2], swiglu(gu[:, :F], gu[:, F:], limit))
         g, u = self.mm_many(names[:2], x)
