@@ -22,8 +22,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
-CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "moe.cu", "fused.cu", "topk.cu", "dequant.cu"]
-HEADERS = ["common.cuh", "mv_core.cuh", "iq2_tables.inc"]
+CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "moe.cu", "fused.cu", "hc.cu", "topk.cu", "dequant.cu"]
+HEADERS = ["common.cuh", "mv_core.cuh", "block_ops.cuh", "iq2_tables.inc"]
 
 
 def find_cuda() -> Path:

@@ -1,0 +1,509 @@
+// mHC kernels of a DeepSeek V4 layer (model-spec §3.3): the pre (mix of the n residual streams, Sinkhorn
+// weights, weighted sum and RMS norm of a sublayer's input) and the post (streams updated from a sublayer's
+// output). Each mirrors ds4.engine.gpu.ops operation for operation; only summation orders differ.
+#include <math.h>
+
+#include <cstdlib>
+
+#include "block_ops.cuh"
+#include "common.cuh"
+
+namespace ds4gpu {
+
+namespace {
+
+// mHC pre, pass 1 (model-spec §3.3): block (p, t) takes columns [256 p, 256 p + 256) of flatten(X_t)
+// and writes the partial products of the M mix rows and the partial sum of squares:
+// part[t][p][m] for m < M, part[t][p][M] = sum x^2. One block per 256 columns keeps ~P = nD / 256
+// blocks streaming the 1.5 MB weight at once (one block streaming it ran ~10 us on one SM).
+// Warp w owns rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 of the slice.
+constexpr int HC_COLS = 256;
+// The previous sublayer's mHC post, applied by hc_mix_pre_kernel while it reads X (y1 null: none).
+struct HcPost {
+  const float* y1 = nullptr;
+  const float* y2 = nullptr;
+  const float* post = nullptr;
+  const float* comb = nullptr;
+  float* Xo = nullptr;  // X' = post(X), [T, n, D]
+};
+
+// Columns c0 .. c0 + 7 of flatten(X'_t) with X' = post_b (y1 + y2) + sum_a comb[a, b] X[a] (hc_post_kernel's
+// arithmetic, operation for operation); warp 0 writes them to Xo. n <= 4, D a multiple of 8.
+__device__ __forceinline__ void hc_post_cols(const float* X, const HcPost& hp, int n, int D, int t, int c0,
+                                             float (&x)[8]) {
+  const int i = c0 / D, d = c0 - i * D;
+  const float* yr = hp.y1 + (int64_t)t * D + d;
+  float y[8], xa[4][8];
+  {
+    const float4 a = __ldg((const float4*)yr), b = __ldg((const float4*)(yr + 4));
+    y[0] = a.x; y[1] = a.y; y[2] = a.z; y[3] = a.w; y[4] = b.x; y[5] = b.y; y[6] = b.z; y[7] = b.w;
+  }
+  if (hp.y2) {
+    const float* y2r = hp.y2 + (int64_t)t * D + d;
+    const float4 a = __ldg((const float4*)y2r), b = __ldg((const float4*)(y2r + 4));
+    y[0] += a.x; y[1] += a.y; y[2] += a.z; y[3] += a.w; y[4] += b.x; y[5] += b.y; y[6] += b.z; y[7] += b.w;
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    if (a < n) {
+      const float* xr = X + ((int64_t)t * n + a) * D + d;
+      const float4 u = __ldg((const float4*)xr), v = __ldg((const float4*)(xr + 4));
+      xa[a][0] = u.x; xa[a][1] = u.y; xa[a][2] = u.z; xa[a][3] = u.w;
+      xa[a][4] = v.x; xa[a][5] = v.y; xa[a][6] = v.z; xa[a][7] = v.w;
+    }
+  }
+  const float pb = hp.post[(int64_t)t * n + i];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.0f;
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+      if (a < n) s += hp.comb[((int64_t)t * n + a) * n + i] * xa[a][j];
+    x[j] = pb * y[j] + s;
+  }
+  if (threadIdx.x < 32) {
+    float* o = hp.Xo + (int64_t)t * n * D + c0;
+    *(float4*)o = make_float4(x[0], x[1], x[2], x[3]);
+    *(float4*)(o + 4) = make_float4(x[4], x[5], x[6], x[7]);
+  }
+}
+
+__device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, int M, int nD, int P, float* part,
+                                             int p, int t, const HcPost& hp = HcPost(), int n = 0, int D = 0) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c0 = p * HC_COLS + lane * 8;
+  const bool full = c0 + 8 <= nD;
+  float x[8];
+  const float* Xt = X + (int64_t)t * nD;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+  if (hp.y1) {
+    if (full) hc_post_cols(X, hp, n, D, t, c0, x);
+  } else if (full) {
+    float4 a = __ldg((const float4*)(Xt + c0)), b = __ldg((const float4*)(Xt + c0 + 4));
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+  } else {
+    for (int i = 0; i < 8; ++i)
+      if (c0 + i < nD) x[i] = Xt[c0 + i];
+  }
+  float* out = part + ((int64_t)t * P + p) * (M + 1);
+  if (warp == 0) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
+    ss = warp_sum_f(ss);
+    if (lane == 0) out[M] = ss;
+  }
+  for (int m0 = warp; m0 < M; m0 += 32) {  // up to 4 rows per warp, all loads issued before use
+    float w[4][8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = m0 + 8 * j;
+      const float* wr = Wf + (int64_t)m * nD + c0;
+      if (m < M && full) {
+        float4 a = __ldg((const float4*)wr), b = __ldg((const float4*)(wr + 4));
+        w[j][0] = a.x; w[j][1] = a.y; w[j][2] = a.z; w[j][3] = a.w;
+        w[j][4] = b.x; w[j][5] = b.y; w[j][6] = b.z; w[j][7] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[j][i] = (m < M && c0 + i < nD) ? wr[i] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += w[j][i] * x[i];
+      s = warp_sum_f(s);
+      if (lane == 0 && m0 + 8 * j < M) out[m0 + 8 * j] = s;
+    }
+  }
+}
+__global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
+                                                     float* part) {
+  pdl_begin();
+  hc_mix_block(X, Wf, M, nD, P, part, blockIdx.x, blockIdx.y);
+}
+
+// mHC pre, pass 2, token blockIdx.x (1024 threads): mix = sum of the P partials (warp m sums row m),
+// RMS of flatten(X) applied to the un-normalized mix; head = false: pre/post/comb with Sinkhorn;
+// head = true: pre only (output head). out = rms_norm(sum_i pre_i X_i) * norm_w, float4 columns.
+constexpr int HC_THREADS = 1024;
+constexpr int HC_MAXU = 4;  // float4 columns per thread: D <= 16384
+__global__ void __launch_bounds__(HC_THREADS) hc_pre_kernel(const float* X, const float* part, int P,
+                                                            const float* scale, const float* base,
+                                                            const float* norm_w, int n, int D, int iters,
+                                                            float eps_rms, float eps_hc, bool head, float* out,
+                                                            float* post_out, float* comb_out) {
+  pdl_begin();
+  __shared__ float red[32];
+  __shared__ float mixs[8 * 10 + 1];
+  __shared__ float pre[16], comb[64];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* Xt = X + (int64_t)t * n * D;
+  const int M = head ? n : (2 + n) * n;
+  const int D4 = D / 4;
+  float4 x0[4];  // the first float4 column of up to 4 streams, requested before the weights are known
+  const bool pre0 = n <= 4 && threadIdx.x < D4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (pre0 && i < n) x0[i] = __ldg((const float4*)(Xt + (int64_t)i * D) + threadIdx.x);
+  for (int m = warp; m <= M; m += HC_THREADS / 32) {
+    const float* pm = part + (int64_t)t * P * (M + 1) + m;
+    float v = 0.0f;
+    for (int p = lane; p < P; p += 32) v += pm[(int64_t)p * (M + 1)];
+    v = warp_sum_f(v);
+    if (lane == 0) mixs[m] = v;
+  }
+  __syncthreads();
+  const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
+  // weights on warp 0, one lane per pre/post entry and per comb entry (a, b) = (lane / n, lane % n)
+  if (threadIdx.x < 32) {
+    const float* m = mixs;
+    if (lane < n) pre[lane] = sigmoidf_(m[lane] * r * scale[0] + base[lane]) + eps_hc;
+    if (!head) {
+      if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(m[n + lane] * r * scale[1] + base[n + lane]);
+      if (n == 4) {  // comb on 16 lanes (a, b) = (lane / 4, lane % 4): sums by xor shuffles, no barriers
+        const int l = lane & 15;  // lanes 16-31 mirror 0-15
+        float v = m[8 + l] * r * scale[2] + base[8 + l];
+        float mx = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float e = expf(v - mx);
+        float s = e + __shfl_xor_sync(0xffffffffu, e, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        v = e / s + eps_hc;
+        for (int it = 0; it < iters; ++it) {  // fast divisions (~2 ulp): 40 IEEE ones were ~3 us
+          if (it > 0) {  // rows (sum over b)
+            s = v + __shfl_xor_sync(0xffffffffu, v, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            v = __fdividef(v, s + eps_hc);
+          }
+          s = v + __shfl_xor_sync(0xffffffffu, v, 4);  // columns (sum over a)
+          s += __shfl_xor_sync(0xffffffffu, s, 8);
+          v = __fdividef(v, s + eps_hc);
+        }
+        if (lane < 16) comb_out[(int64_t)t * 16 + lane] = v;
+      } else {
+      const bool own = lane < n * n;
+      const int a = own ? lane / n : 0, b = own ? lane % n : 0;
+      float v = own ? m[2 * n + lane] * r * scale[2] + base[2 * n + lane] : 0.0f;
+      if (own) comb[lane] = v;
+      __syncwarp();
+      float mx = -INFINITY;
+      for (int j = 0; j < n; ++j) mx = fmaxf(mx, comb[a * n + j]);
+      __syncwarp();
+      float e = expf(v - mx);
+      if (own) comb[lane] = e;
+      __syncwarp();
+      float s = 0.0f;
+      for (int j = 0; j < n; ++j) s += comb[a * n + j];
+      v = e / s + eps_hc;
+      for (int it = 0; it < iters; ++it) {
+        if (it > 0) {  // rows (sum over b)
+          __syncwarp();
+          if (own) comb[lane] = v;
+          __syncwarp();
+          s = 0.0f;
+          for (int j = 0; j < n; ++j) s += comb[a * n + j];
+          v = v / (s + eps_hc);
+        }
+        __syncwarp();  // columns (sum over a)
+        if (own) comb[lane] = v;
+        __syncwarp();
+        s = 0.0f;
+        for (int j = 0; j < n; ++j) s += comb[j * n + b];
+        v = v / (s + eps_hc);
+      }
+      if (own) comb_out[(int64_t)t * n * n + lane] = v;
+      }
+    }
+  }
+  __syncthreads();
+  float4 u[HC_MAXU];
+  float su = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC_MAXU; ++k) {
+    const int d4 = threadIdx.x + k * HC_THREADS;
+    u[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (d4 < D4) {
+      float4 xs[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)  // all streams in flight before the sum
+        if (i < n) xs[i] = (k == 0 && pre0 && i < 4) ? x0[i < 4 ? i : 0] : __ldg((const float4*)(Xt + (int64_t)i * D) + d4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (i < n) {
+          u[k].x += pre[i] * xs[i].x; u[k].y += pre[i] * xs[i].y;
+          u[k].z += pre[i] * xs[i].z; u[k].w += pre[i] * xs[i].w;
+        }
+      su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+    }
+  }
+  su = block_sum(su, red);
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+#pragma unroll
+  for (int k = 0; k < HC_MAXU; ++k) {
+    const int d4 = threadIdx.x + k * HC_THREADS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      float4 o = norm_w ? make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w)
+                        : make_float4(u[k].x * r2, u[k].y * r2, u[k].z * r2, u[k].w * r2);
+      ((float4*)(out + (int64_t)t * D))[d4] = o;
+    }
+  }
+}
+
+// mHC pre in one launch (decode): the blocks of hc_mix_kernel, and the last block of a token to finish
+// (atomic count; the count is reset for the next launch or graph replay) does pass 2 with 256 threads.
+// With hp.y1 the blocks first apply the previous sublayer's mHC post to their columns (and write X'),
+// so hc_post needs no launch of its own. Pass 2: the partials are read once, coalesced, into shared
+// memory (other blocks wrote them during this kernel: ld.global.cg); the last warp computes post and
+// comb, Sinkhorn in one thread's registers (the 4 x 4 sums in the xor-shuffle order of hc_pre_kernel,
+// without its ~40 dependent shuffles), while the other 7 warps form out: nothing waits for comb, so
+// out's norm uses named barriers among those 224 threads, each of which computes the n pre weights itself.
+constexpr int HC1_THREADS = 256, HC1_COLS = HC1_THREADS - 32, HC1_MAXU = 5;  // D <= 4 * 5 * 224 = 4480
+constexpr int HC1_MAX_T = 64;
+constexpr int HC1_MAX_PART = 72 * 25;  // P x (M + 1): P <= 4 * 4480 / 256 = 70, M + 1 <= 25
+// Arrival counts per token, one set per device: launches of this kernel must not run concurrently (one stream
+// per device, as the session uses; PDL keeps launches on one stream apart: each waits for the previous grid).
+__device__ unsigned g_hc_count[HC1_MAX_T];
+
+__device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the HC1_COLS column threads
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum_f(v);
+  if (lane == 0) sh[warp] = v;
+  asm volatile("bar.sync 1, %0;" ::"r"(HC1_COLS) : "memory");
+  float t = 0.0f;
+#pragma unroll
+  for (int i = 0; i < HC1_COLS / 32; ++i) t += sh[i];
+  return t;
+}
+
+// comb = Sinkhorn(softmax rows of the 4 x 4 logits) with hc_pre_kernel's arithmetic, in one thread.
+__device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
+                                          float eps, float* comb) {
+  float v[4][4];
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    float l[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) l[b] = mixs[8 + 4 * a + b] * r * sc + base[8 + 4 * a + b];
+    const float mx = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
+    float e[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) e[b] = expf(l[b] - mx);
+    const float s = (e[0] + e[1]) + (e[2] + e[3]);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) v[a][b] = e[b] / s + eps;
+  }
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const float s = (v[a][0] + v[a][1]) + (v[a][2] + v[a][3]);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) v[a][b] = __fdividef(v[a][b], s + eps);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float s = (v[0][b] + v[1][b]) + (v[2][b] + v[3][b]);
+#pragma unroll
+      for (int a = 0; a < 4; ++a) v[a][b] = __fdividef(v[a][b], s + eps);
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) comb[4 * a + b] = v[a][b];
+}
+
+__global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X, const float* Wf, int M, int P,
+                                                                 float* part, const float* scale, const float* base,
+                                                                 const float* norm_w, int n, int D, int iters,
+                                                                 float eps_rms, float eps_hc, bool head, float* out,
+                                                                 float* post_out, float* comb_out, HcPost hp) {
+  pdl_begin();
+  __shared__ float s_part[HC1_MAX_PART];
+  __shared__ float mixs[8 * 10 + 1];
+  __shared__ float red[32];
+  __shared__ bool last;
+  const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t, hp, n, D);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(&g_hc_count[t], 1u) == (unsigned)P - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (tid == 0) g_hc_count[t] = 0;
+  const int D4 = D / 4;
+  const float* Xt = (hp.y1 ? hp.Xo : X) + (int64_t)t * n * D;
+  float4 xs[HC1_MAXU][4];  // this thread's columns of the (up to 4) streams, requested before the mix is known
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int d4 = tid + k * HC1_COLS;
+      const float4* p4 = (const float4*)(Xt + (int64_t)i * D) + d4;
+      xs[k][i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (tid < HC1_COLS && d4 < D4 && i < n) xs[k][i] = hp.y1 ? __ldcg(p4) : __ldg(p4);  // X' is from this kernel
+    }
+  const int np = P * (M + 1);
+  const float* pt = part + (int64_t)t * np;
+  for (int i0 = tid; i0 < np; i0 += 8 * HC1_THREADS) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * HC1_THREADS;
+      v[u] = i < np ? __ldcg(pt + i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (i0 + u * HC1_THREADS < np) s_part[i0 + u * HC1_THREADS] = v[u];
+  }
+  __syncthreads();
+  for (int m = warp; m <= M; m += HC1_THREADS / 32) {
+    float v = 0.0f;
+    for (int p = lane; p < P; p += 32) v += s_part[p * (M + 1) + m];
+    v = warp_sum_f(v);
+    if (lane == 0) mixs[m] = v;
+  }
+  __syncthreads();
+  const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
+  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
+    if (head) return;
+    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
+    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
+    return;
+  }
+  float pre[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
+  float4 u[HC1_MAXU];
+  float su = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
+      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
+    }
+    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+  }
+  su = cols_sum(su, red);
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    const int d4 = tid + k * HC1_COLS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      ((float4*)(out + (int64_t)t * D))[d4] =
+          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
+    }
+  }
+}
+
+// mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
+__global__ void hc_post_kernel(const float* X, const float* y1, const float* y2, const float* post,
+                               const float* comb, int n, int D, float* Xo) {
+  pdl_begin();
+  const int t = blockIdx.y;
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  float x[16];  // unrolled with guards so x stays in registers (a runtime index put it in local memory)
+#pragma unroll
+  for (int a = 0; a < 16; ++a) x[a] = a < n ? X[((int64_t)t * n + a) * D + d] : 0.0f;
+  float y = y1[(int64_t)t * D + d];
+  if (y2) y += y2[(int64_t)t * D + d];
+  for (int b = 0; b < n; ++b) {
+    float s = 0.0f;
+#pragma unroll
+    for (int a = 0; a < 16; ++a)
+      if (a < n) s += comb[((int64_t)t * n + a) * n + b] * x[a];
+    Xo[((int64_t)t * n + b) * D + d] = post[(int64_t)t * n + b] * y + s;
+  }
+}
+
+}  // namespace
+
+// ---- launchers -------------------------------------------------------------------------------------
+
+int hc_parts(int n, int D) { return (n * D + HC_COLS - 1) / HC_COLS; }
+
+// $DS4_GPU_HC_ONE=0: the two-launch hc_pre for decode too (benchmark A/B).
+static bool hc_one_launch() {
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_HC_ONE");
+    return !(e && e[0] == '0');
+  }();
+  return v;
+}
+
+bool hc_one_launch_takes(int T, int n, int D, bool head) {
+  return hc_one_launch() && T <= HC1_MAX_T && n <= 4 && (head || n == 4) && D % 8 == 0 &&
+         D <= 4 * HC1_MAXU * HC1_COLS && hc_parts(n, D) * ((head ? n : (2 + n) * n) + 1) <= HC1_MAX_PART;
+}
+
+void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
+                        float* Xo, const float* Wf, float* part, const float* scale, const float* base,
+                        const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                        float* out, float* post, float* comb, cudaStream_t s) {
+  if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
+  // the blocks read all streams of X at their columns while others write X': never in place
+  const uintptr_t o0 = (uintptr_t)Xo, o1 = o0 + sizeof(float) * (size_t)T * n * D;
+  auto overlaps = [&](const float* p, int64_t count) {
+    const uintptr_t a = (uintptr_t)p;
+    return p && a < o1 && o0 < a + sizeof(float) * (size_t)count;
+  };
+  if (overlaps(X, (int64_t)T * n * D) || overlaps(y1, (int64_t)T * D) || overlaps(y2, (int64_t)T * D) ||
+      overlaps(post_in, (int64_t)T * n) || overlaps(comb_in, (int64_t)T * n * n))
+    throw std::invalid_argument("hc_post_pre: Xo must not overlap its inputs");
+  if (((uintptr_t)X | (uintptr_t)Xo | (uintptr_t)y1 | (uintptr_t)y2) & 15)
+    throw std::invalid_argument("hc_post_pre: X, Xo, y1, y2 must be 16-byte aligned (float4 access)");
+  HcPost hp;
+  hp.y1 = y1;
+  hp.y2 = y2;
+  hp.post = post_in;
+  hp.comb = comb_in;
+  hp.Xo = Xo;
+  const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
+  launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
+           eps_rms, eps_hc, head, out, post, comb, hp);
+  DS4_CHECK_LAUNCH("hc_post_pre");
+}
+
+void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
+                   const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
+                   float* out, float* post, float* comb, cudaStream_t s, int parts) {
+  if (n > 8) throw std::invalid_argument("hc_pre: at most 8 streams");
+  if (D % 4 || D > 4 * HC_MAXU * HC_THREADS) throw std::invalid_argument("hc_pre: D must be a multiple of 4, <= 16384");
+  const int M = head ? n : (2 + n) * n;
+  int P = parts;
+  if (P <= 0) {
+    P = hc_parts(n, D);
+    if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
+    if (hc_one_launch_takes(T, n, D, head)) {
+      launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D,
+               iters, eps_rms, eps_hc, head, out, post, comb, HcPost());
+      DS4_CHECK_LAUNCH("hc_mix_pre");
+      return;
+    }
+    launch_k(hc_mix_kernel, dim3(P, T), dim3(256), 0, s, X, Wf, M, n * D, P, part);
+    DS4_CHECK_LAUNCH("hc_mix");
+  }
+  launch_k(hc_pre_kernel, dim3(T), dim3(HC_THREADS), 0, s, X, part, P, scale, base, norm_w, n, D, iters, eps_rms,
+           eps_hc, head, out, post, comb);
+  DS4_CHECK_LAUNCH("hc_pre");
+}
+
+void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
+                    int n, int D, float* Xo, cudaStream_t s) {
+  if (n > 16) throw std::invalid_argument("hc_post: at most 16 streams");
+  dim3 grid((D + 255) / 256, T);
+  launch_k(hc_post_kernel, dim3(grid), dim3(256), 0, s, X, y1, y2, post, comb, n, D, Xo);
+  DS4_CHECK_LAUNCH("hc_post");
+}
+
+}  // namespace ds4gpu
