@@ -1,4 +1,4 @@
-"""The fused layer kernels (ds4.engine.gpu.fused / fused.cu) against the torch ops they replace.
+"""The fused layer kernels (ds4.engine.gpu.fused / fused.cu, hc.cu) against the torch ops they replace.
 
 Every kernel gets fresh random input on the GPU; the reference is the torch code of the session's
 unfused path (ds4.engine.gpu.ops and the formulas of session.py) in float64 where it is plain

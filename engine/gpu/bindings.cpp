@@ -538,7 +538,7 @@ PYBIND11_MODULE(_ext, m) {
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
-  // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu for the semantics.
+  // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.
   m.def("rms_norm", [](uintptr_t x, uintptr_t w, uintptr_t y, int rows, int n, float eps) {
     launch_rms_norm(ptr<const float>(x), ptr<const float>(w), ptr<float>(y), rows, n, eps, stream());
   }, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("rows"), py::arg("n"), py::arg("eps"));

@@ -127,7 +127,7 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& scratch, cudaStream_t stream);
 
-// fused.cu: the non-matvec chains of a layer (see the kernels there for the exact semantics).
+// fused.cu and hc.cu (mHC): the non-matvec chains of a layer (see the kernels there for the exact semantics).
 struct RowPost {
   bool norm = false;
   const float* w = nullptr;

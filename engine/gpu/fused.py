@@ -1,6 +1,6 @@
 """Fused CUDA kernels for the layer chains of the CUDA engine session (ds4.engine.gpu.session).
 
-Each method runs one kernel of fused.cu on torch tensors (raw device pointers, torch's current
+Each method runs one kernel of fused.cu or hc.cu on torch tensors (raw device pointers, torch's current
 stream) and means exactly what the torch ops it replaces mean (ops.rms_norm + hc_weights +
 stream_sum, ops.hc_post, rms_norm + apply_tail + fp8_kv_round / indexer_qat, the router's
 softplus/top-k/normalization, the compressor step, decode attention with sinks, the indexer
