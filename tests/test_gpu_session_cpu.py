@@ -157,3 +157,14 @@ def test_chunked_prefill_equals_decode_with_kernel_rounding_and_same_routing(tmp
     lb = np.stack([forced.decode(t) for t in toks])
     errs = [rel(la[i], lb[i]) for i in range(len(toks))]
     assert max(errs) <= 1e-3, f"max rel {max(errs):.2e} at {int(np.argmax(errs))}"
+
+
+def test_prefetch_spec_parses_points_and_refuses_bad_ones():
+    from ds4.engine.gpu.session import parse_prefetch
+    from ds4.engine.session import SessionError
+
+    assert parse_prefetch("") == {}
+    assert parse_prefetch("oa, ob:0.25+sh") == {"oa": 1.0, "ob": 0.25, "sh": 1.0}
+    for bad in ("xx", "oa:2", "ob:half", "qb:-0.1"):
+        with pytest.raises(SessionError, match="DS4_GPU_PREFETCH"):
+            parse_prefetch(bad)

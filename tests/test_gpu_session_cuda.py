@@ -131,3 +131,24 @@ def test_snapshot_matches_the_cpu_payload(models):
     g2 = GpuSession(m, ctx=256)
     g2.restore(g.snapshot())
     assert rel(g2.decode(7), c.decode(7)) <= 1e-3
+
+
+def test_l2_prefetch_points_leave_the_logits_bitwise_equal(models):
+    """L2 prefetches (DS4_GPU_PREFETCH) only move weights into the cache: graph decode with every prefetch
+    point on, in both request modes, gives the same bits as without."""
+    from ds4.engine.gpu import weights as gw
+    from ds4.engine.gpu.session import Session as GpuSession, parse_prefetch
+
+    m = models["small"]
+    toks = _prompt(m.config, 40, seed=5)
+    base = GpuSession(m, ctx=256)
+    want = np.stack([base.decode(t) for t in toks])
+    for mode in (0, 1):
+        gw.PF_MODE = mode
+        try:
+            g = GpuSession(m, ctx=256, weights=base.W)
+            g._pf = parse_prefetch("oa,ob:0.5+sh,qb")
+            got = np.stack([g.decode(t) for t in toks])
+        finally:
+            gw.PF_MODE = 0
+        assert np.array_equal(got, want), f"mode {mode}: prefetch changed the logits"

@@ -357,6 +357,26 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
                              stream());
 }
 
+// L2 prefetch of the first `fraction` of each weight (both planes), for a later kernel (see matvec_stream.cu).
+void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode) {
+  const uint8_t* p[PF_MAX_RANGES];
+  int64_t n[PF_MAX_RANGES];
+  int k = 0;
+  fraction = std::min(1.0, std::max(0.0, fraction));
+  for (const auto& w : ws) {
+    const Packed& q = w->p;
+    const int64_t planes[2] = {q.qs_row * q.nrows, q.sc ? q.sc_row * q.nrows : 0};
+    const uint8_t* base[2] = {q.qs, q.sc};
+    for (int i = 0; i < 2; ++i) {
+      if (!base[i] || planes[i] <= 0) continue;
+      if (k == PF_MAX_RANGES) throw std::invalid_argument("prefetch_l2: at most 4 weights");
+      p[k] = base[i];
+      n[k++] = (int64_t)(planes[i] * fraction);
+    }
+  }
+  launch_l2_prefetch(p, n, k, ctas, mode, stream());
+}
+
 RowPost row_post_args(bool norm, uintptr_t w, float eps, uintptr_t freq, int rope_dim, bool inverse, int fp8_nope,
                       bool qat, float had_scale) {
   RowPost o;
@@ -536,6 +556,8 @@ PYBIND11_MODULE(_ext, m) {
         py::arg("clamp") = 0.0f,
         "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
+  m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 16,
+        py::arg("mode") = 0, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.

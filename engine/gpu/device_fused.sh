@@ -4,7 +4,8 @@
 # Usage: bash engine/gpu/device_fused.sh [ctx...]
 # Env: KERNEL_TESTS, PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
 #      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare),
-#      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_PDL=0"), *_TIMEOUT.
+#      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_PDL=0": decode at AB_CTX, default
+#      2048, and prefill of AB_PREFILL tokens, default none), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -29,8 +30,8 @@ for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table
 done
 for envs in ${ENV_AB:-}; do  # A/B of switches read by the kernels: "VAR=v[,VAR2=w]" per run, decode at 2k + prefill
   stamp "env $envs"
-  env ${envs//,/ } timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx 2048 --decode 64 \
-    --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-8192} 2>&1 | grep -E "prefill|decode"
+  env ${envs//,/ } timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${AB_CTX:-2048} --decode 64 \
+    --prefill ${AB_PREFILL:-} --prefill-chunk ${PREFILL_CHUNK:-8192} 2>&1 | grep -E "prefill|decode"
 done
 for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16
   stamp "prefill gemm=$mode"

@@ -219,7 +219,10 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                   freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
-    q = K.norm_rope(W.mm(C.blk(li, L.ATTN_Q_B), c), d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
+    q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c)
+    sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)])  # o_a and o_b stream after the attention chain
+    sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
+    q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
                     also=kv_job)  # the KV row into the ring in the same launch
     comp = sel = None
     if r:

@@ -24,6 +24,7 @@
 // their tails and heads.
 #include <algorithm>
 #include <map>
+#include <stdexcept>
 #include <tuple>
 
 #include "mv_core.cuh"
@@ -418,6 +419,55 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
   if (qt == QT_F16) launch_qt<QT_F16>(a, groups, rows, pdl, stream);
   else launch_qt<QT_Q8_0>(a, groups, rows, pdl, stream);
   return true;
+}
+
+// L2 prefetch. Decode spends ~40% of a token in latency-bound kernels (mHC, norms, attention, router)
+// while DRAM idles; a matvec that follows them finds the first part of its weights in L2 if they were
+// requested when the chain began. The kernel only issues requests: bulk prefetches (mode 0, one
+// cp.async.bulk.prefetch.L2 per chunk, fire and forget) or one prefetch.global.L2 per 128-byte line (mode 1).
+// It waits for its predecessor only at the end, so the kernel after it (whose griddepcontrol.wait covers
+// this grid only) still runs after everything launched before the prefetch.
+struct PfArgs {
+  const uint8_t* p[PF_MAX_RANGES];
+  int64_t n[PF_MAX_RANGES];
+  int count, mode;
+};
+constexpr int64_t PF_CHUNK = 32 * 1024;
+
+__global__ void l2_prefetch_kernel(PfArgs a) {
+  pdl_trigger();
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nt = (int64_t)gridDim.x * blockDim.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  for (int i = 0; i < a.count; ++i) {
+    const int64_t n = a.n[i] & ~int64_t(15);  // bulk sizes are multiples of 16 (a hint: the tail may be left)
+    if (a.mode == 0) {
+      for (int64_t off = t * PF_CHUNK; off < n; off += nt * PF_CHUNK) {
+        const uint32_t len = (uint32_t)min(PF_CHUNK, n - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.p[i] + off), "r"(len) : "memory");
+      }
+    } else {
+      for (int64_t off = t * 128; off < n; off += nt * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a.p[i] + off));
+    }
+  }
+#endif
+  pdl_wait();
+}
+
+void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
+                        cudaStream_t stream) {
+  if (n < 1) return;
+  if (n > PF_MAX_RANGES) throw std::invalid_argument("l2_prefetch: at most 8 ranges");
+  PfArgs a = {};
+  for (int i = 0; i < n; ++i) {
+    if ((uintptr_t)ptrs[i] & 15) throw std::invalid_argument("l2_prefetch: ranges must start 16-byte aligned");
+    a.p[i] = ptrs[i];
+    a.n[i] = std::max<int64_t>(0, nbytes[i]);
+  }
+  a.count = n;
+  a.mode = mode;
+  launch_k(l2_prefetch_kernel, dim3((unsigned)std::max(1, ctas)), dim3(mode == 0 ? 32 : 256), 0, stream, a);
+  DS4_CHECK_LAUNCH("l2 prefetch");
 }
 
 }  // namespace ds4gpu

@@ -49,6 +49,26 @@ ROUTE_DENOM_MIN = 6.1035e-5
 ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered keys: 512 x top-k x head_dim)
 
 
+
+PREFETCH_POINTS = ("oa", "ob", "sh", "qb")
+
+
+def parse_prefetch(spec: str) -> dict[str, float]:
+    """DS4_GPU_PREFETCH: decode L2 prefetch points separated by "," or "+", each `name` or `name:fraction` (of the
+    weights' bytes): oa / ob (o_a, o_b: asked for after q_b's launch), sh (shared expert: after o_b), qb (the
+    next layer's q_a, kv and q_b: after the shared expert)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in spec.replace("+", ",").split(","))):
+        name, _, frac = item.partition(":")
+        try:
+            out[name] = float(frac) if frac else 1.0
+        except ValueError:
+            raise SessionError(f"DS4_GPU_PREFETCH: bad fraction in {item!r} (want name or name:0.5)") from None
+        if name not in PREFETCH_POINTS or not 0.0 <= out[name] <= 1.0:
+            raise SessionError(f"DS4_GPU_PREFETCH: {item!r} is not one of {', '.join(PREFETCH_POINTS)} with a "
+                               "fraction in [0, 1]")
+    return out
+
 class Session(Timeline):
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 8192, hooks=None, impl: str | None = None,
                  progress=None, device: str | torch.device | None = None, graphs: bool | None = None,
@@ -88,6 +108,7 @@ class Session(Timeline):
         self.K = None  # fused CUDA kernels (ds4.engine.gpu.fused); DS4_GPU_FUSED=0 keeps the torch ops
         if self.device.type == "cuda" and os.environ.get("DS4_GPU_FUSED", "1") != "0":
             self.K = fused.Fused(self.W.ext, self.device)
+        self._pf = parse_prefetch(os.environ.get("DS4_GPU_PREFETCH", "")) if self.K is not None else {}
         self.load_weights()
 
     def _f(self, name: str):
@@ -366,9 +387,17 @@ class Session(Timeline):
             qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
             c = self._rms_norm(qa, W.vec(C.blk(li, L.ATTN_Q_A_NORM)))
             pending = (attn(li, a, c, kv), None, post, comb)
+            self.prefetch("sh", self._shexp(li))  # streamed after the mHC, the router and the routed experts
             X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM, pending)
             pending = (*self._moe(li, b, tok), post, comb)
+            self.prefetch("qb", [C.blk(li + 1, t) for t in (L.ATTN_Q_A, L.ATTN_KV, L.ATTN_Q_B)]
+                          if li + 1 < cfg.n_layer else [C.OUTPUT])
         return X, pending
+
+    def prefetch(self, point: str, names: list[str]) -> None:
+        """Decode only: at `point` (DS4_GPU_PREFETCH), ask L2 for weights a later matvec of the step streams."""
+        if self._in_step and point in self._pf:
+            self.W.prefetch(names, self._pf[point])
 
     def _rms_norm(self, x, w):
         if self.K is not None:
