@@ -8,10 +8,12 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <vector>
 
 #include "common.cuh"
+#include "moe_mma.cuh"
 
 namespace py = pybind11;
 using namespace ds4gpu;
@@ -314,6 +316,24 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
   launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream());
 }
 
+// The gate/up half of moe on its own: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j] (tests, bench).
+void moe_gateup(const Tensor& gate, const Tensor& up, const Array& x, const Array& ids, const Array& weights, Array& h,
+                float clamp) {
+  if (gate.ne.size() != 3) throw std::invalid_argument("moe_gateup: expert tensors are [cols, rows, experts]");
+  int n_expert = (int)gate.ne[2];
+  if (x.shape.size() != 2 || ids.shape.size() != 2 || weights.shape != ids.shape || h.shape.size() != 2)
+    throw std::invalid_argument("moe_gateup: x is [T, n_embd], ids and weights [T, k], h [T k, n_ff]");
+  int64_t T = x.shape[0], k = ids.shape[1], D = gate.p.ncols, F = gate.ne[1];
+  if (ids.shape[0] != T || x.shape[1] != D || h.shape[0] != T * k || h.shape[1] != F)
+    throw std::invalid_argument("moe_gateup: shapes of x/ids/h disagree with the experts");
+  g_scratch.reserve(xq_bytes(T, D));
+  g_scratch.begin();
+  MoeScratch s;
+  s.xq_in = take_xq(T, D);
+  s.h = h.f();
+  launch_moe_gateup(gate.p, up.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, s, stream());
+}
+
 // Several matrices reading the same x (same ncols): x is quantized once for all of them.
 void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& x, const std::vector<std::shared_ptr<Array>>& ys) {
   if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_shared: one y per weight");
@@ -373,6 +393,11 @@ void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction
       p[k] = base[i];
       n[k++] = (int64_t)(planes[i] * fraction);
     }
+  }
+  if (ctas <= 0) {  // one per SM
+    int dev = 0;
+    DS4_CHECK(cudaGetDevice(&dev));
+    DS4_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, dev));
   }
   launch_l2_prefetch(p, n, k, ctas, mode, stream());
 }
@@ -540,6 +565,15 @@ PYBIND11_MODULE(_ext, m) {
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
+  m.def("moe_gateup", &moe_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("ids"), py::arg("weights"),
+        py::arg("h"), py::arg("clamp") = 10.0f,
+        "The gate/up half of moe: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j]; h is [T k, n_ff].");
+  m.def("set_gateup_mma", [](std::optional<bool> enabled, int splits) {
+    set_gateup_mma(enabled ? (*enabled ? 1 : 0) : -1, splits);
+  }, py::arg("enabled"), py::arg("splits") = 0,
+        "IQ2_XXS MoE gate/up through the int8 mma kernel (True), the rows kernel (False) or as $DS4_GPU_GU_MMA "
+        "says (None); splits: warps per 16-row unit (1, 2, 4, 8; 0 = automatic / $DS4_GPU_GU_MMA_SPLIT).");
+  m.def("gateup_mma_enabled", &gateup_mma_enabled);
   m.def("dequant", [](const Tensor& w, uintptr_t out, uintptr_t lo, float scale, int64_t row0, int64_t nrows,
                        int64_t ld) {
     launch_dequant(w.p, row0, nrows < 0 ? w.p.nrows - row0 : nrows, (__half*)out, (__half*)lo,
@@ -556,7 +590,7 @@ PYBIND11_MODULE(_ext, m) {
         py::arg("clamp") = 0.0f,
         "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
-  m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 16,
+  m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 0,
         py::arg("mode") = 0, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");

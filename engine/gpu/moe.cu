@@ -4,6 +4,7 @@
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
 #include <algorithm>
 
+#include "moe_mma.cuh"
 #include "mv_core.cuh"
 
 namespace ds4gpu {
@@ -168,6 +169,28 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
   DS4_CHECK_LAUNCH("moe down");
 }
 
+void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const float* x, const int32_t* ids,
+                       const float* weights, int tokens, int k, float clamp, const MoeScratch& s,
+                       cudaStream_t stream) {
+  if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
+  if (gate.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
+  if (n_expert < 1 || gate.nrows % n_expert) throw std::invalid_argument("expert count does not divide the stacked rows");
+  if (up.ncols != gate.ncols || up.nrows != gate.nrows) throw std::invalid_argument("gate and up shapes differ");
+  const int n_embd = (int)gate.ncols, n_ff = (int)(gate.nrows / n_expert), pairs = tokens * k;
+  launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
+  switch (gate.qtype) {
+    case QT_Q8_0: launch_gateup_rows<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q4_K: launch_gateup_rows<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_Q2_K: launch_gateup_rows<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
+    case QT_IQ2_XXS:
+      if (!gateup_mma_enabled() ||
+          !launch_gateup_mma(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream))
+        launch_gateup_rows<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream);
+      break;
+    default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
+  }
+}
+
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& s, cudaStream_t stream) {
@@ -179,14 +202,7 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   if (down.ncols != n_ff || down.nrows / n_expert != n_embd || up.ncols != gate.ncols || up.nrows != gate.nrows)
     throw std::invalid_argument("gate/up/down shapes do not form one expert FFN");
   const int pairs = tokens * k;
-  launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
-  switch (gate.qtype) {
-    case QT_Q8_0: launch_gateup_rows<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_Q4_K: launch_gateup_rows<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_Q2_K: launch_gateup_rows<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    case QT_IQ2_XXS: launch_gateup_rows<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
-    default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
-  }
+  launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream);
   launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   switch (down.qtype) {
     case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
