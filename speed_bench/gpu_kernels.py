@@ -104,6 +104,26 @@ def bench_moe(ex: Experts, tokens: int, k: int = 6, iters: int = 10) -> tuple[fl
     return ms, tokens * k * ex.per_expert
 
 
+def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 10) -> tuple[float, int]:
+    """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel or the int8
+    mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu); returns (ms, distinct gate+up bytes per call)."""
+    ext = gpu.load()
+    rng = np.random.default_rng(1)
+    n_calls = 32
+    perm = [rng.permutation(ex.n_expert) for _ in range(n_calls)]
+    ids = [ext.Array.from_numpy(p[: tokens * k].reshape(tokens, k).astype(np.int32).copy()) for p in perm]
+    wts = ext.Array.from_numpy(np.full((tokens, k), 0.25, np.float32))
+    x = ext.Array.from_numpy(rng.standard_normal((tokens, ex.n_embd)).astype(np.float32))
+    h = ext.Array.empty([tokens * k, ex.gate.ne[1]])
+    g, u = ex.gate.tensors[0], ex.up.tensors[0]
+    ext.set_gateup_mma(mma)  # the kernel is chosen when the graph is captured
+    try:
+        ms = time_graph(lambda i: ext.moe_gateup(g, u, x, ids[i % n_calls], wts, h, 10.0), n_calls, iters)
+    finally:
+        ext.set_gateup_mma(None)
+    return ms, tokens * k * (ex.gate.nbytes + ex.up.nbytes) // ex.n_expert
+
+
 # One Flash layer's matvecs (model-spec §2.4, §8.2): name, type, ne, groups.
 FLASH_MATVECS = [
     ("attn_q_a", Q.Q8_0, (4096, 1024), 1),
@@ -202,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batch:
             ms, nbytes = bench_moe(ex, b, iters=iters)
             add(f"routed MoE k=6 ({mix})", "IQ2+Q2K" if mix == "q2" else "Q4_K", b, ms, nbytes)
+    for b in args.batch:  # IQ2_XXS gate/up alone: the rows kernel and the int8 mma kernel, then the MoE with mma
+        for mma in (False, True):
+            ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters)
+            add(f"IQ2_XXS gate/up k=6 ({'mma' if mma else 'rows'})", "IQ2_XXS", b, ms, nbytes)
+        ext.set_gateup_mma(True)
+        try:
+            ms, nbytes = bench_moe(experts["q2"], b, iters=iters)
+        finally:
+            ext.set_gateup_mma(None)
+        add("routed MoE k=6 (q2, mma)", "IQ2+Q2K", b, ms, nbytes)
     ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
     floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
     add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)
