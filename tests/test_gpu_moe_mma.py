@@ -59,14 +59,25 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return hr.astype(np.int8).ravel(), lo.astype(np.int8).ravel(), (s[:, 0] / np.float32(254)).astype(np.float32)
 
 
-def msb_byte_mask(p: np.ndarray) -> np.ndarray:
-    """prmt.b32 p, 0, 0xBA98: byte j = 0xff where bit 8j+7 is set."""
-    return sum(((p >> np.uint64(8 * j + 7)) & np.uint64(1)) * np.uint64(0xFF << (8 * j)) for j in range(4))
+def prmt(a: np.ndarray, b, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (generic mode) on uint32 values: selector nibble j picks byte (nibble & 7) of {b, a}
+    for result byte j; nibble bit 3 replicates that byte's sign bit instead."""
+    src = (np.asarray(b, np.uint64) << np.uint64(32)) | np.asarray(a, np.uint64)
+    out = np.zeros_like(src)
+    for j in range(4):
+        ctl = (sel >> (4 * j)) & 0xF
+        byte = (src >> np.uint64(8 * (ctl & 7))) & np.uint64(0xFF)
+        if ctl & 8:
+            byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= byte << np.uint64(8 * j)
+    return out
 
 
 def iq2_group(a0: np.ndarray, a1: np.ndarray, i: int, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """moe_mma.cu iq2_group in uint32 arithmetic (held in uint64, reduced mod 2^32)."""
-    off = ((a0 >> np.uint64(8 * i)) & np.uint64(255)) << np.uint64(8)  # prmt a0, 0, 0x4404 | i << 4
+    """moe_mma.cu iq2_group for the 32 lanes, in uint32 arithmetic (held in uint64, reduced mod 2^32)."""
+    lane8 = np.uint64(8) * LANE.astype(np.uint64)
+    off = prmt(a0, lane8, 0x5504 | (i << 4))  # grid_offset: byte offset into the lane-replicated table
+    assert ((off & np.uint64(0xFF)) == lane8).all()  # every lane reads its own column (its own banks)
     g = grid[(off >> np.uint64(8)).astype(np.int64)]
     gx, gy = g & np.uint64(M32), g >> np.uint64(32)
     t = a1 >> np.uint64(7 * i)
@@ -78,7 +89,7 @@ def iq2_group(a0: np.ndarray, a1: np.ndarray, i: int, grid: np.ndarray) -> tuple
     def negate_bytes(w, m):
         return (w & ~m & np.uint64(M32)) | (((np.uint64(0x01010100) - w) & np.uint64(M32)) & m)
 
-    return negate_bytes(gx, msb_byte_mask(plo)), negate_bytes(gy, msb_byte_mask(phi))
+    return negate_bytes(gx, prmt(plo, 0, 0xBA98)), negate_bytes(gy, prmt(phi, 0, 0xBA98))
 
 
 LANE = np.arange(32)

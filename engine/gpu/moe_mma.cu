@@ -53,22 +53,24 @@ __device__ __forceinline__ uint32_t negate_bytes(uint32_t g, uint32_t m) {
   return (g & ~m) | ((0x01010100u - g) & m);
 }
 
-// Byte i of a0 moved to byte 1: grid index i times 256, the byte offset of its entry in the lane table.
-__device__ __forceinline__ uint32_t grid_offset(uint32_t a0, int i) {
+// The byte offset of entry (grid index i of a0) in this lane's column of the lane table: index * 256 +
+// lane * 8, one prmt (byte 0 from lane8 = lane * 8, byte 1 = byte i of a0, bytes 2-3 = lane8's zero byte 1).
+__device__ __forceinline__ uint32_t grid_offset(uint32_t a0, uint32_t lane8, int i) {
   uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a0), "r"(0u), "r"(0x4404u | (uint32_t)(i << 4)));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a0), "r"(lane8), "r"(0x5504u | (uint32_t)(i << 4)));
   return r;
 }
 
 // Group i (elements 8i..8i+7) of an IQ2_XXS sub-block (a0 = 4 grid indices, a1 = 4 sign fields of 7 bits
-// and the 4-bit scale) as signed int8: lo = elements 0-3, hi = 4-7; rep: this lane's column of the table.
+// and the 4-bit scale) as signed int8: lo = elements 0-3, hi = 4-7; rep: the lane table (entry n of lane l
+// at rep + 256 n + 8 l).
 // The sign of element 7 is the parity of the field's 7 bits. v * 0x10204080 puts bit j of a v < 128 at bit
 // 8j+7 (its copies at shifts 7, 14, 21, 28 do not overlap, so nothing carries): lo's v = f, the field; hi's
 // v = (f >> 4) + 8 popc(f) < 64, whose bit 3 is the parity (bits 4-5 land below the byte tops), written as
 // (f & 0x70) * 0x01020408 + popc * 0x81020400 to save the shift.
-__device__ __forceinline__ void iq2_group(uint32_t a0, uint32_t a1, int i, const char* rep, uint32_t& lo,
-                                          uint32_t& hi) {
-  const uint2 g = *reinterpret_cast<const uint2*>(rep + grid_offset(a0, i));
+__device__ __forceinline__ void iq2_group(uint32_t a0, uint32_t a1, int i, const char* rep, uint32_t lane8,
+                                          uint32_t& lo, uint32_t& hi) {
+  const uint2 g = *reinterpret_cast<const uint2*>(rep + grid_offset(a0, lane8, i));
   const uint32_t t = a1 >> (7 * i), f = t & 127u;
   const uint32_t plo = f * 0x10204080u;
   const uint32_t phi = (t & 0x70u) * 0x01020408u + (uint32_t)__popc(f) * 0x81020400u;
@@ -102,7 +104,8 @@ __device__ __forceinline__ void mma_load(const uint8_t* const (&qrow)[4], const 
 // acc[r] += row r . x over the lane's two sub-blocks of block blk. xb: x hi or lo (B column g) at sub-block
 // 2q of block 0, bmask: ~0 where this lane's B registers are nonzero, xsp: x scales at sub-block 2q of block 0.
 __device__ __forceinline__ void mma_block(const MmaRaw& raw, int blk, const int8_t* xb, uint32_t bmask,
-                                          const float* xsp, const char* rep, float (&acc)[4]) {
+                                          const float* xsp, const char* rep, uint32_t lane8,
+                                          float (&acc)[4]) {
   const float2 xs = __ldg(reinterpret_cast<const float2*>(xsp + 8 * blk));
   float dq[4];
 #pragma unroll
@@ -123,8 +126,8 @@ __device__ __forceinline__ void mma_block(const MmaRaw& raw, int blk, const int8
         const uint4& r0 = raw.w[2 * m];
         const uint4& r1 = raw.w[2 * m + 1];
         uint32_t lo0, hi0, lo1, hi1;
-        iq2_group(s ? r0.z : r0.x, s ? r0.w : r0.y, i, rep, lo0, hi0);
-        iq2_group(s ? r1.z : r1.x, s ? r1.w : r1.y, i, rep, lo1, hi1);
+        iq2_group(s ? r0.z : r0.x, s ? r0.w : r0.y, i, rep, lane8, lo0, hi0);
+        iq2_group(s ? r1.z : r1.x, s ? r1.w : r1.y, i, rep, lane8, lo1, hi1);
         mma_s8(c[m], lo0, lo1, hi0, hi1, bx[2 * i], bx[2 * i + 1]);
       }
     }
@@ -161,7 +164,8 @@ __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS) moe_gateup_mma_kernel
   // B column g is x hi (g even) or x lo (g odd) of quad g >> 1's sub-block; only lanes with g >> 1 == q
   // hold that quad's K rows
   const uint32_t bmask = (g >> 1) == q ? ~0u : 0u;
-  const char* rep = reinterpret_cast<const char*>(s_rep + lane);  // entry n at rep + 256 n
+  const char* rep = reinterpret_cast<const char*>(s_rep);
+  const uint32_t lane8 = 8u * lane;
   const int tiles = n_ff / GM_ROWS, nb = (int)(gate.ncols / 256);
   pdl_wait();  // ids, x and h's readers are from earlier kernels
   int round = 0;
@@ -188,7 +192,7 @@ __global__ void __launch_bounds__(GM_THREADS, GM_MIN_CTAS) moe_gateup_mma_kernel
         for (int blk = cs; blk < nb; blk += splits) {
           MmaRaw nxt;
           if (blk + splits < nb) mma_load(qrow, srow, blk + splits, nxt);
-          mma_block(cur, blk, xb, bmask, xsp, rep, acc);
+          mma_block(cur, blk, xb, bmask, xsp, rep, lane8, acc);
           cur = nxt;
         }
       }
@@ -269,10 +273,14 @@ bool launch_gateup_mma(const Packed& gate, const Packed& up, int n_ff, int n_exp
   static const int env_splits = env_int("DS4_GPU_GU_MMA_SPLIT", 0);
   int splits = g_splits ? g_splits : env_splits;
   if (splits != 1 && splits != 2 && splits != 4 && splits != 8) {
-    // enough warps to fill the resident ones (decode: 6 pairs x 128 tiles = 768 units for 3000+ warps), as
-    // long as each warp keeps at least two blocks (their loads in flight together)
-    splits = 1;
-    while (splits < GM_WARPS && 2 * splits <= nb / 2 && units * splits < resident * GM_WARPS) splits *= 2;
+    // fewest block-times: rounds of the persistent grid x blocks per warp (decode: 6 pairs x 128 tiles =
+    // 768 units for ~260 resident CTAs; 8 splits -> 3 rounds of 2 blocks, 4 -> 2 rounds of 4)
+    int best = 1 << 30;
+    for (int s = 1; s <= GM_WARPS && (s == 1 || s <= nb); s *= 2) {
+      const int64_t rounds = ((int64_t)units * s + (int64_t)GM_WARPS * resident - 1) / ((int64_t)GM_WARPS * resident);
+      const int64_t cost = rounds * ((nb + s - 1) / s);
+      if (cost <= best) best = (int)cost, splits = s;
+    }
   }
   const int per_cta = GM_WARPS / splits;
   cudaLaunchConfig_t cfg = {};
