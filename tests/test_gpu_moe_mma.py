@@ -141,7 +141,8 @@ def emulate_tile(raw: np.ndarray, x: np.ndarray, grid: np.ndarray, mma=mma_m16n8
             xss = xs[8 * blk + sb]
             for h in (0, 1):
                 t = (254 * c[:, 2 * h] + c[:, 2 * h + 1]).astype(np.float32)
-                dscale = d[G + 8 * h, blk] * np.float32(0.25) * (np.float32(0.5) + (a1[h] >> np.uint64(28)).astype(np.float32))
+                sub_scale = (a1[h] >> np.uint64(28)).astype(np.float32)
+                dscale = d[G + 8 * h, blk] * np.float32(0.25) * (np.float32(0.5) + sub_scale)
                 acc[:, h] += dscale * xss * t
     rows = np.zeros(16)
     for h in (0, 1):
@@ -178,7 +179,7 @@ def test_numpy_model_detects_a_transposed_fragment() -> None:
 # ---------------------------------------------------------------- switches (extension built, no GPU needed)
 
 
-def test_mma_switch_reads_the_environment_once() -> None:
+def test_mma_switch_follows_the_environment() -> None:
     built_ext()
     code = "import ds4.engine.gpu._ext as m; print(m.gateup_mma_enabled())"
     for env_value, want in (("1", "True"), ("0", "False"), (None, "False")):
@@ -223,7 +224,8 @@ def run_gateup(gate, up, x: np.ndarray, ids: np.ndarray, wts: np.ndarray, n_ff: 
     h.fill(float("nan"))
     ext.set_gateup_mma(mma, splits)
     try:
-        ext.moe_gateup(gate, up, ext.Array.from_numpy(x), ext.Array.from_numpy(ids), ext.Array.from_numpy(wts), h, clamp)
+        dev = [ext.Array.from_numpy(a) for a in (x, ids, wts)]
+        ext.moe_gateup(gate, up, *dev, h, clamp)
         return h.numpy()
     finally:
         ext.set_gateup_mma(None)
@@ -326,7 +328,7 @@ def test_routed_moe_with_the_mma_gateup(n_embd: int, n_ff: int, n_expert: int, T
         y.fill(float("nan"))
         ext.set_gateup_mma(mma)
         try:
-            ext.moe(gate, up, down, ext.Array.from_numpy(x), ext.Array.from_numpy(ids), ext.Array.from_numpy(wts), y, 10.0)
+            ext.moe(gate, up, down, *[ext.Array.from_numpy(a) for a in (x, ids, wts)], y, 10.0)
             out[mma] = y.numpy()
         finally:
             ext.set_gateup_mma(None)

@@ -174,7 +174,8 @@ void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const
                        cudaStream_t stream) {
   if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
   if (gate.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
-  if (n_expert < 1 || gate.nrows % n_expert) throw std::invalid_argument("expert count does not divide the stacked rows");
+  if (n_expert < 1 || gate.nrows % n_expert)
+    throw std::invalid_argument("expert count does not divide the stacked rows");
   if (up.ncols != gate.ncols || up.nrows != gate.nrows) throw std::invalid_argument("gate and up shapes differ");
   const int n_embd = (int)gate.ncols, n_ff = (int)(gate.nrows / n_expert), pairs = tokens * k;
   launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);

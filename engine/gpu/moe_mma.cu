@@ -1,7 +1,9 @@
 // Routed-MoE gate/up for IQ2_XXS experts on the tensor cores (decode): int8 mma.sync does the multiply-adds
 // against the quantized activations, so a weight costs only its 2-bit decode (grid lookup, signs). moe.cu's
-// rows kernel spends ~160 instructions per 32 weights (decode, then dp4a against x hi and x lo and their
-// combination) and is instruction-bound (ncu: 61% SM issue, 22% DRAM, 23.5 us for Flash's 6 experts).
+// rows kernel is instruction-bound (ncu: 61% SM issue, 22% DRAM, 23.5 us for Flash's 6 experts): its loop is
+// 549 SASS instructions per lane per 4 rows x 32 columns (137 per 32 weights: decode, then dp4a against x hi
+// and x lo and their combination); this kernel's is 618 per 4 rows x 64 columns (77 per 32 weights; sm_90a,
+// CUDA 13), of which ~17 per 8-weight group are the decode (prmt, lds, sign masks, negation).
 //
 // Fragments of mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (PTX ISA 9.7.14.5.10, "Matrix Fragments for
 // mma.m16n8k32"), lane = 4 g + q, 4 int8 per register, lowest element in the low byte:
