@@ -136,15 +136,17 @@ def test_shared_expert_through_weights(tmp_path) -> None:
 @pytest.mark.parametrize("mode", [0, 1])
 def test_l2_prefetch_leaves_the_products(mode: int) -> None:
     """L2 prefetch requests (bulk or per line, whole or part of the weights, both planes) change no result and
-    fail no later kernel; more than four weights is a ValueError."""
+    fail no later kernel; more than 16 ranges or groups that do not divide the rows are a ValueError."""
     ext = gpu.load()
     rng = np.random.default_rng(21)
     mats = [upload(f"pf.{mode}.{i}", qt, 4096, r, rng) for i, (qt, r) in enumerate([(Q.Q8_0, 1024), (Q.F16, 256)])]
     x = rng.standard_normal(4096).astype(np.float32)
     _, want = multi([mats[0][0]], x)
-    for fraction in (0.0, 0.37, 1.0):
-        ext.prefetch_l2([w for w, _ in mats], fraction, 4, mode)
+    for fraction, groups in ((0.0, 1), (0.37, 1), (1.0, 1), (0.5, 8)):
+        ext.prefetch_l2([w for w, _ in mats], fraction, 4, mode, groups)
         ok, got = multi([mats[0][0]], x)
         assert ok and np.array_equal(got[0], want[0]), f"fraction {fraction}"
     with pytest.raises(ValueError):
-        ext.prefetch_l2([mats[0][0]] * 5)
+        ext.prefetch_l2([mats[0][0]] * 9)  # 18 ranges
+    with pytest.raises(ValueError):
+        ext.prefetch_l2([mats[0][0]], 1.0, 0, mode, 3)  # 3 does not divide 1024 rows

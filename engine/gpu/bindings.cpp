@@ -377,22 +377,26 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
                              stream());
 }
 
-// L2 prefetch of the first `fraction` of each weight (both planes), for a later kernel (see matvec_stream.cu).
-void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode) {
+// L2 prefetch of the first `fraction` of each weight (both planes; of each of `groups` equal row blocks, since a
+// grouped matvec walks its groups side by side), for a later kernel (see matvec_stream.cu).
+void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode, int groups) {
   const uint8_t* p[PF_MAX_RANGES];
   int64_t n[PF_MAX_RANGES];
   int k = 0;
   fraction = std::min(1.0, std::max(0.0, fraction));
   for (const auto& w : ws) {
     const Packed& q = w->p;
-    const int64_t planes[2] = {q.qs_row * q.nrows, q.sc ? q.sc_row * q.nrows : 0};
+    if (groups < 1 || q.nrows % groups) throw std::invalid_argument("prefetch_l2: groups must divide the rows");
+    const int64_t rows = q.nrows / groups;
+    const int64_t row_bytes[2] = {q.qs_row, q.sc ? q.sc_row : 0};
     const uint8_t* base[2] = {q.qs, q.sc};
-    for (int i = 0; i < 2; ++i) {
-      if (!base[i] || planes[i] <= 0) continue;
-      if (k == PF_MAX_RANGES) throw std::invalid_argument("prefetch_l2: at most 4 weights");
-      p[k] = base[i];
-      n[k++] = (int64_t)(planes[i] * fraction);
-    }
+    for (int g = 0; g < groups; ++g)
+      for (int i = 0; i < 2; ++i) {
+        if (!base[i] || row_bytes[i] <= 0) continue;
+        if (k == PF_MAX_RANGES) throw std::invalid_argument("prefetch_l2: too many ranges (weights x groups x planes)");
+        p[k] = base[i] + g * rows * row_bytes[i];
+        n[k++] = (int64_t)(rows * row_bytes[i] * fraction);
+      }
   }
   if (ctas <= 0) {  // one per SM
     int dev = 0;
@@ -591,7 +595,7 @@ PYBIND11_MODULE(_ext, m) {
         "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
   m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 0,
-        py::arg("mode") = 0, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
+        py::arg("mode") = 0, py::arg("groups") = 1, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.

@@ -119,7 +119,7 @@ bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, cons
                          cudaStream_t stream);
 // matvec_stream.cu: ask L2 to fetch byte ranges of weights that a later kernel streams (decode: during the
 // latency-bound kernels before it). mode 0: bulk prefetch (TMA), 1: one prefetch.global.L2 per 128-byte line.
-constexpr int PF_MAX_RANGES = 8;
+constexpr int PF_MAX_RANGES = 16;
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
                         cudaStream_t stream);
 // moe.cu: routed experts for `tokens` tokens with k experts each (ids/weights [tokens, k] on device).

@@ -220,7 +220,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                   freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
     q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c)
-    sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)])  # o_a and o_b stream after the attention chain
+    sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
     sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
     q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
                     also=kv_job)  # the KV row into the ring in the same launch

@@ -457,10 +457,10 @@ __global__ void l2_prefetch_kernel(PfArgs a) {
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
                         cudaStream_t stream) {
   if (n < 1) return;
-  if (n > PF_MAX_RANGES) throw std::invalid_argument("l2_prefetch: at most 8 ranges");
+  if (n > PF_MAX_RANGES) throw std::invalid_argument("l2_prefetch: at most 16 ranges");
   PfArgs a = {};
   for (int i = 0; i < n; ++i) {
-    if ((uintptr_t)ptrs[i] & 15) throw std::invalid_argument("l2_prefetch: ranges must start 16-byte aligned");
+    if ((uintptr_t)ptrs[i] & 15 && mode == 0) throw std::invalid_argument("l2_prefetch: ranges must start 16-byte aligned");
     a.p[i] = ptrs[i];
     a.n[i] = std::max<int64_t>(0, nbytes[i]);
   }

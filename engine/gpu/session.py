@@ -51,6 +51,7 @@ ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered key
 
 
 PREFETCH_POINTS = ("oa", "ob", "sh", "qb")
+PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 
 
 def parse_prefetch(spec: str) -> dict[str, float]:
@@ -109,6 +110,7 @@ class Session(Timeline):
         if self.device.type == "cuda" and os.environ.get("DS4_GPU_FUSED", "1") != "0":
             self.K = fused.Fused(self.W.ext, self.device)
         self._pf = parse_prefetch(os.environ.get("DS4_GPU_PREFETCH", "")) if self.K is not None else {}
+        self._pf_stream, self._pf_joins = None, False
         self.load_weights()
 
     def _f(self, name: str):
@@ -371,7 +373,11 @@ class Session(Timeline):
         self._in_step = True
         try:
             X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
-            return self._head(X, pending)[0]
+            out = self._head(X, pending)[0]
+            if self._pf_joins:  # the side stream of the L2 prefetches rejoins (graph capture needs it)
+                torch.cuda.current_stream(self.device).wait_stream(self._pf_stream)
+                self._pf_joins = False
+            return out
         finally:
             self._in_step = False
 
@@ -394,10 +400,23 @@ class Session(Timeline):
                           if li + 1 < cfg.n_layer else [C.OUTPUT])
         return X, pending
 
-    def prefetch(self, point: str, names: list[str]) -> None:
-        """Decode only: at `point` (DS4_GPU_PREFETCH), ask L2 for weights a later matvec of the step streams."""
-        if self._in_step and point in self._pf:
-            self.W.prefetch(names, self._pf[point])
+    def prefetch(self, point: str, names: list[str], groups: int = 1) -> None:
+        """Decode only: at `point` (DS4_GPU_PREFETCH), ask L2 for weights a later matvec of the step streams.
+        The request kernel runs on a side stream (joined at the end of the step), so the layer's own chain
+        never waits for it ($DS4_GPU_PF_SIDE=0: on the main stream)."""
+        if not (self._in_step and point in self._pf):
+            return
+        if not PF_SIDE:
+            self.W.prefetch(names, self._pf[point], groups)
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._pf_stream is None:
+            self._pf_stream = torch.cuda.Stream(self.device)
+        self._pf_stream.wait_stream(main)
+        with torch.cuda.stream(self._pf_stream):
+            self.W.prefetch(names, self._pf[point], groups)
+        self.W._sync_stream()  # the extension's launches go to the main stream again
+        self._pf_joins = True
 
     def _rms_norm(self, x, w):
         if self.K is not None:

@@ -27,7 +27,7 @@ MOE_PIECE = 64  # tokens per routed-MoE launch in prefill (bounds the extension'
 GEMM_MIN = int(os.environ.get("DS4_GPU_GEMM_MIN", "16"))
 MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
 EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
-PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "16"))  # L2 prefetch grid (see prefetch)
+PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
 
@@ -133,15 +133,16 @@ class Weights:
             self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
         return y
 
-    def prefetch(self, names: list[str], fraction: float = 1.0) -> None:
+    def prefetch(self, names: list[str], fraction: float = 1.0, groups: int = 1) -> None:
         """Ask L2 for the first `fraction` of these weights (a launch that issues requests and returns): a
-        matvec after latency-bound kernels then finds them there. Nothing on CPU or for torch matrices."""
+        matvec after latency-bound kernels then finds them there (groups: of each row block, for a grouped
+        matvec). Nothing on CPU or for torch matrices."""
         if self.ext is None:
             return
         ws = [w for w in (self.mat(n) for n in names) if not isinstance(w, torch.Tensor)]
         if ws:
             self._sync_stream()
-            self.ext.prefetch_l2(ws, float(fraction), PF_CTAS, PF_MODE)
+            self.ext.prefetch_l2(ws, float(fraction), PF_CTAS, PF_MODE, groups)
 
     def mm_many(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
         """[W_i x] for matrices of the same width; on CUDA the activation is quantized once for all."""
