@@ -311,7 +311,7 @@ def test_gateup_mma_falls_back_where_the_shape_does_not_fit() -> None:
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_embd,n_ff,n_expert,T", [(4096, 2048, 16, 1), (512, 64, 8, 3)])
+@pytest.mark.parametrize("n_embd,n_ff,n_expert,T", [(4096, 2048, 16, 1), (512, 256, 8, 3)])  # Q2_K down: n_ff of whole 256-blocks
 def test_routed_moe_with_the_mma_gateup(n_embd: int, n_ff: int, n_expert: int, T: int) -> None:
     k = 6
     gate_raw, up_raw, gate, up = experts(n_embd, n_ff, n_expert, seed=n_embd + n_ff)
