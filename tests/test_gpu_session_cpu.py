@@ -168,3 +168,42 @@ def test_prefetch_spec_parses_points_and_refuses_bad_ones():
     for bad in ("xx", "oa:2", "ob:half", "qb:-0.1"):
         with pytest.raises(SessionError, match="DS4_GPU_PREFETCH"):
             parse_prefetch(bad)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_split_products_hold_float32_precision(exact):
+    """tc.mm of two Splits (hi + lo float16 parts) is a float32-level product; without the lo parts
+    (DS4_GPU_PREFILL_GEMM=f16) it is a float16-level one. Views and gathers act on both parts."""
+    from ds4.engine.gpu import tc
+
+    rng = np.random.default_rng(2)
+    a = torch.from_numpy(rng.standard_normal((6, 5, 64)).astype(np.float32) * 30)
+    b = torch.from_numpy(rng.standard_normal((70, 64)).astype(np.float32) * 0.01)
+    win = tc.each(tc.split(b, exact), lambda v: v.unfold(0, 9, 1)[:6])  # [6, 64, 9] overlapping windows
+    got = tc.mm(tc.split(a, exact), win).numpy()
+    want = np.einsum("thd,tdn->thn", a.double().numpy(), b.double().numpy()[np.arange(6)[:, None] + np.arange(9)].transpose(0, 2, 1))
+    sel = torch.from_numpy(rng.integers(0, 70, (6, 4)))
+    got2 = tc.mm(tc.split(a, exact), tc.t(tc.each(tc.split(b, exact), lambda v: v[sel]))).numpy()
+    want2 = np.einsum("thd,tkd->thk", a.double().numpy(), b.double().numpy()[sel.numpy()])
+    err = max(rel(got, want), rel(got2, want2))
+    assert (err < 1e-6) if exact else (1e-5 < err < 3e-3), err
+
+
+def test_prefill_with_split_attention_products_matches_the_cpu_engine(tiny, monkeypatch):
+    """The tensor-core path of prefill attention and the indexer (tc.Splits), run on the CPU: past the window,
+    the top-k and ratio-128 rows, all logits agree with the CPU engine at float32 level."""
+    from ds4.engine.gpu import tc
+
+    shapes = []
+    real_split = tc.split
+    monkeypatch.setattr(tc, "split", lambda x, exact=True: shapes.append(tuple(x.shape)) or real_split(x, exact))
+    m = tiny.with_numerics(fp8_kv=False, indexer_qat=False)
+    cfg = m.config
+    toks = _prompt(cfg, 300, seed=8)
+    g = GpuSession(m, ctx=512, prefill_chunk=128, device="cpu")
+    g.tc_attn = True
+    got = g.prefill(toks, all_logits=True)
+    ref = CpuSession(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
+    assert rel(got, ref) < 1e-5
+    # queries, window keys, compressed rows and the indexer's queries and keys all went through splits
+    assert {len(s) for s in shapes} == {2, 3} and any(s[-1] == cfg.indexer_dim for s in shapes)

@@ -40,7 +40,7 @@ from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, Timeline, kv_by
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
-from . import fused, ops
+from . import fused, ops, tc
 from .weights import Weights, default_device
 
 L = C.LayerTensor
@@ -111,6 +111,7 @@ class Session(Timeline):
             self.K = fused.Fused(self.W.ext, self.device)
         self._pf = parse_prefetch(os.environ.get("DS4_GPU_PREFETCH", "")) if self.K is not None else {}
         self._pf_stream, self._pf_joins = None, False
+        self.tc_attn = tc.TC_ATTN and self.device.type == "cuda"  # prefill attention products on tensor cores
         self.load_weights()
 
     def _f(self, name: str):
@@ -588,7 +589,8 @@ class Session(Timeline):
         win_keys = torch.cat([pad, st["raw"][old % cap], kv])  # row j is position pos0 - (Wn - 1) + j
         keep = pos[-min(T, cap):]
         st["raw"][keep % cap] = kv[T - len(keep):]
-        win = win_keys.unfold(0, Wn, 1)  # [T, d, Wn]: query t's window, oldest key first
+        on = self.tc_attn
+        win = tc.each(tc.maybe_split(win_keys, on), lambda v: v.unfold(0, Wn, 1))  # [T, d, Wn], oldest key first
         win_valid = (pos[:, None] - (Wn - 1) + torch.arange(Wn, device=self.device)[None, :]) >= 0
         comp = sel = comp_valid = None
         if r:
@@ -603,33 +605,42 @@ class Session(Timeline):
                 comp_valid = sel < n_vis[:, None]
             else:
                 comp_valid = torch.arange(n_comp, device=self.device)[None, :] < n_vis[:, None]
+        comp = None if comp is None else tc.maybe_split(comp, on)
         o = torch.empty_like(q)
         for t0 in range(0, T, ATTN_BLOCK):
             b = slice(t0, min(T, t0 + ATTN_BLOCK))
-            o[b] = self._attend_rows(li, q[b], win[b], win_valid[b], comp,
+            o[b] = self._attend_rows(li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
                                      None if sel is None else sel[b], None if comp is None else comp_valid[b])
         return self._attn_out(li, o, cos, sin)
 
     def _attend_rows(self, li, q, win, win_valid, comp, sel, comp_valid):
         """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
         of comp, or the rows sel [t, k] of it). The sink is one more score column, so the softmax is one
-        fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time)."""
+        fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time).
+        win and comp are float32, or tc.Splits for the products on tensor cores."""
         t, H, d = q.shape
+        on = isinstance(win, tc.Split)
         sinks = self.W.vec(C.blk(li, L.ATTN_SINKS))
-        q = q * (1.0 / math.sqrt(d))
-        s = torch.einsum("thd,tdn->thn", q, win).masked_fill_(~win_valid[:, None, :], -math.inf)
+        qs = tc.maybe_split(q * (1.0 / math.sqrt(d)), on)
+        s = tc.mm(qs, win).masked_fill_(~win_valid[:, None, :], -math.inf)
         parts, kc = [s], None
         if comp is not None:
-            kc = comp[sel] if sel is not None else None
-            sc = torch.einsum("thd,tkd->thk", q, kc) if kc is not None else torch.einsum("thd,nd->thn", q, comp)
+            if sel is not None:
+                kc = tc.each(comp, lambda v: v[sel])  # [t, k, d]
+                sc = tc.mm(qs, tc.t(kc))
+            else:
+                sc = tc.mm(tc.each(qs, lambda v: v.reshape(t * H, d)), tc.t(comp)).reshape(t, H, -1)
             parts.append(sc.masked_fill_(~comp_valid[:, None, :], -math.inf))
         parts.append(sinks[None, :, None].expand(t, H, 1))
-        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-        Wn = win.shape[-1]
-        o = torch.einsum("thn,tdn->thd", p[..., :Wn], win)
+        p = tc.maybe_split(torch.softmax(torch.cat(parts, dim=-1), dim=-1), on)
+        Wn = win_valid.shape[-1]
+        o = tc.mm(tc.each(p, lambda v: v[..., :Wn]), tc.t(win))
         if comp is not None:
-            pc = p[..., Wn:-1]
-            o += torch.einsum("thk,tkd->thd", pc, kc) if kc is not None else torch.einsum("thn,nd->thd", pc, comp)
+            pc = tc.each(p, lambda v: v[..., Wn:-1])
+            if kc is not None:
+                o += tc.mm(pc, kc)
+            else:
+                o += tc.mm(tc.each(pc, lambda v: v.reshape(t * H, -1)), comp).reshape(t, H, d)
         return o
 
     def _indexer_select_chunk(self, li, a, c, pos, n, n_vis):
@@ -640,10 +651,13 @@ class Session(Timeline):
         sel = torch.arange(K, device=self.device).expand(len(pos), K).clone()
         rows = torch.nonzero(n_vis > K).reshape(-1)
         ids = torch.arange(n, device=self.device)
+        on = self.tc_attn
+        keys = tc.t(tc.maybe_split(st["idx"][:n], on))
         for i in range(0, len(rows), ATTN_BLOCK):
             rb = rows[i:i + ATTN_BLOCK]
             q, w = self._index_q(li, a[rb], c[rb], pos[rb])
-            dots = torch.einsum("thd,cd->thc", q, st["idx"][:n])
+            t, Hi, di = q.shape
+            dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
             scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
             scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
             sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
