@@ -207,3 +207,11 @@ def test_prefill_with_split_attention_products_matches_the_cpu_engine(tiny, monk
     assert rel(got, ref) < 1e-5
     # queries, window keys, compressed rows and the indexer's queries and keys all went through splits
     assert {len(s) for s in shapes} == {2, 3} and any(s[-1] == cfg.indexer_dim for s in shapes)
+
+
+def test_split_of_no_rows_is_empty():
+    """Before the first compressed row exists the split of comp[:0] is empty, not an error."""
+    from ds4.engine.gpu import tc
+
+    sp = tc.split(torch.zeros((0, 16)))
+    assert sp.hi.shape == (0, 16) and float(sp.s) == 1.0
