@@ -294,13 +294,17 @@ def run_eval(args) -> int:
         printer.ctx = run.ctx
         run.listener = printer
 
-        def terminate(signum, frame):      # SIGTERM/SIGHUP: stop like Ctrl+C, report included
+        # Ctrl+C, SIGTERM, SIGHUP: the case in flight is STOPPED and the report follows. The stop is also
+        # requested as a flag, because a KeyboardInterrupt raised while numba compiles lands in an llvmlite
+        # ctypes callback, which swallows it: the run then stops at the backend's next token.
+        def stop(signum, frame):
+            run.control.request_stop()
             raise KeyboardInterrupt
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, terminate)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stop)
         try:
             run.run()
-        except KeyboardInterrupt:      # Ctrl+C outside a case (the runner catches it inside)
+        except KeyboardInterrupt:      # outside a case (the runner catches it inside)
             if run.trace is not None:
                 run.trace.close()
     runtime = run.control.run_seconds(run.started)

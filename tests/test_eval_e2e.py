@@ -4,6 +4,7 @@ trace it wrote, the think budget, context sizing, and Ctrl+C."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -128,11 +129,17 @@ def test_context_over_one_million_is_refused(eval_model):
     assert "exceeds 1000000 tokens" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_ctrl_c_prints_report_and_keeps_trace_valid(eval_model, tmp_path):
+@pytest.mark.parametrize("numba_cache", ["warm", "cold"])
+def test_ctrl_c_prints_report_and_keeps_trace_valid(eval_model, tmp_path, numba_cache):
+    """Cold: an empty numba cache, so Ctrl+C lands while the first case compiles the engine's kernels (a
+    KeyboardInterrupt raised there was swallowed by llvmlite's ctypes callbacks and the run went on)."""
     trace = tmp_path / "int.trace"
+    env = dict(os.environ)
+    if numba_cache == "cold":
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
     proc = subprocess.Popen(
         [str(BIN / "ds4-eval"), "-m", str(eval_model), "--plain", "--questions", "3", "--tokens",
-         "5000", "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "5000", "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     head = ""
     while "[1/3]" not in head:           # the first case has started (header printed)
         line = proc.stdout.readline()
