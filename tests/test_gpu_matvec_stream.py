@@ -151,3 +151,40 @@ def test_l2_prefetch_leaves_the_products(mode: int) -> None:
         ext.prefetch_l2([mats[0][0]] * 9)  # 18 ranges
     with pytest.raises(ValueError):
         ext.prefetch_l2([mats[0][0]], 1.0, 0, mode, 3)  # 3 does not divide 1024 rows
+
+
+_PER_SM_SCRIPT = r"""
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from ds4.engine import gpu
+from test_gpu_matvec_stream import multi, upload
+from ds4.gguf_tools.constants import QuantType as Q
+gpu.load().set_stream(torch.cuda.current_stream().cuda_stream)
+rng = np.random.default_rng(31)
+ws = [upload(f"persm.{i}", Q.Q8_0, 4096, r, rng)[0] for i, r in enumerate((4096, 1024))]
+x = rng.standard_normal(4096).astype(np.float32)
+ok, ys = multi(ws, x)
+assert ok
+np.save(sys.argv[2], np.concatenate(ys))
+"""
+
+
+def test_grid_cap_per_sm_gives_the_same_bits(tmp_path) -> None:
+    """DS4_GPU_MV_PER_SM=1 (a smaller persistent grid) deals the tiles differently but sums each row in the same
+    order in one warp: the outputs are bitwise those of the default grid."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    outs = []
+    for cap in ("", "1"):
+        env = dict(os.environ, DS4_GPU_MV_PER_SM=cap) if cap else {k: v for k, v in os.environ.items()
+                                                                    if k != "DS4_GPU_MV_PER_SM"}
+        out = tmp_path / f"y{cap or 'default'}.npy"
+        done = subprocess.run([sys.executable, "-c", _PER_SM_SCRIPT, tests, str(out)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(np.load(out))
+    assert np.array_equal(outs[0], outs[1])

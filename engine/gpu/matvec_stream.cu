@@ -23,6 +23,7 @@
 // repack; x does), and the kernel lets its own successor start early, so back-to-back matvecs overlap
 // their tails and heads.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <stdexcept>
 #include <tuple>
@@ -329,6 +330,19 @@ static int sm_count() {
   return v;
 }
 
+// $DS4_GPU_MV_PER_SM caps the persistent grid's CTAs per SM (default: as many as fit, 2 for most shapes).
+// Why it may matter: at 2 CTAs x 256 threads x up to 127 registers the kernel holds the whole register file,
+// so the next kernel's CTAs cannot become resident early under programmatic dependent launch and its first
+// weight loads wait for this grid's tail. With 1 CTA per SM (8 warps, 2 steps each in flight: ~8 MB on the
+// GPU, more than the ~3 MB the DRAM latency needs) there is room for them. Read once; an A/B switch.
+static int mv_ctas_per_sm() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MV_PER_SM");
+    return e ? atoi(e) : 0;
+  }();
+  return v;
+}
+
 template <int QT, int R, int C>
 static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, bool pdl, cudaStream_t stream) {
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
@@ -343,7 +357,8 @@ static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, boo
     it = resident.emplace(key, std::max(1, n)).first;
   }
   const int W = threads / 32;
-  const int64_t per_group = std::max<int64_t>(1, (int64_t)it->second * sm_count() / groups);
+  const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
+  const int64_t per_group = std::max<int64_t>(1, (int64_t)per_sm * sm_count() / groups);
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, per_group);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(gx, (unsigned)groups, 1);
