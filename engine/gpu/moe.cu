@@ -3,6 +3,8 @@
 // Two kernels: gate+up (one warp computes RH rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
 #include <algorithm>
+#include <cstdlib>
+#include <map>
 
 #include "moe_mma.cuh"
 #include "mv_core.cuh"
@@ -21,13 +23,37 @@ constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 
 // ran at the same speed on the H200 (23-24 us for Flash's 6 IQ2_XXS experts): the cost is the instructions
 // of the 2-bit decode (ncu: 61% of SM issue, 22% of DRAM), not the barriers.
 constexpr int GU2_RH = 2;
-template <int QT>
+
+// XS (one token): the token's quantized x is staged in shared memory after the lane tables, so the x block
+// loads of each step are shared-memory reads instead of an L2 round trip on the warp's critical path
+// (DS4_GPU_GU_XS=1; an A/B switch). Layout: hi [n], lo [n], scale [n/32], sum16 [n/16].
+__host__ __device__ constexpr size_t gu_xs_bytes(int n) { return 2 * (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4; }
+
+__device__ __forceinline__ XQ gu_stage_x(const XQ& xq, unsigned char* smem) {
+  XQ s;
+  s.n = xq.n;
+  s.hi = (int8_t*)smem;
+  s.lo = s.hi + xq.n;
+  s.scale = (float*)(s.lo + xq.n);
+  s.sum16 = s.scale + xq.n / 32;
+  for (int i = threadIdx.x; i < xq.n / 16; i += blockDim.x) {
+    ((int4*)s.hi)[i] = __ldg((const int4*)xq.hi + i);
+    ((int4*)s.lo)[i] = __ldg((const int4*)xq.lo + i);
+    if (xq.sum16) s.sum16[i] = __ldg(xq.sum16 + i);
+  }
+  for (int i = threadIdx.x; i < xq.n / 32; i += blockDim.x) s.scale[i] = __ldg(xq.scale + i);
+  __syncthreads();
+  return s;
+}
+
+template <int QT, bool XS>
 __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
-  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES)
+  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES); then x (XS)
+  constexpr size_t table_bytes = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
   pdl_trigger();
   if constexpr (QT == QT_IQ2_XXS) {
     iq2_lane_tables_init(s_rep);
@@ -35,6 +61,7 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
   }
   const int lane = threadIdx.x & 31;
   pdl_wait();  // ids, x and h's readers are from earlier kernels
+  if constexpr (XS) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
   const Iq2LaneTables tb{s_rep, lane};
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
@@ -53,11 +80,11 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
       qrow[RH + i] = up.qs + row * up.qs_row;
       srow[RH + i] = up.sc + row * up.sc_row;
     }
-    int vec[1] = {token};
+    int vec[1] = {XS ? 0 : token};  // XS: the one token's x is the staged vector
     float acc[R][1];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    mv_accumulate<QT, 1, R>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
+    mv_accumulate<QT, 1, R, Iq2LaneTables, XS>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
     warp_sum<R, 1>(acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
@@ -133,20 +160,30 @@ static int resident_ctas(K kernel, int threads, size_t smem) {
   return std::max(1, per_sm) * sms;
 }
 
-template <int QT>
-static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
-                               const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
-                               cudaStream_t stream) {
-  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  constexpr size_t smem = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
-  static const int resident = [] {
-    if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_rows_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)smem));
-    return resident_ctas(moe_gateup_rows_kernel<QT>, GU_THREADS, smem);
+static bool gateup_x_shared() {  // $DS4_GPU_GU_XS=1: stage the one token's x in shared memory (A/B)
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_GU_XS");
+    return e && e[0] == '1';
   }();
+  return v;
+}
+
+template <int QT, bool XS>
+static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
+                                  const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
+                                  cudaStream_t stream) {
+  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
+  const size_t smem = (QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0) + (XS ? gu_xs_bytes(xq.n) : 0);
+  static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
+  auto it = resident.find(smem);
+  if (it == resident.end()) {
+    if (smem > 48 * 1024)
+      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_rows_kernel<QT, XS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XS>, GU_THREADS, smem)).first;
+  }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, resident), 1, 1);
+  cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second), 1, 1);
   cfg.blockDim = dim3(GU_THREADS, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -155,8 +192,19 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT, XS>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
                                units, h));
+}
+
+template <int QT>
+static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
+                               const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
+                               cudaStream_t stream) {
+  // one token (decode) and x planes that int4 copies can stage
+  if (gateup_x_shared() && pairs == k && xq.n % 256 == 0 && gu_xs_bytes(xq.n) <= 32 * 1024)
+    launch_gateup_rows_as<QT, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else
+    launch_gateup_rows_as<QT, false>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
 }
 
 template <int QT>

@@ -174,8 +174,15 @@ __device__ __forceinline__ void decode_xb(const RawXb& in, const TB& grid, XbCod
   }
 }
 
+// x loads of mv_block: read-only global (__ldg), or XS: planes staged in shared memory (generic loads).
+template <bool XS, typename T>
+__device__ __forceinline__ T x_ld(const T* p) {
+  if constexpr (XS) return *p;
+  else return __ldg(p);
+}
+
 // acc[r][b] += row r . x block xb of vector vec[b], from the rows' raw bits of that block.
-template <int QT, int NB, int R, typename TB>
+template <int QT, int NB, int R, typename TB, bool XS = false>
 __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ& xq, const int (&vec)[NB],
                                          const TB& tb, float (&acc)[R][NB]) {
   const int xnxb = xq.n / 32;
@@ -189,8 +196,8 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       int64_t off = (int64_t)vec[b] * xq.n + 32 * xb + 16 * h;
-      int4 vh = __ldg((const int4*)(xq.hi + off));
-      int4 vl = __ldg((const int4*)(xq.lo + off));
+      int4 vh = x_ld<XS>((const int4*)(xq.hi + off));
+      int4 vl = x_ld<XS>((const int4*)(xq.lo + off));
       xh[b][0] = vh.x; xh[b][1] = vh.y; xh[b][2] = vh.z; xh[b][3] = vh.w;
       xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
     }
@@ -213,11 +220,11 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
 #pragma unroll
   for (int b = 0; b < NB; ++b) {
     int64_t xi = (int64_t)vec[b] * xnxb + xb;
-    float xs = __ldg(xq.scale + xi);
+    float xs = x_ld<XS>(xq.scale + xi);
     float s0 = 0.0f, s1 = 0.0f;
     if constexpr (QT == QT_Q2_K || QT == QT_Q4_K) {
-      s0 = __ldg(xq.sum16 + 2 * xi);
-      s1 = __ldg(xq.sum16 + 2 * xi + 1);
+      s0 = x_ld<XS>(xq.sum16 + 2 * xi);
+      s1 = x_ld<XS>(xq.sum16 + 2 * xi + 1);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -228,10 +235,11 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
   }
 }
 
-// acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb. The 2-bit types
+// acc[r][b] += row r . x vector vec[b], over x blocks xb0, xb0 + xbstep, ... < nxb (XS: xq's planes are in
+// shared memory). The 2-bit types
 // (3 words per row and block) load the next block while the current one is decoded: one DRAM round
 // trip per warp instead of one per block; Q8_0 (9 words per row) would need too many registers.
-template <int QT, int NB, int R, typename TB>
+template <int QT, int NB, int R, typename TB, bool XS = false>
 __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], const uint8_t* const (&srow)[R],
                                               int nxb, int nb, int xb0, int xbstep, const XQ& xq,
                                               const int (&vec)[NB], const TB& tb, float (&acc)[R][NB]) {
@@ -247,7 +255,7 @@ __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], c
 #pragma unroll
         for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xn, nb, nxt[r]);
       }
-      mv_block<QT, NB, R>(cur, xb, xq, vec, tb, acc);
+      mv_block<QT, NB, R, TB, XS>(cur, xb, xq, vec, tb, acc);
 #pragma unroll
       for (int r = 0; r < R; ++r) cur[r] = nxt[r];
     }
@@ -256,7 +264,7 @@ __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], c
       RawXb raw[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb, nb, raw[r]);  // all rows in flight
-      mv_block<QT, NB, R>(raw, xb, xq, vec, tb, acc);
+      mv_block<QT, NB, R, TB, XS>(raw, xb, xq, vec, tb, acc);
     }
   }
 }
