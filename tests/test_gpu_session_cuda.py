@@ -152,3 +152,19 @@ def test_l2_prefetch_points_leave_the_logits_bitwise_equal(models):
         finally:
             gw.PF_MODE = 0
         assert np.array_equal(got, want), f"mode {mode}: prefetch changed the logits"
+
+
+def test_chained_matvecs_leave_the_logits_bitwise_equal(models, monkeypatch):
+    """DS4_GPU_MV_CHAIN: o_a -> o_b and the shared expert in one launch each (captured in the decode graph)
+    give the bits of the separate launches."""
+    from ds4.engine.gpu import weights as gw
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m = models["small"]
+    toks = _prompt(m.config, 40, seed=6)
+    base = GpuSession(m, ctx=256)
+    want = np.stack([base.decode(t) for t in toks])
+    monkeypatch.setattr(gw, "MV_CHAIN", True)
+    g = GpuSession(m, ctx=256, weights=base.W)
+    got = np.stack([g.decode(t) for t in toks])
+    assert np.array_equal(got, want)

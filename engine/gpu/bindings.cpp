@@ -377,6 +377,21 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
                              stream());
 }
 
+// yb = wb . (A's output) after ya[i] = wa[i] . x, in one launch (matvec_chain.cu); false when it does not take them.
+bool matvec_chain(const std::vector<std::shared_ptr<Tensor>>& wa, uintptr_t x, const std::vector<uintptr_t>& ya,
+                  int groups_a, const std::shared_ptr<Tensor>& wb, uintptr_t yb, bool swiglu, float clamp) {
+  if (wa.empty() || wa.size() != ya.size()) throw std::invalid_argument("matvec_chain: one y per phase-A weight");
+  if (wa.size() > 4) return false;
+  const Packed* ps[4];
+  float* yp[4];
+  for (size_t i = 0; i < wa.size(); ++i) {
+    ps[i] = &wa[i]->p;
+    yp[i] = ptr<float>(ya[i]);
+  }
+  return launch_matvec_chain(ps, yp, (int)wa.size(), groups_a, ptr<const float>(x), wb->p, ptr<float>(yb),
+                             swiglu ? MV_X_SWIGLU : MV_X_PLAIN, clamp, stream());
+}
+
 // L2 prefetch of the first `fraction` of each weight (both planes; of each of `groups` equal row blocks, since a
 // grouped matvec walks its groups side by side), for a later kernel (see matvec_stream.cu).
 void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode, int groups) {
@@ -594,6 +609,9 @@ PYBIND11_MODULE(_ext, m) {
         py::arg("clamp") = 0.0f,
         "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
+  m.def("matvec_chain", &matvec_chain, py::arg("wa"), py::arg("x"), py::arg("ya"), py::arg("groups_a"), py::arg("wb"),
+        py::arg("yb"), py::arg("swiglu") = false, py::arg("clamp") = 0.0f,
+        "yb = wb . (ya = wa . x) in one launch (batch 1, Q8_0); False, nothing launched, where it does not apply");
   m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 0,
         py::arg("mode") = 0, py::arg("groups") = 1, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),

@@ -246,5 +246,4 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
             sel = K.topk(keys, cfg.indexer_top_k, pos, 4) if keys.numel() <= TOPK_KERNEL_MAX_ROWS else \
                 torch.topk(keys, cfg.indexer_top_k).indices
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
-    low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), groups=cfg.o_groups)
-    return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
+    return W.mm_then(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))

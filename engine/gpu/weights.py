@@ -29,6 +29,7 @@ MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
 EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
+MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") == "1"  # decode: dependent matvec pairs in one launch (A/B)
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
 
 
@@ -133,6 +134,20 @@ class Weights:
             self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
         return y
 
+    def mm_then(self, first: str, x: torch.Tensor, groups: int, second: str) -> torch.Tensor:
+        """second · (first · x) with first grouped; decode with DS4_GPU_MV_CHAIN=1: one chained launch
+        (matvec_chain.cu) where the kernel takes the shapes."""
+        if MV_CHAIN and self.ext is not None and x.shape[0] == 1:
+            wa, wb = self.mat(first), self.mat(second)
+            if not isinstance(wa, torch.Tensor) and not isinstance(wb, torch.Tensor):
+                self._sync_stream()
+                x = x.contiguous()
+                mid = torch.empty((1, wa.nrows), dtype=F32, device=self.device)
+                y = torch.empty((1, wb.nrows), dtype=F32, device=self.device)
+                if self.ext.matvec_chain([wa], x.data_ptr(), [mid.data_ptr()], groups, wb, y.data_ptr()):
+                    return y
+        return self.mm(second, self.mm(first, x, groups))
+
     def prefetch(self, names: list[str], fraction: float = 1.0, groups: int = 1) -> None:
         """Ask L2 for the first `fraction` of these weights (a launch that issues requests and returns): a
         matvec after latency-bound kernels then finds them there (groups: of each row block, for a grouped
@@ -170,6 +185,11 @@ class Weights:
             x = x.contiguous()
             F = gate.nrows
             gu = torch.empty((1, 2 * F), dtype=F32, device=self.device)
+            if fuse and MV_CHAIN and up.nrows == F and down.ncols == F:  # gate + up, then down, in one launch
+                y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
+                if self.ext.matvec_chain([gate, up], x.data_ptr(), [gu.data_ptr(), gu[:, F:].data_ptr()], 1, down,
+                                         y.data_ptr(), True, float(limit)):
+                    return y
             if up.nrows == F and self.ext.matvec_multi([gate, up], x.data_ptr(), [gu.data_ptr(), gu[:, F:].data_ptr()]):
                 y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
                 if fuse and down.ncols == F and \

@@ -1,0 +1,133 @@
+// Two dependent batch-1 matvecs in one launch: phase A (the streaming kernel's work, e.g. o_a over its 8
+// groups, or the shared expert's gate + up), a grid-wide barrier, then phase B, whose x is A's output (o_b;
+// the shared expert's down with SwiGLU applied while staging).
+//
+// Why: a matvec_stream grid holds the whole register file (2 CTAs x 256 threads x up to 127 registers), so
+// under programmatic dependent launch the next matvec cannot become resident before this one ends, and every
+// launch pays its ramp: CTA launch, the first DRAM round trip, x staging. Here each warp issues phase B's
+// first weight loads before it arrives at the barrier (weights never depend on A), so B's first round trip
+// overlaps A's tail and the barrier.
+//
+// The barrier needs every CTA resident at once: the grid is the occupancy of this kernel (never more CTAs
+// than fit), and a CTA only waits for CTAs that are already running or will be once earlier kernels end.
+// Numerics are the streaming kernel's: each row is summed by one warp in the same order, and B stages x
+// with the same arithmetic from L2-coherent loads (A's output was written by this grid), so a chained call
+// gives the bits of the two separate launches.
+#include <algorithm>
+#include <map>
+
+#include "mv_stream.cuh"
+
+namespace ds4gpu {
+
+// One barrier at a time per device (the decode stream); count returns to 0 after each use.
+__device__ unsigned int g_chain_count = 0;
+__device__ unsigned int g_chain_gen = 0;
+
+__device__ __forceinline__ void grid_barrier(unsigned nctas) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned gen = *(volatile unsigned*)&g_chain_gen;  // read before arriving
+    __threadfence();                                           // this CTA's phase A writes, device-wide
+    if (atomicAdd(&g_chain_count, 1u) == nctas - 1) {
+      g_chain_count = 0;
+      __threadfence();
+      atomicAdd(&g_chain_gen, 1u);
+    } else {
+      while (*(volatile unsigned*)&g_chain_gen == gen) __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// 1-D grid: CTA c works on group c % groups_a of phase A (as CTA c / groups_a of that group's CTAs), then on
+// phase B (one group) as CTA c of all of them. groups_a divides gridDim.x.
+template <int QT, int RA, int CA, int RB, int CB>
+__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_chain_kernel(MvArgs a, MvArgs b, int groups_a) {
+  extern __shared__ __align__(16) unsigned char mv_smem[];
+  const int g = blockIdx.x % groups_a, cta = blockIdx.x / groups_a, nctas = gridDim.x / groups_a;
+  MvStep<QT, RA, CA> A;
+  mv_first_load<QT, RA, CA>(a, g, cta, A);
+  pdl_trigger();
+  pdl_wait();  // A's x is from earlier kernels
+  mv_stage_x<QT>(a, g, mv_smem);
+  __syncthreads();
+  mv_loop<QT, RA, CA>(a, g, cta, nctas, mv_smem, A);
+  MvStep<QT, RB, CB> B;
+  mv_first_load<QT, RB, CB>(b, 0, blockIdx.x, B);
+  grid_barrier(gridDim.x);  // also: every warp of this CTA is done with A's x in shared memory
+  mv_stage_x<QT>(b, 0, mv_smem);
+  __syncthreads();
+  mv_loop<QT, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem, B);
+}
+
+template <int QT, int RA, int CA, int RB, int CB>
+static void launch_chain_rc(const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t stream) {
+  auto kernel = matvec_chain_kernel<QT, RA, CA, RB, CB>;
+  static std::map<size_t, int> resident;  // CTAs per SM for this shared-memory size
+  auto it = resident.find(smem);
+  if (it == resident.end()) {
+    if (smem > 48 * 1024)
+      DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int n = 0;
+    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, MV_MAX_THREADS, smem));
+    it = resident.emplace(smem, std::max(1, n)).first;
+  }
+  const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
+  const int grid = std::max(groups_a, per_sm * sm_count() / groups_a * groups_a);  // all resident; groups_a | grid
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3(MV_MAX_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, b, groups_a));
+}
+
+template <int QT, int CA>
+static void launch_chain_cb(int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t s) {
+  if (cb == 2) launch_chain_rc<QT, 1, CA, 1, 2>(a, b, groups_a, smem, s);
+  else if (cb == 4) launch_chain_rc<QT, 1, CA, 1, 4>(a, b, groups_a, smem, s);
+  else launch_chain_rc<QT, 1, CA, 1, 8>(a, b, groups_a, smem, s);
+}
+
+template <int QT>
+static void launch_chain_c(int ca, int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem,
+                           cudaStream_t s) {
+  if (ca == 2) launch_chain_cb<QT, 2>(cb, a, b, groups_a, smem, s);
+  else if (ca == 4) launch_chain_cb<QT, 4>(cb, a, b, groups_a, smem, s);
+  else launch_chain_cb<QT, 8>(cb, a, b, groups_a, smem, s);
+}
+
+bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int groups_a, const float* x,
+                         const Packed& wb, float* yb, int x_op_b, float clamp, cudaStream_t stream) {
+  MvArgs a, b;
+  int64_t rows_a = 0, rows_b = 0;
+  if (wa[0]->qtype != QT_Q8_0 || wb.qtype != QT_Q8_0) return false;
+  if (!mv_args(wa, ya, na, x, nullptr, groups_a, MV_X_PLAIN, 0.0f, a, rows_a)) return false;
+  // B's x is A's output as one vector: one segment (o_a's groups are contiguous rows), or [g | u] of two
+  // equal segments that follow each other in memory (SwiGLU)
+  const int64_t width = x_op_b == MV_X_SWIGLU ? wa[0]->nrows : wa[0]->nrows * (na == 1 ? 1 : 0);
+  if (width == 0 || wb.ncols != width) return false;
+  if (x_op_b == MV_X_SWIGLU && (na != 2 || wa[1]->nrows != wa[0]->nrows || ya[1] != ya[0] + wa[0]->nrows))
+    return false;
+  const Packed* wbs[1] = {&wb};
+  float* ybs[1] = {yb};
+  if (!mv_args(wbs, ybs, 1, ya[0], nullptr, 1, x_op_b, clamp, b, rows_b)) return false;
+  b.coherent = 1;
+  const MvPlan pa = mv_plan<QT_Q8_0>(a, groups_a, rows_a), pb = mv_plan<QT_Q8_0>(b, 1, rows_b);
+  const size_t smem = std::max(pa.smem, pb.smem);
+  // one row per tile in both phases (the chains' shapes: Flash o_a -> o_b is C 8 -> 8, gate + up -> down
+  // 8 -> 4; the small test model's 4 -> 2 and 2 -> 2)
+  if (pa.R != 1 || pb.R != 1) return false;
+  launch_chain_c<QT_Q8_0>(pa.C, pb.C, a, b, groups_a, smem, stream);
+  DS4_CHECK_LAUNCH("matvec chain");
+  return true;
+}
+
+}  // namespace ds4gpu
