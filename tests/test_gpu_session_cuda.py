@@ -165,6 +165,10 @@ def test_chained_matvecs_leave_the_logits_bitwise_equal(models, monkeypatch):
     base = GpuSession(m, ctx=256)
     want = np.stack([base.decode(t) for t in toks])
     monkeypatch.setattr(gw, "MV_CHAIN", True)
+    ext, taken = base.W.ext, []
+    real = ext.matvec_chain
+    monkeypatch.setattr(ext, "matvec_chain", lambda *a: taken.append(real(*a)) or taken[-1])
     g = GpuSession(m, ctx=256, weights=base.W)
     got = np.stack([g.decode(t) for t in toks])
+    assert any(taken), "the chained kernel never took a launch"
     assert np.array_equal(got, want)

@@ -57,25 +57,27 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_chain_kernel(MvArgs 
   MvStep<QT, RB, CB> B;
   mv_first_load<QT, RB, CB>(b, 0, blockIdx.x, B);
   grid_barrier(gridDim.x);  // also: every warp of this CTA is done with A's x in shared memory
-  mv_stage_x<QT>(b, 0, mv_smem);
+  mv_stage_x<QT, true>(b, 0, mv_smem);  // A's output: written by this grid
   __syncthreads();
   mv_loop<QT, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem, B);
 }
 
+// False (nothing launched) when fewer CTAs than groups_a fit at once: the barrier needs all of them resident.
 template <int QT, int RA, int CA, int RB, int CB>
-static void launch_chain_rc(const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t stream) {
+static bool launch_chain_rc(const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t stream) {
   auto kernel = matvec_chain_kernel<QT, RA, CA, RB, CB>;
-  static std::map<size_t, int> resident;  // CTAs per SM for this shared-memory size
+  static std::map<size_t, int> resident;  // CTAs per SM for this shared-memory size (Q8_0 x: <= 34 KB)
   auto it = resident.find(smem);
   if (it == resident.end()) {
     if (smem > 48 * 1024)
       DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     int n = 0;
     DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, MV_MAX_THREADS, smem));
-    it = resident.emplace(smem, std::max(1, n)).first;
+    it = resident.emplace(smem, n).first;
   }
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
-  const int grid = std::max(groups_a, per_sm * sm_count() / groups_a * groups_a);  // all resident; groups_a | grid
+  const int grid = per_sm * sm_count() / groups_a * groups_a;  // every CTA resident; groups_a divides it
+  if (grid < groups_a) return false;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)grid, 1, 1);
   cfg.blockDim = dim3(MV_MAX_THREADS, 1, 1);
@@ -87,21 +89,28 @@ static void launch_chain_rc(const MvArgs& a, const MvArgs& b, int groups_a, size
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   DS4_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, b, groups_a));
+  return true;
 }
 
 template <int QT, int CA>
-static void launch_chain_cb(int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t s) {
-  if (cb == 2) launch_chain_rc<QT, 1, CA, 1, 2>(a, b, groups_a, smem, s);
-  else if (cb == 4) launch_chain_rc<QT, 1, CA, 1, 4>(a, b, groups_a, smem, s);
-  else launch_chain_rc<QT, 1, CA, 1, 8>(a, b, groups_a, smem, s);
+static bool launch_chain_cb(int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem, cudaStream_t s) {
+  if (cb == 2) return launch_chain_rc<QT, 1, CA, 1, 2>(a, b, groups_a, smem, s);
+  if (cb == 4) return launch_chain_rc<QT, 1, CA, 1, 4>(a, b, groups_a, smem, s);
+  return launch_chain_rc<QT, 1, CA, 1, 8>(a, b, groups_a, smem, s);
 }
 
 template <int QT>
-static void launch_chain_c(int ca, int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem,
+static bool launch_chain_c(int ca, int cb, const MvArgs& a, const MvArgs& b, int groups_a, size_t smem,
                            cudaStream_t s) {
-  if (ca == 2) launch_chain_cb<QT, 2>(cb, a, b, groups_a, smem, s);
-  else if (ca == 4) launch_chain_cb<QT, 4>(cb, a, b, groups_a, smem, s);
-  else launch_chain_cb<QT, 8>(cb, a, b, groups_a, smem, s);
+  if (ca == 2) return launch_chain_cb<QT, 2>(cb, a, b, groups_a, smem, s);
+  if (ca == 4) return launch_chain_cb<QT, 4>(cb, a, b, groups_a, smem, s);
+  return launch_chain_cb<QT, 8>(cb, a, b, groups_a, smem, s);
+}
+
+// Byte ranges [p, p + n) and [q, q + m) overlap.
+static bool overlaps(const void* p, int64_t n, const void* q, int64_t m) {
+  const uintptr_t a = (uintptr_t)p, b = (uintptr_t)q;
+  return a < b + (uintptr_t)m && b < a + (uintptr_t)n;
 }
 
 bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int groups_a, const float* x,
@@ -119,13 +128,16 @@ bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int 
   const Packed* wbs[1] = {&wb};
   float* ybs[1] = {yb};
   if (!mv_args(wbs, ybs, 1, ya[0], nullptr, 1, x_op_b, clamp, b, rows_b)) return false;
-  b.coherent = 1;
   const MvPlan pa = mv_plan<QT_Q8_0>(a, groups_a, rows_a), pb = mv_plan<QT_Q8_0>(b, 1, rows_b);
   const size_t smem = std::max(pa.smem, pb.smem);
   // one row per tile in both phases (the chains' shapes: Flash o_a -> o_b is C 8 -> 8, gate + up -> down
   // 8 -> 4; the small test model's 4 -> 2 and 2 -> 2)
   if (pa.R != 1 || pb.R != 1) return false;
-  launch_chain_c<QT_Q8_0>(pa.C, pb.C, a, b, groups_a, smem, stream);
+  // one grid reads what other CTAs write: no output may overlap an input of a later phase
+  const int64_t in_a = 4 * wa[0]->ncols * groups_a, out_a = 4 * width * (x_op_b == MV_X_SWIGLU ? 2 : 1);
+  if (overlaps(ya[0], out_a, x, in_a) || overlaps(yb, 4 * wb.nrows, ya[0], out_a) || overlaps(yb, 4 * wb.nrows, x, in_a))
+    return false;
+  if (!launch_chain_c<QT_Q8_0>(pa.C, pb.C, a, b, groups_a, smem, stream)) return false;
   DS4_CHECK_LAUNCH("matvec chain");
   return true;
 }

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
-  extern __shared__ uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid (IQ2_LANE_TABLE_BYTES); then x (XS)
+  extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid; then x (XS)
   constexpr size_t table_bytes = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
   pdl_trigger();
   if constexpr (QT == QT_IQ2_XXS) {
@@ -168,6 +168,15 @@ static bool gateup_x_shared() {  // $DS4_GPU_GU_XS=1: stage the one token's x in
   return v;
 }
 
+// Lets kernel take smem bytes of dynamic shared memory; limit: what it was last allowed (never lowered, so a
+// later launch with a size between the default and that limit keeps working).
+template <typename K>
+static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
+  if (smem <= limit) return;
+  DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  limit = smem;
+}
+
 template <int QT, bool XS>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
@@ -175,13 +184,11 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
   const size_t smem = (QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0) + (XS ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
+  static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XS>, smem, smem_set);
   auto it = resident.find(smem);
-  if (it == resident.end()) {
-    if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(moe_gateup_rows_kernel<QT, XS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)smem));
+  if (it == resident.end())
     it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XS>, GU_THREADS, smem)).first;
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second), 1, 1);
   cfg.blockDim = dim3(GU_THREADS, 1, 1);

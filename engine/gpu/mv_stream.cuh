@@ -61,8 +61,7 @@ struct MvArgs {
   XQ xq;           // ... or (Q8_0, !quantize) already quantized planes
   int quantize;
   int x_op;
-  float clamp;   // MV_X_SWIGLU: x = silu(min(g, c)) * clamp(u, -c, c)
-  int coherent;  // x was written by this same grid (chained phase B): L2 loads, not the read-only path
+  float clamp;  // MV_X_SWIGLU: x = silu(min(g, c)) * clamp(u, -c, c)
 };
 
 // The segment of a tile: its matrix, output and the tile's index inside it (nseg <= 4, uniform per warp;
@@ -201,24 +200,28 @@ __device__ __forceinline__ float swiglu1(float g, float u, float c) {
 }
 
 // Four consecutive x values at column col (a multiple of 4) of vector g: plain or SwiGLU of [g | u].
-__device__ __forceinline__ float4 x_ld4(const MvArgs& a, const float* p) {
-  return a.coherent ? __ldcg((const float4*)p) : __ldg((const float4*)p);
+// COH: x was written by this same grid (a chained phase B), so L2 loads instead of the read-only path.
+template <bool COH>
+__device__ __forceinline__ float4 x_ld4(const float* p) {
+  if constexpr (COH) return __ldcg((const float4*)p);
+  else return __ldg((const float4*)p);
 }
 
+template <bool COH>
 __device__ __forceinline__ float4 x_load4(const MvArgs& a, int g, int col) {
   if (col >= a.ncols) return make_float4(0.f, 0.f, 0.f, 0.f);
   if (a.x_op == MV_X_SWIGLU) {
-    const float4 gv = x_ld4(a, a.x + col), uv = x_ld4(a, a.x + a.ncols + col);
+    const float4 gv = x_ld4<COH>(a.x + col), uv = x_ld4<COH>(a.x + a.ncols + col);
     return make_float4(swiglu1(gv.x, uv.x, a.clamp), swiglu1(gv.y, uv.y, a.clamp), swiglu1(gv.z, uv.z, a.clamp),
                        swiglu1(gv.w, uv.w, a.clamp));
   }
-  return x_ld4(a, a.x + (int64_t)g * a.ncols + col);
+  return x_ld4<COH>(a.x + (int64_t)g * a.ncols + col);
 }
 
 // x vector g -> shared memory, columns [0, kpad), zeros past ncols.
 // Q8_0 quantize: the arithmetic of quantize_x_kernel (repack.cu), 8 lanes x 4 columns per x block, all
 // loads of a thread issued before the first use. F16: float32 in the two-plane layout of f16_slot.
-template <int QT>
+template <int QT, bool COH = false>
 __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char* smem) {
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
   constexpr int QU = 8;
@@ -227,7 +230,7 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
     for (int base = 4 * tid; base < a.kpad; base += 4 * nthr * QU) {
       float4 v[QU];
 #pragma unroll
-      for (int u = 0; u < QU; ++u) v[u] = x_load4(a, g, base + u * 4 * nthr);
+      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr);
 #pragma unroll
       for (int u = 0; u < QU; ++u) {
         const int col = base + u * 4 * nthr;
@@ -241,7 +244,7 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
     for (int base = 4 * tid; base < a.kpad; base += 4 * nthr * QU) {
       float4 v[QU];
 #pragma unroll
-      for (int u = 0; u < QU; ++u) v[u] = x_load4(a, g, base + u * 4 * nthr);
+      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr);
 #pragma unroll
       for (int u = 0; u < QU; ++u) {
         const int col = base + u * 4 * nthr;
