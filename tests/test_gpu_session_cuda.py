@@ -172,3 +172,33 @@ def test_chained_matvecs_leave_the_logits_bitwise_equal(models, monkeypatch):
     got = np.stack([g.decode(t) for t in toks])
     assert any(taken), "the chained kernel never took a launch"
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("names,per_sm", [("ffn", 0), ("comp", 0), ("ffn,comp", 1)])
+def test_graph_branches_leave_the_logits_bitwise_equal(models, monkeypatch, names, per_sm):
+    """DS4_GPU_BRANCH: the shared expert and the compressors on a side stream of the decode graph (with the
+    side's streaming matvecs capped per SM) compute the same kernels on the same inputs: the same bits."""
+    from ds4.engine.gpu import branches
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m = models["small"]
+    toks = _prompt(m.config, 40, seed=7)
+    base = GpuSession(m, ctx=256)
+    want = np.stack([base.decode(t) for t in toks])
+    monkeypatch.setattr(branches, "BRANCHES", branches.parse_branches(names))
+    monkeypatch.setattr(branches, "SIDE_PER_SM", per_sm)
+    g = GpuSession(m, ctx=256, weights=base.W)
+    forks = []
+    real = branches.SideStream.fork
+    monkeypatch.setattr(branches.SideStream, "fork", lambda self: forks.append(1) or real(self))
+    got = np.stack([g.decode(t) for t in toks])
+    assert g.side is not None and g.side.stream is not None and forks, "no side branch was launched"
+    assert np.array_equal(got, want)
+
+
+def test_unknown_branch_names_are_refused():
+    from ds4.engine.gpu import branches
+
+    assert branches.parse_branches(" ffn , comp") == {"ffn", "comp"}
+    with pytest.raises(ValueError, match="unknown branch"):
+        branches.parse_branches("ffn,attn")

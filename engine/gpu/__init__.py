@@ -79,7 +79,7 @@ def __getattr__(name: str) -> Any:  # gpu.matvec, gpu.Array, ... forward to the 
     return getattr(load(), name)
 
 
-_SUBMODULES = {"ops", "session", "bench_session", "smoke", "bench", "routing", "fused", "tc", "weights"}
+_SUBMODULES = {"branches", "ops", "session", "bench_session", "smoke", "bench", "routing", "fused", "tc", "weights"}
 
 
 def upload(name: str, qtype: int, ne: tuple[int, ...], raw: np.ndarray) -> Any:

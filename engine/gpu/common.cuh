@@ -120,6 +120,7 @@ bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, cons
 // matvec_stream.cu: ask L2 to fetch byte ranges of weights that a later kernel streams (decode: during the
 // latency-bound kernels before it). mode 0: bulk prefetch (TMA), 1: one prefetch.global.L2 per 128-byte line.
 constexpr int PF_MAX_RANGES = 16;
+void set_mv_cap(int ctas_per_sm);  // 0: back to $DS4_GPU_MV_PER_SM (matvec_stream.cu)
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
                         cudaStream_t stream);
 // matvec_chain.cu: phase A (ya[i] = wa[i] . x, batch 1; groups_a: one grouped matrix) then, in the same launch

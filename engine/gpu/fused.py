@@ -206,6 +206,26 @@ class Fused:
         return sel
 
 
+def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
+    """The decode compressor steps of layer li (and its indexer's on ratio-4 layers): they read only the
+    normalized input a and the layer's compressor state, so they may run on a side branch."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
+    r = cfg.ratio(li)
+    fp8 = cfg.n_nope if cfg.fp8_kv else 0
+    for indexer in ((False, True) if r == 4 else (False,)):
+        names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM) if indexer else \
+            (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)
+        kv_c, sc_c = W.mm_many([C.blk(li, names[0]), C.blk(li, names[1])], a)
+        s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+            (st["comp_kv"], st["comp_score"], st["comp"])
+        K.compress_step(kv_c, sc_c, W.vec(C.blk(li, names[2])), s_kv, s_sc, rows, pos, 4 if indexer else r,
+                        W.vec(C.blk(li, names[3])), cfg.rms_eps, sess._freq[True], cfg.rope_dim,
+                        0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
+
+
 def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning)."""
     from ds4.gguf_tools import constants as C
@@ -226,15 +246,10 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
                     also=kv_job)  # the KV row into the ring in the same launch
     comp = sel = None
     if r:
-        for indexer in ((False, True) if r == 4 else (False,)):
-            names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM) if indexer else \
-                (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)
-            kv_c, sc_c = W.mm_many([C.blk(li, names[0]), C.blk(li, names[1])], a)
-            s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
-                (st["comp_kv"], st["comp_score"], st["comp"])
-            K.compress_step(kv_c, sc_c, W.vec(C.blk(li, names[2])), s_kv, s_sc, rows, pos, 4 if indexer else r,
-                            W.vec(C.blk(li, names[3])), cfg.rms_eps, cfreq, rd,
-                            0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
+        if sess._comp_forked:  # launched on the side branch after the mHC pre (DS4_GPU_BRANCH=comp)
+            sess.side.join()
+        else:
+            compress_steps(sess, li, a, pos)
         comp = st["comp"]
         if r == 4 and comp.shape[0] > cfg.indexer_top_k:
             Hi, di = cfg.indexer_heads, cfg.indexer_dim

@@ -65,6 +65,8 @@ static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_
   else launch_rc<QT, 1, 8>(a, groups, p.threads, p.smem, pdl, stream);
 }
 
+void set_mv_cap(int ctas_per_sm) { mv_cap_override() = ctas_per_sm > 0 ? ctas_per_sm : 0; }
+
 bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
                           int x_op, float clamp, cudaStream_t stream, bool pdl) {
   MvArgs a;

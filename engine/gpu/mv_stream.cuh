@@ -408,12 +408,18 @@ inline bool mv_args(const Packed* const* ws, float* const* ys, int nw, const flo
 // so the next kernel's CTAs cannot become resident early under programmatic dependent launch and its first
 // weight loads wait for this grid's tail. With 1 CTA per SM (8 warps, 2 steps each in flight: ~8 MB on the
 // GPU, more than the ~3 MB the DRAM latency needs) there is room for them. Read once; an A/B switch.
+// mv_cap_override() (ext.set_mv_cap) replaces it while > 0: the session caps the launches it puts on a side
+// branch of the decode graph, so the main branch's kernels find room beside them.
+inline int& mv_cap_override() {
+  static int v = 0;
+  return v;
+}
 inline int mv_ctas_per_sm() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_MV_PER_SM");
     return e ? atoi(e) : 0;
   }();
-  return v;
+  return mv_cap_override() > 0 ? mv_cap_override() : v;
 }
 
 }  // namespace ds4gpu

@@ -40,7 +40,7 @@ from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, Timeline, kv_by
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
-from . import fused, ops, tc
+from . import branches, fused, ops, tc
 from .weights import Weights, default_device
 
 L = C.LayerTensor
@@ -111,6 +111,10 @@ class Session(Timeline):
             self.K = fused.Fused(self.W.ext, self.device)
         self._pf = parse_prefetch(os.environ.get("DS4_GPU_PREFETCH", "")) if self.K is not None else {}
         self._pf_stream, self._pf_joins = None, False
+        # decode graph branches (DS4_GPU_BRANCH): independent work on a side stream
+        self._branches = branches.BRANCHES if self.K is not None else frozenset()
+        self.side = branches.SideStream(self.W.ext, self.device) if self._branches else None
+        self._comp_forked = False
         self.tc_attn = tc.TC_ATTN and self.device.type == "cuda"  # prefill attention products on tensor cores
         self.load_weights()
 
@@ -391,6 +395,10 @@ class Session(Timeline):
         pending = None
         for li in range(cfg.n_layer):
             X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM, pending)
+            self._comp_forked = self._in_step and "comp" in self._branches and cfg.ratio(li) != 0
+            if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
+                with self.side.fork():
+                    fused.compress_steps(self, li, a, pos)
             qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
             c = self._rms_norm(qa, W.vec(C.blk(li, L.ATTN_Q_A_NORM)))
             pending = (attn(li, a, c, kv), None, post, comb)
@@ -472,12 +480,19 @@ class Session(Timeline):
         limit = float(cfg.swiglu_clamp[li])
         logits = W.mm(C.blk(li, L.FFN_GATE_INP), b)
         if self.K is not None and self.route_hook is None:
+            forked = self._in_step and "ffn" in self._branches
+            if forked:  # the shared expert beside the router and the routed experts
+                with self.side.fork():
+                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             ids, w = self.K.router(logits, W.vec(bias) if (not hashed and self.model.has(bias)) else None,
                                    W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok,
                                    cfg.n_expert_used, cfg.routed_scale)
             out = W.moe(li, b, ids, w, limit)
+            if forked:
+                self.side.join()
+                return out, sh
             return out, W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
         s = torch.sqrt(torch.nn.functional.softplus(logits))
         if cfg.is_hash_layer(li):

@@ -1,0 +1,69 @@
+"""Side branches of the decode graph: a sublayer's independent work launched on a second stream.
+
+Why: a decoded token is a chain of ~1000 kernels, most of them latency-bound (mHC, norms, router, routed
+gate/up), so DRAM idles while they run. Work that does not depend on that chain can run beside it: the
+shared expert beside the router and the routed experts (`ffn`), the compressors beside q_a/kv, q_b and the
+norms (`comp`). Captured into the CUDA graph, the fork and join become graph edges.
+
+$DS4_GPU_BRANCH: comma-separated branch names (default none); $DS4_GPU_SIDE_PER_SM: CTAs per SM of the
+streaming matvecs launched on a side branch (default 0: as many as fit), so the main branch's kernels find
+room beside them. Read once.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+BRANCH_NAMES = ("ffn", "comp")
+
+
+def parse_branches(spec: str) -> frozenset[str]:
+    names = frozenset(filter(None, (t.strip() for t in spec.split(","))))
+    bad = sorted(names - set(BRANCH_NAMES))
+    if bad:
+        raise ValueError(f"DS4_GPU_BRANCH: unknown branch {', '.join(bad)} (known: {', '.join(BRANCH_NAMES)})")
+    return names
+
+
+BRANCHES = parse_branches(os.environ.get("DS4_GPU_BRANCH", ""))
+SIDE_PER_SM = int(os.environ.get("DS4_GPU_SIDE_PER_SM", "0") or 0)
+
+
+class SideStream:
+    """One side stream per session. `fork()` makes it wait for everything launched so far on the current
+    stream and routes the extension's launches to it inside the block; `join()` makes the current stream wait
+    for everything launched on it."""
+
+    def __init__(self, ext, device: torch.device):
+        self.ext, self.device = ext, device
+        self.stream: torch.cuda.Stream | None = None
+        self.pending = False
+
+    def _route(self) -> None:
+        self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    @contextmanager
+    def fork(self):
+        main = torch.cuda.current_stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(self.stream):
+                self._route()
+                if SIDE_PER_SM:
+                    self.ext.set_mv_cap(SIDE_PER_SM)
+                yield
+        finally:
+            if SIDE_PER_SM:
+                self.ext.set_mv_cap(0)
+            self._route()  # back to the main stream
+            self.pending = True
+
+    def join(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.pending = False
