@@ -199,6 +199,6 @@ def test_graph_branches_leave_the_logits_bitwise_equal(models, monkeypatch, name
 def test_unknown_branch_names_are_refused():
     from ds4.engine.gpu import branches
 
-    assert branches.parse_branches(" ffn , comp") == {"ffn", "comp"}
+    assert branches.parse_branches(" ffn , comp") == branches.parse_branches("comp+ffn") == {"ffn", "comp"}
     with pytest.raises(ValueError, match="unknown branch"):
         branches.parse_branches("ffn,attn")

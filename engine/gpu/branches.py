@@ -5,7 +5,7 @@ gate/up), so DRAM idles while they run. Work that does not depend on that chain 
 shared expert beside the router and the routed experts (`ffn`), the compressors beside q_a/kv, q_b and the
 norms (`comp`). Captured into the CUDA graph, the fork and join become graph edges.
 
-$DS4_GPU_BRANCH: comma-separated branch names (default none); $DS4_GPU_SIDE_PER_SM: CTAs per SM of the
+$DS4_GPU_BRANCH: branch names separated by "," or "+" (default none); $DS4_GPU_SIDE_PER_SM: CTAs per SM of the
 streaming matvecs launched on a side branch (default 0: as many as fit), so the main branch's kernels find
 room beside them. Read once.
 """
@@ -21,7 +21,7 @@ BRANCH_NAMES = ("ffn", "comp")
 
 
 def parse_branches(spec: str) -> frozenset[str]:
-    names = frozenset(filter(None, (t.strip() for t in spec.split(","))))
+    names = frozenset(filter(None, (t.strip() for t in spec.replace("+", ",").split(","))))
     bad = sorted(names - set(BRANCH_NAMES))
     if bad:
         raise ValueError(f"DS4_GPU_BRANCH: unknown branch {', '.join(bad)} (known: {', '.join(BRANCH_NAMES)})")

@@ -5,7 +5,8 @@
 # Env: KERNEL_TESTS, SESSION_TESTS, PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
 #      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare),
 #      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_PDL=0": decode at AB_CTX, default
-#      2048, and prefill of AB_PREFILL tokens, default none; AB_COUNT=regex: kernels of one step matching it), *_TIMEOUT.
+#      2048, and prefill of AB_PREFILL tokens, default none; AB_COUNT=regex: kernels of one step matching it;
+#      every run's whole output goes to env_ab.log), *_TIMEOUT (KERNEL_TIMEOUT: the kernel tests, default 150 s).
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -13,7 +14,7 @@ mount -o remount,size=120G /dev/shm 2>/dev/null
 SYN=$!
 echo "== build $(( $(date +%s) - T0 ))s"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== fused tests $(( $(date +%s) - T0 ))s"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_prefill.py tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
+timeout ${KERNEL_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_prefill.py tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30
 echo "== session tests $(( $(date +%s) - T0 ))s"
 timeout ${SESSION_TIMEOUT:-180} python3 -m pytest -q -s -p no:cacheprovider -W ignore ${SESSION_TESTS:-tests/test_gpu_session_cuda.py} 2>&1 | tee "$OUT/tests.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 wait $SYN; cat "$OUT/synth.log"
@@ -29,9 +30,10 @@ for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table
     --json "$OUT/bench_mv$mv.json" 2>&1 | grep -E "decode|floor"
 done
 for envs in ${ENV_AB:-}; do  # A/B of switches read by the kernels: "VAR=v[,VAR2=w]" per run, decode at 2k + prefill
-  stamp "env $envs"
+  stamp "env $envs"; echo "== env $envs" >> "$OUT/env_ab.log"
   env ${envs//,/ } timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${AB_CTX:-2048} --decode 64 \
-    --prefill ${AB_PREFILL:-} --prefill-chunk ${PREFILL_CHUNK:-8192} ${AB_COUNT:+--count-kernels} 2>&1 | grep -E "prefill|decode|summed|${AB_COUNT:-^$}"
+    --prefill ${AB_PREFILL:-} --prefill-chunk ${PREFILL_CHUNK:-8192} ${AB_COUNT:+--count-kernels} 2>&1 | tee -a "$OUT/env_ab.log" \
+    | grep -E "prefill|decode|summed|${AB_COUNT:-^$}"
 done
 for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16
   stamp "prefill gemm=$mode"
