@@ -70,6 +70,13 @@ def _print_profile(title: str, prof: dict) -> None:
         print(f"  {row['us']:9.1f} us {row['count']:5d}x  {row['name']}", flush=True)
 
 
+def allocator_counts() -> dict:
+    """torch's caching-allocator counters: a retry frees the cache and synchronizes the device, and
+    cudaMalloc/cudaFree of large blocks stall the launch queue, so prefill time depends on them."""
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -114,12 +121,15 @@ def main(argv=None) -> int:
         s.sync(toks[:min(n, 512)])  # warm-up (allocator, cuBLAS, the GEMM and matvec paths)
         s.invalidate()
         torch.cuda.synchronize()
+        before = allocator_counts()
         t = time.time()
         s.sync(toks)
         torch.cuda.synchronize()
         dt = time.time() - t
-        res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt})
-        print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s", flush=True)
+        alloc = {k: v - before[k] for k, v in allocator_counts().items()}
+        res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc})
+        print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s (allocator: {alloc['num_alloc_retries']} retries, "
+              f"{alloc['num_device_alloc']} cudaMalloc, {alloc['num_device_free']} cudaFree)", flush=True)
         del s
     for P in args.ctx:
         s = Session(model, ctx=P + args.decode + 8, weights=W)
