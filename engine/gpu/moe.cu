@@ -2,6 +2,8 @@
 // g = min(W1 b, c), u = clamp(W3 b, -c, c), h = silu(g) u w_k, then y = sum_k W2 h_k.
 // Two kernels: gate+up (one warp computes RH rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
+// Their inputs x and h are quantized by quantize_x_kernel launches, except for DS4_GPU_GU_XQ=1 (decode), where
+// gate/up quantizes both itself (GU_X_QUANT below): two launches instead of four.
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -24,18 +26,30 @@ constexpr int GU_THREADS = 256, GU_WARPS = GU_THREADS / 32;  // gate/up CTAs: 8 
 // of the 2-bit decode (ncu: 61% of SM issue, 22% of DRAM), not the barriers.
 constexpr int GU2_RH = 2;
 
-// XS (one token): the token's quantized x is staged in shared memory after the lane tables, so the x block
-// loads of each step are shared-memory reads instead of an L2 round trip on the warp's critical path
-// (DS4_GPU_GU_XS=1; an A/B switch). Layout: hi [n], lo [n], scale [n/32], sum16 [n/16].
+// Where the gate/up kernel reads the token's quantized x from.
+// GU_X_GLOBAL: xq in global memory (quantize_x_kernel ran before).
+// GU_X_STAGED (XS, one token): the token's quantized x is staged in shared memory after the lane tables, so the
+//   x block loads of each step are shared-memory reads instead of an L2 round trip on the warp's critical path
+//   (DS4_GPU_GU_XS=1; an A/B switch).
+// GU_X_QUANT (XQ, one token, DS4_GPU_GU_XQ=1): every CTA quantizes the token's float32 x into shared memory
+//   itself, and the epilogue also quantizes h for the down kernel (see gu_quantize_h_block): the two
+//   quantize_x launches of launch_moe are gone.
+// Shared-memory layout of x (XS, XQ): hi [n], lo [n], scale [n/32], sum16 [n/16].
+enum GuXMode : int { GU_X_GLOBAL = 0, GU_X_STAGED = 1, GU_X_QUANT = 2 };
 __host__ __device__ constexpr size_t gu_xs_bytes(int n) { return 2 * (size_t)n + (size_t)n / 32 * 4 + (size_t)n / 16 * 4; }
 
-__device__ __forceinline__ XQ gu_stage_x(const XQ& xq, unsigned char* smem) {
+__device__ __forceinline__ XQ gu_smem_x(int n, unsigned char* smem) {
   XQ s;
-  s.n = xq.n;
+  s.n = n;
   s.hi = (int8_t*)smem;
-  s.lo = s.hi + xq.n;
-  s.scale = (float*)(s.lo + xq.n);
-  s.sum16 = s.scale + xq.n / 32;
+  s.lo = s.hi + n;
+  s.scale = (float*)(s.lo + n);
+  s.sum16 = s.scale + n / 32;
+  return s;
+}
+
+__device__ __forceinline__ XQ gu_stage_x(const XQ& xq, unsigned char* smem) {
+  XQ s = gu_smem_x(xq.n, smem);
   for (int i = threadIdx.x; i < xq.n / 16; i += blockDim.x) {
     ((int4*)s.hi)[i] = __ldg((const int4*)xq.hi + i);
     ((int4*)s.lo)[i] = __ldg((const int4*)xq.lo + i);
@@ -46,12 +60,96 @@ __device__ __forceinline__ XQ gu_stage_x(const XQ& xq, unsigned char* smem) {
   return s;
 }
 
-template <int QT, bool XS>
+// One x block of 32 values, one per lane, with exactly the arithmetic and shuffle order of quantize_x_kernel
+// (repack.cu), so the planes are bitwise the same: hi = rint(v / s), lo = clamp(rint((v / s - hi) 254)),
+// s = amax / 127; scale = s / 254; sum16 = the xor-shuffle sum of the lane's 16-value half (NaN or an all-zero
+// block: hi = lo = 0, as there).
+struct XLaneQ {
+  int hi, lo;
+  float scale, sum16;
+};
+__device__ __forceinline__ XLaneQ quantize_x_lane(float v) {
+  float amax = fabsf(v);
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = amax / 127.0f;
+  XLaneQ q{0, 0, 0.0f, 0.0f};
+  if (amax > 0.0f) {
+    const float t = v / s;
+    const float hr = rintf(t);
+    q.hi = (int)hr;
+    q.lo = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
+  }
+  float sum = v;
+  for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  q.scale = s / 254.0f;
+  q.sum16 = sum;
+  return q;
+}
+
+// Writes the quantized block xb (0-based over the whole array) of lane's value v into q.
+__device__ __forceinline__ void put_x_block(const XQ& q, int64_t xb, int lane, float v) {
+  const XLaneQ r = quantize_x_lane(v);
+  q.hi[xb * 32 + lane] = (int8_t)r.hi;
+  q.lo[xb * 32 + lane] = (int8_t)r.lo;
+  if (lane == 0) q.scale[xb] = r.scale;
+  if ((lane & 15) == 0) q.sum16[xb * 2 + lane / 16] = r.sum16;
+}
+
+// XQ: the CTA quantizes the token's x (n floats, n % 32 == 0) into shared memory. Each warp loads the values
+// of up to 8 of its blocks before quantizing them, so the L2 round trips overlap.
+__device__ __forceinline__ XQ gu_quantize_x(const float* x, int n, unsigned char* smem) {
+  const XQ s = gu_smem_x(n, smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, nxb = n / 32;
+  constexpr int C = 8;
+  for (int xb0 = warp; xb0 < nxb; xb0 += C * nw) {
+    float v[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int xb = xb0 + c * nw;
+      v[c] = xb < nxb ? __ldg(x + (int64_t)xb * 32 + lane) : 0.0f;
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+      if (xb0 + c * nw < nxb) put_x_block(s, xb0 + c * nw, lane, v[c]);  // warp-uniform condition
+  }
+  __syncthreads();
+  return s;
+}
+
+// XQ: arrival counts of h's x blocks (pair p, block b at [p * (n_ff / 32) + b]); the warp that completes a block
+// quantizes it into the down kernel's input and resets the count, so the next launch (or graph replay) finds
+// zeros. Zero at module load, one set per device: launches of the XQ kernel must not run concurrently on one
+// device (one stream per device, as the session uses; PDL keeps them apart: pdl_wait comes before any count).
+constexpr int GU_XQ_MAX_BLOCKS = 8192;
+__device__ unsigned g_gu_h_count[GU_XQ_MAX_BLOCKS];
+constexpr int GU_H_ARRIVALS = XB / GU2_RH;  // warp units that write one 32-value block of h
+
+// After this warp wrote its h values of block hb (the h stores are done by some lanes of the warp): count the
+// arrival; the 16th quantizes the block's 32 values (read back from L2: other warps and CTAs wrote them) into
+// xq_h exactly as quantize_x_kernel would, NaN-poisoned values included.
+__device__ __forceinline__ void gu_quantize_h_block(const float* h, const XQ& xq_h, int64_t hb, int lane) {
+  __threadfence();  // this lane's h stores are visible device-wide before the arrival is counted
+  __syncwarp();
+  unsigned last = 0;
+  if (lane == 0) last = atomicAdd(&g_gu_h_count[hb], 1u) == (unsigned)GU_H_ARRIVALS - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();  // the other warps' h stores, counted before ours, are read after the count
+  const float v = __ldcg(h + hb * 32 + lane);
+  put_x_block(xq_h, hb, lane, v);
+  if (lane == 0) g_gu_h_count[hb] = 0u;  // every arrival of this launch is in: no one counts it again
+}
+
+// XM == GU_X_QUANT: x is the token's float32 x (xq.n holds n_embd) and xq_h receives h quantized; otherwise
+// both are unused.
+template <int QT, int XM>
 __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
-                                                                     int units, float* h) {
+                                                                     int units, float* h, const float* x,
+                                                                     XQ xq_h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid; then x (XS)
   constexpr size_t table_bytes = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
   pdl_trigger();
@@ -61,7 +159,8 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
   }
   const int lane = threadIdx.x & 31;
   pdl_wait();  // ids, x and h's readers are from earlier kernels
-  if constexpr (XS) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
+  if constexpr (XM == GU_X_STAGED) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
+  if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
   const Iq2LaneTables tb{s_rep, lane};
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
@@ -95,6 +194,8 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
         h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
       }
     }
+    // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
+    if constexpr (XM == GU_X_QUANT) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);
   }
 }
 
@@ -168,6 +269,15 @@ static bool gateup_x_shared() {  // $DS4_GPU_GU_XS=1: stage the one token's x in
   return v;
 }
 
+// $DS4_GPU_GU_XQ=1: decode's routed MoE in two launches (gate/up quantizes x and h itself; A/B, default off)
+static bool gateup_x_quant() {
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_GU_XQ");
+    return e && e[0] == '1';
+  }();
+  return v;
+}
+
 // Lets kernel take smem bytes of dynamic shared memory; limit: what it was last allowed (never lowered, so a
 // later launch with a size between the default and that limit keeps working).
 template <typename K>
@@ -177,18 +287,18 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, bool XS>
+template <int QT, int XM>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const size_t smem = (QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0) + (XS ? gu_xs_bytes(xq.n) : 0);
+  const size_t smem = (QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0) + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(moe_gateup_rows_kernel<QT, XS>, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM>, smem, smem_set);
   auto it = resident.find(smem);
   if (it == resident.end())
-    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XS>, GU_THREADS, smem)).first;
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM>, GU_THREADS, smem)).first;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second), 1, 1);
   cfg.blockDim = dim3(GU_THREADS, 1, 1);
@@ -199,8 +309,8 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT, XS>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
-                               units, h));
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT, XM>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
+                               units, h, x, xq_h));
 }
 
 template <int QT>
@@ -209,9 +319,30 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
                                cudaStream_t stream) {
   // one token (decode) and x planes that int4 copies can stage
   if (gateup_x_shared() && pairs == k && xq.n % 256 == 0 && gu_xs_bytes(xq.n) <= 32 * 1024)
-    launch_gateup_rows_as<QT, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+    launch_gateup_rows_as<QT, GU_X_STAGED>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else
-    launch_gateup_rows_as<QT, false>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+    launch_gateup_rows_as<QT, GU_X_GLOBAL>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+}
+
+// XQ (decode): gate/up from the float32 x of the one token, h also quantized into xq_h; only where
+// gateup_xq_takes.
+static bool gateup_xq_takes(int qtype, int tokens, int n_embd, int n_ff, int k) {
+  return gateup_x_quant() && !(qtype == QT_IQ2_XXS && gateup_mma_enabled()) && tokens == 1 && n_embd % 256 == 0 &&
+         n_ff % 256 == 0 && gu_xs_bytes(n_embd) <= 32 * 1024 && (int64_t)k * (n_ff / 32) <= GU_XQ_MAX_BLOCKS;
+}
+
+static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int n_expert, const float* x,
+                             const int32_t* ids, const float* wts, int k, float clamp, const MoeScratch& s,
+                             cudaStream_t stream) {
+  XQ xq;  // only n: the planes are the kernel's shared memory
+  xq.n = (int)gate.ncols;
+  switch (gate.qtype) {
+    case QT_Q8_0: launch_gateup_rows_as<QT_Q8_0, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
+    case QT_Q4_K: launch_gateup_rows_as<QT_Q4_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
+    case QT_Q2_K: launch_gateup_rows_as<QT_Q2_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
+    case QT_IQ2_XXS: launch_gateup_rows_as<QT_IQ2_XXS, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
+    default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
+  }
 }
 
 template <int QT>
@@ -258,8 +389,12 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   if (down.ncols != n_ff || down.nrows / n_expert != n_embd || up.ncols != gate.ncols || up.nrows != gate.nrows)
     throw std::invalid_argument("gate/up/down shapes do not form one expert FFN");
   const int pairs = tokens * k;
-  launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream);
-  launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
+  if (gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
+    launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
+  } else {
+    launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream);
+    launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
+  }
   switch (down.qtype) {
     case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
