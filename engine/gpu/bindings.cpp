@@ -14,6 +14,7 @@
 
 #include "common.cuh"
 #include "moe_mma.cuh"
+#include "router.cuh"
 
 namespace py = pybind11;
 using namespace ds4gpu;
@@ -663,6 +664,15 @@ PYBIND11_MODULE(_ext, m) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),
                   T, E, k, scale, ptr<int32_t>(ids), ptr<float>(wts), stream());
   });
+  m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
+                         int k, float scale, uintptr_t ids, uintptr_t wts) {
+    return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),
+                             ptr<const int64_t>(table), ptr<const int64_t>(tok), k, scale, ptr<int32_t>(ids),
+                             ptr<float>(wts), stream());
+  }, py::arg("w"), py::arg("x"), py::arg("logits"), py::arg("bias"), py::arg("table"), py::arg("tok"), py::arg("k"),
+        py::arg("scale"), py::arg("ids"), py::arg("wts"),
+        "decode (one token): logits = w . x (the bits of matvec's F16 launch) and the router on them (as router) in "
+        "one launch (router.cu); False, nothing launched, where that kernel does not take w");
   m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out) {
     launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream());
   });

@@ -22,8 +22,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
-CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "hc.cu", "topk.cu", "dequant.cu"]
-HEADERS = ["common.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh"]
+CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "hc.cu", "topk.cu", "dequant.cu", "router.cu"]
+HEADERS = ["common.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh", "router.cuh"]
 
 
 def find_cuda() -> Path:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.insert(3, "-Xptxas=-v")
             jobs.append(cmd)
     bobj = BUILD / "bindings.o"
-    if stale(bobj, [HERE / "bindings.cpp", HERE / "common.cuh", HERE / "moe_mma.cuh"]):
+    if stale(bobj, [HERE / "bindings.cpp", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]):
         # through nvcc too, so one host compiler builds every object
         jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden", f"-I{pybind11.get_include()}",
                      f"-I{py_inc}", "-c", str(HERE / "bindings.cpp"), "-o", str(bobj)])

@@ -8,6 +8,7 @@
 
 #include "block_ops.cuh"
 #include "common.cuh"
+#include "router.cuh"
 
 namespace ds4gpu {
 
@@ -158,61 +159,15 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
   for (int i = threadIdx.x; i < d; i += blockDim.x) j.out[orow * d + i] = v[i];
 }
 
-// MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: s = sqrt(softplus(logit)),
-// ids = top-k of s + bias (or table[tok] on hash layers), w = s[ids] / max(sum, 6.1035e-5) * scale.
-// Top-k by rank: expert e's rank is the number of experts ahead of it (larger biased score, or equal
-// and a lower index), so chosen[rank] = e gives the order of k successive argmax passes (the v3 kernel
-// ran those passes on one warp, ~7 us). NaN scores rank last (as -inf, lowest index first).
-constexpr int ROUTER_THREADS = 256;
+// MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: route_token (router.cuh,
+// shared with the one-launch decode router of router.cu). Top-k by rank (the v3 kernel ran k argmax passes on
+// one warp, ~7 us).
+constexpr int ROUTER_THREADS = ROUTER_MAX_E;
 __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
                                                                 const int64_t* table, const int64_t* tok, int E,
                                                                 int k, float scale, int32_t* ids, float* wts) {
   pdl_begin();
-  __shared__ float s[ROUTER_THREADS];
-  __shared__ __align__(16) float sb[ROUTER_THREADS];
-  __shared__ int chosen[16];
-  const int t = blockIdx.x, e = threadIdx.x;
-  if (e < ROUTER_THREADS) sb[e] = -INFINITY;  // padding past E never ranks ahead
-  if (e < E) {
-    float x = logits[(int64_t)t * E + e];
-    float sp = x > 20.0f ? x : log1pf(expf(x));
-    s[e] = sqrtf(sp);
-    float b = bias ? s[e] + bias[e] : s[e];
-    sb[e] = isnan(b) ? -INFINITY : b;  // scores are >= 0 and biases finite, so -inf only marks NaN
-  }
-  if (e < k) chosen[e] = -1;
-  __syncthreads();
-  if (table) {
-    if (e < k) chosen[e] = (int)table[tok[t] * k + e];
-  } else if (e < E) {
-    const float me = sb[e];
-    int r0 = 0, r1 = 0, r2 = 0, r3 = 0;  // four counters: independent chains
-    const float4* sb4 = (const float4*)sb;
-    for (int j4 = 0; j4 < (E + 3) / 4; ++j4) {
-      const float4 o = sb4[j4];
-      const int j = 4 * j4;
-      r0 += o.x > me || (o.x == me && j < e);
-      r1 += o.y > me || (o.y == me && j + 1 < e);
-      r2 += o.z > me || (o.z == me && j + 2 < e);
-      r3 += o.w > me || (o.w == me && j + 3 < e);
-    }
-    const int rank = r0 + r1 + r2 + r3;
-    if (rank < k) chosen[rank] = e;
-  }
-  __syncthreads();
-  if (e == 0) {
-    float sum = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      int c = chosen[j];
-      sum += (c >= 0 && c < E) ? s[c] : 0.0f;
-    }
-    float den = fmaxf(sum, 6.1035e-5f);
-    for (int j = 0; j < k; ++j) {
-      int c = chosen[j];
-      ids[(int64_t)t * k + j] = c;
-      wts[(int64_t)t * k + j] = (c >= 0 && c < E) ? s[c] / den * scale : 0.0f;
-    }
-  }
+  route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts);
 }
 
 __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out) {

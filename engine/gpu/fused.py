@@ -21,6 +21,8 @@ F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
 HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
+# decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once
+ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "0") == "1"
 
 
 def _p(t: torch.Tensor | None) -> int:
@@ -146,6 +148,24 @@ class Fused:
         self._stream()
         self.ext.router(_p(logits), _p(bias), _p(table), _p(tok), T, E, int(k), float(scale), _p(ids), _p(wts))
         return ids, wts
+
+    def router_one(self, w, x: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
+                   tok: torch.Tensor, k: int, scale: float):
+        """Decode (x [1, n_embd]): (logits = w · x, ids, wts) as W.mm then `router`, with the same bits, in one
+        launch (router.cu). None, with nothing launched, where that kernel does not take w (a torch matrix, not
+        F16, shapes the streaming matvec declines): the caller then runs the two launches."""
+        if isinstance(w, torch.Tensor) or x.shape[0] != 1:
+            return None
+        x = x.contiguous()
+        logits = torch.empty((1, w.nrows), dtype=F32, device=self.device)
+        ids = torch.empty((1, k), dtype=torch.int32, device=self.device)
+        wts = torch.empty((1, k), dtype=F32, device=self.device)
+        tok = tok.to(torch.int64).contiguous()
+        self._stream()
+        if not self.ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), int(k), float(scale), _p(ids),
+                                   _p(wts)):
+            return None
+        return logits, ids, wts
 
     def swiglu(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
         g, u = g.contiguous(), u.contiguous()

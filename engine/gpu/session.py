@@ -478,7 +478,10 @@ class Session(Timeline):
         """(routed experts' output, shared expert's output)."""
         cfg, W = self.cfg, self.W
         limit = float(cfg.swiglu_clamp[li])
-        logits = W.mm(C.blk(li, L.FFN_GATE_INP), b)
+        gate_inp = C.blk(li, L.FFN_GATE_INP)
+        # decode with DS4_GPU_ROUTER_ONE=1: the router matvec and the routing in one launch (router.cu), below
+        one_launch = fused.ROUTER_ONE and self.K is not None and self.route_hook is None and b.shape[0] == 1
+        logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
             if forked:  # the shared expert beside the router and the routed experts
@@ -486,9 +489,12 @@ class Session(Timeline):
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
-            ids, w = self.K.router(logits, W.vec(bias) if (not hashed and self.model.has(bias)) else None,
-                                   W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok,
-                                   cfg.n_expert_used, cfg.routed_scale)
+            route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
+                     W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok, cfg.n_expert_used, cfg.routed_scale)
+            one = self.K.router_one(W.mat(gate_inp), b, *route) if one_launch else None
+            if one is None:  # two launches: the matvec, then the router kernel on its logits
+                one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
+            _, ids, w = one
             out = W.moe(li, b, ids, w, limit)
             if forked:
                 self.side.join()
