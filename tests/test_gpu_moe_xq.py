@@ -123,3 +123,38 @@ def test_two_launch_moe_gives_the_four_launch_bits_and_the_reference(tmp_path) -
     if (on["q2_counts"] >= 0).all():  # the switch removed exactly the two quantize_x launches
         assert on["q2_counts"].tolist() == [0, 1, 1], on["q2_counts"]
         assert off["q2_counts"].tolist() == [2, 1, 1], off["q2_counts"]
+
+
+SESSION = r"""
+import sys, numpy as np
+from ds4.engine.model import Model
+from ds4.engine.gpu.session import Session
+m = Model.load(sys.argv[1])
+toks = np.random.default_rng(8).integers(2, m.config.vocab_size, 24).tolist()
+g = Session(m, ctx=256)
+np.save(sys.argv[2], np.stack([g.decode(t) for t in toks]))
+"""
+
+
+def test_decode_session_logits_are_bitwise_the_four_launch_ones(tmp_path) -> None:
+    """The small preset (n_embd 512, n_ff 256: shapes XQ takes) decoded through the session's graphs."""
+    from conftest import quantize_cli
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("the session needs torch with CUDA")
+    model = tmp_path / "small.gguf"
+    quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
+    logits = []
+    for xq in (True, False):
+        env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_GU_XQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS")}
+        env["DS4_GPU_COMPILE"] = "0"  # the same elementwise code in both runs, without torch.compile's time
+        if xq:
+            env["DS4_GPU_GU_XQ"] = "1"
+        out = tmp_path / f"logits_xq{int(xq)}.npy"
+        done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logits.append(np.load(out))
+    assert np.isfinite(logits[0]).all()
+    assert np.array_equal(bits(logits[0]), bits(logits[1]))
