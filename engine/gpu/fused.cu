@@ -263,23 +263,23 @@ constexpr int ATT_KEYS = 16;   // keys per block
 constexpr int ATT_HEADS = 8;   // most heads per block (one per warp)
 constexpr int ATT_THREADS = 256;
 
+// Floats of the partial pass's dynamic shared memory for hb heads: keys, the heads' queries, their probabilities.
+__host__ __device__ constexpr int attn_partial_floats(int d, int hb) { return ATT_KEYS * d + hb * d + hb * ATT_KEYS; }
+
 // Split-key decode attention, pass 1: block (key chunk c, head group g of hb heads) loads its keys and
 // its heads' queries once into shared memory (float4) and computes, for each head, the chunk's max
 // score m, sum of exp l and the unnormalized output o (flash-decoding partials). Warp w scores head w
 // against all ATT_KEYS keys with per-key accumulators in registers (the v3 kernel's per-(head, key)
 // warp reductions with q re-read from global ran 25-40 us; 16 heads per block ran 12-16 us: too much
-// serial work per block, so 8 heads and twice the blocks).
-__global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
-                                                                   int hb, const int64_t* pos, float scale,
-                                                                   float* part_o, float* part_ml) {
-  pdl_begin();
-  extern __shared__ float sh[];
+// serial work per block, so 8 heads and twice the blocks). Every head's arithmetic is the same whatever
+// hb is (warp w's work does not depend on w), so the partials do not depend on the head grouping.
+// Needs ATT_THREADS threads and attn_partial_floats(d, hb) floats at sh.
+__device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys, int d, int hb, int H, int c, int g,
+                                   int64_t p, float scale, float* part_o, float* part_ml, float* sh) {
   float* keys = sh;                          // [ATT_KEYS][d]
   float* qs = sh + ATT_KEYS * d;             // [hb][d]
-  float* prob = qs + ATT_HEADS * d;          // [ATT_HEADS][ATT_KEYS]
+  float* prob = qs + hb * d;                 // [hb][ATT_KEYS]
   __shared__ bool vis[ATT_KEYS];
-  const int c = blockIdx.x, g = blockIdx.y, H = gridDim.y * hb;
-  const int64_t p = *pos;
   const int k0 = c * ATT_KEYS, d4 = d / 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int kk = warp; kk < ATT_KEYS; kk += ATT_THREADS / 32) {
@@ -338,46 +338,139 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* 
   }
 }
 
-// Pass 2, one block per head: combine the chunks with the sink (chunk weights computed once into
-// shared memory, then one column per thread with independent loads), then the inverse RoPE on the tail.
+__global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
+                                                                   int hb, const int64_t* pos, float scale,
+                                                                   float* part_o, float* part_ml) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sh[];
+  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, *pos, scale, part_o, part_ml, sh);
+}
+
+// Pass 2: combine the chunks of heads h0..h0+nh-1 with the sinks, then row_post (the inverse RoPE on the tail).
+// The sum of exp over chunks has a fixed partition whatever the block size (any multiple of 32 threads): the
+// one of a block of ATT_COMBINE_THREADS threads, i.e. virtual thread t of 16 virtual warps sums chunks t,
+// t + 512, ... in order, each virtual warp reduces with warp_sum_f and the 16 warp sums add in order (block_sum's
+// order). The max is exact in any order; each output column sums its chunks in order 0..n-1. So the two-launch
+// path (512 threads, one head per block) and the one-launch path (the last partial block of a head group, 256
+// threads, all the group's heads) give the same bits. A per-block RMS norm in `o` would reduce in block_sum's
+// thread-count-dependent order: the one-launch path does not take it (attention never asks for one).
+// Partials are read with __ldcg (L2): in the one-launch path other blocks of this grid wrote them.
+// Needs attn_combine_floats(d, nh, n_chunks) floats at sh (16-byte aligned).
 constexpr int ATT_COMBINE_THREADS = 512;
+constexpr int ATT_VWARPS = ATT_COMBINE_THREADS / 32;  // virtual warps of the sum's partition
+constexpr int ATT_CHUNKS_AT_ONCE = 8;                 // chunks whose loads are issued together
+__host__ __device__ constexpr int attn_combine_floats(int d, int nh, int n_chunks) {
+  return nh * d + d + nh * n_chunks + 2 * nh * ATT_VWARPS + 32 + nh;
+}
+__device__ void attn_combine_heads(const float* part_o, const float* part_ml, int n_chunks, int H, int d, int h0,
+                                   int nh, const float* sinks, float p, const RowPost& o, float* out, float* sh) {
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  float* v = sh;                           // [nh][d] outputs
+  float* tmp = v + nh * d;                 // [d] row_post's scratch
+  float* wc = tmp + d;                     // [nh][n_chunks] chunk weight exp(m_c - M), 0 for empty chunks
+  float* mxs = wc + nh * n_chunks;         // [nh][ATT_VWARPS] max of each virtual warp's chunks
+  float* sums = mxs + nh * ATT_VWARPS;     // [nh][ATT_VWARPS] sum of each virtual warp's l_c w_c
+  float* red = sums + nh * ATT_VWARPS;     // [32] row_post's block_sum
+  float* lsum = red + 32;                  // [nh] the softmax denominator of each head
+  // (virtual warp vw, head hh) pairs i = vw * nh + hh go round the real warps: the few virtual warps that have
+  // chunks (n_chunks <= 32 vw) are spread over different warps, so their loads are in flight together.
+  for (int i = warp; i < nh * ATT_VWARPS; i += nw) {
+    const int vw = i / nh, hh = i % nh, h = h0 + hh;
+    float mx = -INFINITY;
+    for (int c = vw * 32 + lane; c < n_chunks; c += ATT_COMBINE_THREADS)
+      mx = fmaxf(mx, __ldcg(part_ml + ((int64_t)c * H + h) * 2));
+    mx = warp_max_f(mx);
+    if (lane == 0) mxs[hh * ATT_VWARPS + vw] = mx;
+  }
+  __syncthreads();
+  for (int i = warp; i < nh * ATT_VWARPS; i += nw) {
+    const int vw = i / nh, hh = i % nh, h = h0 + hh;
+    float M = sinks[h];
+    for (int k = 0; k < ATT_VWARPS; ++k) M = fmaxf(M, mxs[hh * ATT_VWARPS + k]);
+    float ls = 0.0f;
+    for (int c = vw * 32 + lane; c < n_chunks; c += ATT_COMBINE_THREADS) {
+      const float m = __ldcg(part_ml + ((int64_t)c * H + h) * 2), l = __ldcg(part_ml + ((int64_t)c * H + h) * 2 + 1);
+      const float w = m == -INFINITY ? 0.0f : expf(m - M);
+      wc[hh * n_chunks + c] = w;
+      if (m != -INFINITY) ls += l * w;
+    }
+    ls = warp_sum_f(ls);
+    if (lane == 0) sums[hh * ATT_VWARPS + vw] = ls;
+  }
+  __syncthreads();
+  if (tid < nh) {
+    const float sink = sinks[h0 + tid];
+    float M = sink;
+    for (int k = 0; k < ATT_VWARPS; ++k) M = fmaxf(M, mxs[tid * ATT_VWARPS + k]);
+    float t = 0.0f;
+    for (int k = 0; k < ATT_VWARPS; ++k) t += sums[tid * ATT_VWARPS + k];
+    lsum[tid] = t + expf(sink - M);
+  }
+  __syncthreads();
+  // Column sums: thread tid takes the float4 columns i = tid, tid + nt, ... of all nh heads and, per column,
+  // issues the loads of ATT_CHUNKS_AT_ONCE chunks before it adds them (__ldcg loads keep their order, so loads
+  // interleaved with the adds would have 1-2 in flight). Each column adds its chunks in order 0..n-1.
+  const int d4 = d / 4, n4 = nh * d4;
+  const int64_t cstride4 = (int64_t)H * d4;  // float4s from one chunk to the next
+  for (int i = tid; i < n4; i += nt) {
+    const int hh = i / d4;
+    const float4* src = (const float4*)(part_o + (int64_t)(h0 + hh) * d) + i % d4;
+    const float* w = wc + hh * n_chunks;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c0 = 0; c0 < n_chunks; c0 += ATT_CHUNKS_AT_ONCE, src += ATT_CHUNKS_AT_ONCE * cstride4) {
+      float4 x[ATT_CHUNKS_AT_ONCE];
+#pragma unroll
+      for (int k = 0; k < ATT_CHUNKS_AT_ONCE; ++k)
+        x[k] = c0 + k < n_chunks ? __ldcg(src + k * cstride4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int k = 0; k < ATT_CHUNKS_AT_ONCE; ++k) {
+        if (c0 + k >= n_chunks) break;
+        const float wk = w[c0 + k];
+        acc.x += x[k].x * wk; acc.y += x[k].y * wk; acc.z += x[k].z * wk; acc.w += x[k].w * wk;
+      }
+    }
+    const float L = lsum[hh];
+    ((float4*)v)[i] = make_float4(acc.x / L, acc.y / L, acc.z / L, acc.w / L);
+  }
+  __syncthreads();
+  for (int hh = 0; hh < nh; ++hh) row_post(v + hh * d, tmp, d, p, o, red);
+  for (int i = tid; i < n4; i += nt) ((float4*)(out + (int64_t)h0 * d))[i] = ((const float4*)v)[i];
+}
+
 __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const float* part_o, const float* part_ml,
                                                                            int n_chunks, int H, int d,
                                                                            const float* sinks, const int64_t* pos,
                                                                            RowPost o, float* out) {
   pdl_begin();
-  extern __shared__ float sh[];
-  __shared__ float red[32];
-  float* v = sh;
-  float* tmp = sh + d;
-  float* wc = sh + 2 * d;  // [n_chunks] weight exp(m_c - M), 0 for empty chunks
-  const int h = blockIdx.x;
-  const float sink = sinks[h];
-  float mx = -INFINITY;
-  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) mx = fmaxf(mx, part_ml[((int64_t)c * H + h) * 2]);
-  mx = warp_max_f(mx);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+  extern __shared__ __align__(16) float sh[];
+  attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
+}
+
+// Both passes in one launch ($DS4_GPU_ATTN_ONE=1): the partial blocks as attn_partial_kernel; each then counts
+// itself in its head group's arrival counter (after a fence, so its partials are visible in L2 first), and the
+// last block of the group to arrive combines the group's heads (attn_combine_heads, the same bits as the
+// combine kernel) and resets the counter for the next launch or graph replay.
+constexpr int ATT_ONE_MAX_GROUPS = 1024;
+__device__ unsigned g_attn_count[ATT_ONE_MAX_GROUPS];
+
+__global__ void __launch_bounds__(ATT_THREADS) attn_one_kernel(const float* q, KeyList L, int n_keys, int d, int hb,
+                                                               const int64_t* pos, float scale, float* part_o,
+                                                               float* part_ml, const float* sinks, RowPost o,
+                                                               float* out) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sh[];
+  __shared__ bool last;
+  const int nc = gridDim.x, g = blockIdx.y, H = gridDim.y * hb;
+  const int64_t p = *pos;
+  attn_partial_block(q, L, n_keys, d, hb, H, blockIdx.x, g, p, scale, part_o, part_ml, sh);
+  __threadfence();
   __syncthreads();
-  float M = sink;
-  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) M = fmaxf(M, red[i]);
+  if (threadIdx.x == 0) last = atomicAdd(&g_attn_count[g], 1u) == (unsigned)nc - 1;
   __syncthreads();
-  float lsum = 0.0f;
-  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
-    const float m = part_ml[((int64_t)c * H + h) * 2];
-    const float w = m == -INFINITY ? 0.0f : expf(m - M);
-    wc[c] = w;
-    if (m != -INFINITY) lsum += part_ml[((int64_t)c * H + h) * 2 + 1] * w;
-  }
-  const float Lsum = block_sum(lsum, red) + expf(sink - M);  // block_sum's barrier also publishes wc
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int c = 0; c < n_chunks; ++c) acc += part_o[((int64_t)c * H + h) * d + j] * wc[c];
-    v[j] = acc / Lsum;
-  }
-  __syncthreads();
-  row_post(v, tmp, d, (float)*pos, o, red);
-  for (int j = threadIdx.x; j < d; j += blockDim.x) out[(int64_t)h * d + j] = v[j];
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) g_attn_count[g] = 0;
+  attn_combine_heads(part_o, part_ml, nc, H, d, g * hb, hb, sinks, (float)p, o, out, sh);
 }
 
 // Indexer keys for decode: score[c] = sum_h w_h scale relu(q_h . idx_c) for visible rows, as doubles
@@ -469,6 +562,23 @@ void launch_compress_step(const float* kv, const float* sc, const float* ape, fl
 
 int attn_chunks(int n_keys) { return (n_keys + ATT_KEYS - 1) / ATT_KEYS; }
 
+// $DS4_GPU_ATTN_ONE=1: decode attention in one launch (attn_one_kernel) with $DS4_GPU_ATTN_ONE_HEADS heads per
+// block (1..8, default 2); unset or 0: two launches. The last block of a group combines all its heads, reading
+// heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per head, ~3 us per 8 loads in flight
+// per thread and pass), while fewer heads per block load every key more often (64 / heads times) and need more
+// blocks (64 registers: 4 blocks of 256 threads per SM, 528 on the H200; 40 chunks x 32 groups = 1280 blocks).
+// Estimate for 40 chunks: 8 heads ~2 us partials + ~12 us tail, 4 heads ~4 + ~6 us, 2 heads ~6 + ~3 us; to measure.
+static int attn_one_heads() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_ATTN_ONE");
+    if (!(e && e[0] == '1' && e[1] == 0)) return 0;
+    const char* h = getenv("DS4_GPU_ATTN_ONE_HEADS");
+    const int n = h ? atoi(h) : 2;
+    return n >= 1 && n <= ATT_HEADS ? n : 2;
+  }();
+  return v;
+}
+
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s) {
@@ -478,7 +588,23 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1};
   const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);
   if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
-  size_t shm = (size_t)(ATT_KEYS * d + ATT_HEADS * d + ATT_HEADS * ATT_KEYS) * sizeof(float);
+  if (((uintptr_t)q | (uintptr_t)part_o | (uintptr_t)out) & 15)
+    throw std::invalid_argument("attention: q, partials and out must be 16-byte aligned (float4 access)");
+  int hb1 = std::min(attn_one_heads(), hb);  // one launch: the largest head count <= the asked one dividing H
+  while (hb1 > 1 && H % hb1) --hb1;
+  if (hb1 > 0 && !o.norm && H / hb1 <= ATT_ONE_MAX_GROUPS) {  // a norm would reduce in a block-size-dependent order
+    const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb1), attn_combine_floats(d, hb1, nc));
+    static size_t shm_one_set = 0;
+    if (shm > 48 * 1024 && shm > shm_one_set) {
+      DS4_CHECK(cudaFuncSetAttribute(attn_one_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+      shm_one_set = shm;
+    }
+    launch_k(attn_one_kernel, dim3(nc, H / hb1), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb1, pos, scale, part_o,
+             part_ml, sinks, o, out);
+    DS4_CHECK_LAUNCH("attention (one launch)");
+    return;
+  }
+  size_t shm = sizeof(float) * (size_t)attn_partial_floats(d, hb);
   static size_t shm_set = 0;
   if (shm > 48 * 1024 && shm > shm_set) {
     DS4_CHECK(cudaFuncSetAttribute(attn_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
@@ -487,7 +613,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
            part_ml);
   DS4_CHECK_LAUNCH("attention partial");
-  size_t shm2 = (size_t)(2 * d + nc) * sizeof(float);
+  size_t shm2 = sizeof(float) * (size_t)attn_combine_floats(d, 1, nc);
   static size_t shm2_set = 0;
   if (shm2 > 48 * 1024 && shm2 > shm2_set) {
     DS4_CHECK(cudaFuncSetAttribute(attn_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
