@@ -1,6 +1,7 @@
-"""Decode attention in one launch (DS4_GPU_ATTN_ONE=1, fused.cu attn_one_kernel): the partial blocks as the
-two-launch path, and the last block of each head group combines the group's heads with the same device function
-and the same reduction order as attn_combine_kernel, so the outputs are bitwise equal to the two-launch path.
+"""Decode attention in one launch (fused.cu). DS4_GPU_ATTN_ONE=1 (attn_one_kernel): the partial blocks as the
+two-launch path, and the last block of each head group combines the group's heads; =2 (attn_one_wait_kernel):
+one combine block per head waits for its group's partial blocks. Both combine with the same device function and
+reduction order as attn_combine_kernel, so the outputs are bitwise equal to the two-launch path.
 The switch is read once per process, so each setting runs in its own subprocess; every run also holds its
 outputs to a float64 reference, calls each case three times in a row (the arrival counters reset themselves)
 and replays a CUDA graph of the op at several positions."""
@@ -120,14 +121,14 @@ np.savez(sys.argv[1], **out)
 """
 
 
-def run(tmp_path: Path, one: bool, heads: int | None) -> dict:
-    """Run SCRIPT in a subprocess with DS4_GPU_ATTN_ONE=1 (one) or unset and DS4_GPU_ATTN_ONE_HEADS=heads."""
+def run(tmp_path: Path, mode: str | None, heads: int | None) -> dict:
+    """Run SCRIPT in a subprocess with DS4_GPU_ATTN_ONE=mode and DS4_GPU_ATTN_ONE_HEADS=heads (None: unset)."""
     env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_ATTN_ONE", "DS4_GPU_ATTN_ONE_HEADS")}
-    if one:
-        env["DS4_GPU_ATTN_ONE"] = "1"
+    if mode is not None:
+        env["DS4_GPU_ATTN_ONE"] = mode
     if heads is not None:
         env["DS4_GPU_ATTN_ONE_HEADS"] = str(heads)
-    tag = f"{int(one)}_{heads}"
+    tag = f"{mode}_{heads}"
     out, dot = tmp_path / f"attn_{tag}.npz", tmp_path / f"attn_{tag}.dot"
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(out), repr(CASES), repr(GRAPH_POSITIONS), str(dot)],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -141,13 +142,13 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """results(one, heads): the outputs of a subprocess with that setting, each setting run once per module."""
+    """results(mode, heads): the outputs of a subprocess with that setting, each setting run once per module."""
     cache: dict = {}
 
-    def get(one: bool, heads: int | None = None) -> dict:
-        if (one, heads) not in cache:
-            cache[one, heads] = run(tmp_path_factory.mktemp("attn"), one, heads)
-        return cache[one, heads]
+    def get(mode: str | None, heads: int | None = None) -> dict:
+        if (mode, heads) not in cache:
+            cache[mode, heads] = run(tmp_path_factory.mktemp("attn"), mode, heads)
+        return cache[mode, heads]
 
     return get
 
@@ -165,12 +166,13 @@ def check_run(res: dict) -> None:
 
 
 def test_two_launch_path_matches_the_reference(results) -> None:
-    check_run(results(False))
+    check_run(results(None))
 
 
-@pytest.mark.parametrize("heads", [None, 1, 4, 8])  # None: the default head group of the one-launch path
-def test_one_launch_gives_the_two_launch_bits(results, heads) -> None:
-    one, two = results(True, heads), results(False)
+# heads None: the default head group of mode 1 (mode 2 always groups as the two-launch path)
+@pytest.mark.parametrize("mode,heads", [("1", None), ("1", 1), ("1", 4), ("1", 8), ("2", None)])
+def test_one_launch_gives_the_two_launch_bits(results, mode, heads) -> None:
+    one, two = results(mode, heads), results(None)
     check_run(one)
     for name, *_ in CASES:
         for k in range(3):
@@ -180,8 +182,9 @@ def test_one_launch_gives_the_two_launch_bits(results, heads) -> None:
 
 
 def test_the_switch_selects_the_kernels(results) -> None:
-    for res, want, not_want in ((results(True), "attn_one_kernel", "attn_partial_kernel"),
-                                (results(False), "attn_combine_kernel", "attn_one_kernel")):
+    for res, want, not_want in ((results("1"), "attn_one_kernel", "attn_partial_kernel"),
+                                (results("2"), "attn_one_wait_kernel", "attn_partial_kernel"),
+                                (results(None), "attn_combine_kernel", "attn_one_")):
         assert "dot" in res, str(res.get("dot_error"))
         dot = str(res["dot"])
         assert want in dot and not_want not in dot, want

@@ -473,6 +473,59 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_one_kernel(const float* q, K
   attn_combine_heads(part_o, part_ml, nc, H, d, g * hb, hb, sinks, (float)p, o, out, sh);
 }
 
+// Both passes in one launch, the combine in blocks of its own ($DS4_GPU_ATTN_ONE=2): the last block of a group
+// (above) combines all its heads in one SM, a tail that grows with the heads per block. Here the grid has
+// n_part = chunks x groups partial blocks (hb heads each, as the two-launch path) and then one combine block per
+// head, which waits until its group's arrival counter reaches the chunk count and combines that head. Roles go by
+// a ticket taken at the start (atomic counter), not by blockIdx: a block holding a combine ticket got it after
+// every partial ticket was taken by a running block, and partial blocks wait for nothing, so the waits end even
+// when the grid is not all resident. The last ticket resets the ticket counter; the last combine block of a
+// group to finish waiting resets that group's counters.
+__device__ unsigned g_attn_ticket;
+__device__ unsigned g_attn_seen[ATT_ONE_MAX_GROUPS];
+
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__global__ void __launch_bounds__(ATT_THREADS) attn_one_wait_kernel(const float* q, KeyList L, int n_keys, int d,
+                                                                    int hb, int H, const int64_t* pos, float scale,
+                                                                    float* part_o, float* part_ml, const float* sinks,
+                                                                    RowPost o, float* out) {
+  pdl_begin();
+  extern __shared__ __align__(16) float sh[];
+  __shared__ unsigned ticket;
+  const int nc = (n_keys + ATT_KEYS - 1) / ATT_KEYS, n_part = nc * (H / hb);
+  const int64_t p = *pos;
+  if (threadIdx.x == 0) {
+    ticket = atomicAdd(&g_attn_ticket, 1u);
+    if (ticket == gridDim.x - 1) g_attn_ticket = 0;  // every ticket of this launch is taken
+  }
+  __syncthreads();
+  const int t = (int)ticket;
+  if (t < n_part) {
+    const int g = t / nc;
+    attn_partial_block(q, L, n_keys, d, hb, H, t % nc, g, p, scale, part_o, part_ml, sh);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&g_attn_count[g], 1u);
+    return;
+  }
+  const int h = t - n_part, g = h / hb;
+  if (threadIdx.x == 0) {
+    while (ld_acquire_u32(&g_attn_count[g]) < (unsigned)nc) __nanosleep(100);
+    if (atomicAdd(&g_attn_seen[g], 1u) == (unsigned)hb - 1) {  // the group's last waiter: reset for the next launch
+      g_attn_seen[g] = 0;
+      g_attn_count[g] = 0;
+    }
+  }
+  __syncthreads();
+  __threadfence();
+  attn_combine_heads(part_o, part_ml, nc, H, d, h, 1, sinks, (float)p, o, out, sh);
+}
+
 // Indexer keys for decode: score[c] = sum_h w_h scale relu(q_h . idx_c) for visible rows, as doubles
 // minus c * 1e-300 (lowest index first among ties, as the torch path), -inf for rows not yet visible.
 // One warp per row; lane l owns heads l, l + 32, ... (q in shared memory, rows padded by one float
@@ -562,16 +615,24 @@ void launch_compress_step(const float* kv, const float* sc, const float* ape, fl
 
 int attn_chunks(int n_keys) { return (n_keys + ATT_KEYS - 1) / ATT_KEYS; }
 
-// $DS4_GPU_ATTN_ONE=1: decode attention in one launch (attn_one_kernel) with $DS4_GPU_ATTN_ONE_HEADS heads per
-// block (1..8, default 2); unset or 0: two launches. The last block of a group combines all its heads, reading
-// heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per head, ~3 us per 8 loads in flight
-// per thread and pass), while fewer heads per block load every key more often (64 / heads times) and need more
-// blocks (64 registers: 4 blocks of 256 threads per SM, 528 on the H200; 40 chunks x 32 groups = 1280 blocks).
-// Estimate for 40 chunks: 8 heads ~2 us partials + ~12 us tail, 4 heads ~4 + ~6 us, 2 heads ~6 + ~3 us; to measure.
-static int attn_one_heads() {
+// $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
+// 1: attn_one_kernel with $DS4_GPU_ATTN_ONE_HEADS heads per block (1..8, default 2). The last block of a group
+//    combines all its heads, reading heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per
+//    head, ~3 us per pass of one float4 column per thread), while fewer heads per block load every key more often
+//    (64 / heads times) in more blocks (64 registers: 4 blocks of 256 threads per SM, 528 on the H200; 40 chunks x
+//    32 groups = 1280). Estimates for 40 chunks: 8 heads ~2 us partials + ~12 us tail, 4 heads ~4 + ~6 us,
+//    2 heads ~6 + ~3 us; to be measured.
+// 2: attn_one_wait_kernel: 8 heads per partial block as the two-launch path, plus one combine block per head
+//    waiting for its group (tail: one head, as the combine kernel, without the launch between).
+static int attn_one_mode() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_ONE");
-    if (!(e && e[0] == '1' && e[1] == 0)) return 0;
+    return e && (e[0] == '1' || e[0] == '2') && e[1] == 0 ? e[0] - '0' : 0;
+  }();
+  return v;
+}
+static int attn_one_heads() {
+  static const int v = [] {
     const char* h = getenv("DS4_GPU_ATTN_ONE_HEADS");
     const int n = h ? atoi(h) : 2;
     return n >= 1 && n <= ATT_HEADS ? n : 2;
@@ -590,9 +651,22 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
   if (((uintptr_t)q | (uintptr_t)part_o | (uintptr_t)out) & 15)
     throw std::invalid_argument("attention: q, partials and out must be 16-byte aligned (float4 access)");
-  int hb1 = std::min(attn_one_heads(), hb);  // one launch: the largest head count <= the asked one dividing H
+  const int mode = o.norm ? 0 : attn_one_mode();  // a norm in row_post would reduce in a block-size-dependent order
+  if (mode == 2 && H / hb <= ATT_ONE_MAX_GROUPS) {
+    const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb), attn_combine_floats(d, 1, nc));
+    static size_t shm_wait_set = 0;
+    if (shm > 48 * 1024 && shm > shm_wait_set) {
+      DS4_CHECK(cudaFuncSetAttribute(attn_one_wait_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+      shm_wait_set = shm;
+    }
+    launch_k(attn_one_wait_kernel, dim3(nc * (H / hb) + H), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, H, pos,
+             scale, part_o, part_ml, sinks, o, out);
+    DS4_CHECK_LAUNCH("attention (one launch, waiting combine blocks)");
+    return;
+  }
+  int hb1 = mode == 1 ? std::min(attn_one_heads(), hb) : 0;  // the largest head count <= the asked one dividing H
   while (hb1 > 1 && H % hb1) --hb1;
-  if (hb1 > 0 && !o.norm && H / hb1 <= ATT_ONE_MAX_GROUPS) {  // a norm would reduce in a block-size-dependent order
+  if (hb1 > 0 && H / hb1 <= ATT_ONE_MAX_GROUPS) {
     const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb1), attn_combine_floats(d, hb1, nc));
     static size_t shm_one_set = 0;
     if (shm > 48 * 1024 && shm > shm_one_set) {
