@@ -281,7 +281,10 @@ void array_fill(Array& a, float value) {
   DS4_CHECK(cudaMemcpy(a.ptr, host.data(), a.nbytes, cudaMemcpyHostToDevice));
 }
 
-void matvec(const Tensor& w, const Array& x, Array& y, int groups) {
+// norm_w != 0: y = W . (rms_norm(x) * norm_w) (eps; batch 1, groups 1), the norm applied by the streaming kernel
+// while it stages x (returns True), or where that kernel does not take W, by the rms_norm launch into scratch before
+// the plain product (False): the bits of rms_norm then matvec either way. Without norm_w: False.
+bool matvec(const Tensor& w, const Array& x, Array& y, int groups, uintptr_t norm_w, float eps) {
   if (x.shape.empty() || y.shape.size() != 2) throw std::invalid_argument("matvec: x is [B, ...], y is [B, rows]");
   int64_t B = x.shape[0];
   if (B < 1 || B > MAX_BATCH) throw std::invalid_argument("matvec: batch must be 1..8, got " + std::to_string(B));
@@ -291,13 +294,31 @@ void matvec(const Tensor& w, const Array& x, Array& y, int groups) {
   if (y.shape[0] != B || y.shape[1] != w.p.nrows)
     throw std::invalid_argument("matvec '" + w.name + "': y must be [" + std::to_string(B) + ", " +
                                 std::to_string(w.p.nrows) + "]");
+  const float* x_in = x.f();
+  const int64_t n = w.p.ncols;
+  if (norm_w) {
+    if (B != 1 || groups != 1) throw std::invalid_argument("matvec '" + w.name + "': norm_w takes batch 1, groups 1");
+    const Packed* ps[1] = {&w.p};
+    float* yp[1] = {y.f()};
+    const float* nw = reinterpret_cast<const float*>(norm_w);
+    if (launch_matvec_multi(ps, yp, 1, x_in, MV_X_RMS, 0.0f, stream(), nw, eps)) return true;
+    g_scratch.reserve(align256(4 * n) + (w.qtype != QT_F16 ? xq_bytes(1, n) : 0));
+    g_scratch.begin();
+    float* xn = (float*)g_scratch.take(4 * n);
+    XQ xq;
+    if (w.qtype != QT_F16) xq = take_xq(1, n);
+    launch_rms_norm(x_in, nw, xn, 1, (int)n, eps, stream());
+    launch_matvec(w.p, xn, xq, 1, 1, y.f(), stream());
+    return false;
+  }
   XQ xq;
   if (w.qtype != QT_F16) {
-    g_scratch.reserve(xq_bytes(B * groups, w.p.ncols));
+    g_scratch.reserve(xq_bytes(B * groups, n));
     g_scratch.begin();
-    xq = take_xq(B * groups, w.p.ncols);
+    xq = take_xq(B * groups, n);
   }
-  launch_matvec(w.p, x.f(), xq, (int)B, groups, y.f(), stream());
+  launch_matvec(w.p, x_in, xq, (int)B, groups, y.f(), stream());
+  return false;
 }
 
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
@@ -365,8 +386,9 @@ T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // ys[i] = ws[i] . x in one launch (batch 1; raw device pointers, y_i of ws[i] rows, x of ncols values or
 // 2 ncols for swiglu). False, with nothing launched, when the kernel does not take these matrices.
 bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, const std::vector<uintptr_t>& ys,
-                  bool swiglu, float clamp) {
+                  bool swiglu, float clamp, uintptr_t norm_w, float eps) {
   if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_multi: one y per weight");
+  if (swiglu && norm_w) throw std::invalid_argument("matvec_multi: swiglu or norm_w, not both");
   if (ws.size() > 4) return false;
   const Packed* ps[4];
   float* yp[4];
@@ -374,8 +396,9 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
     ps[i] = &ws[i]->p;
     yp[i] = ptr<float>(ys[i]);
   }
-  return launch_matvec_multi(ps, yp, (int)ws.size(), ptr<const float>(x), swiglu ? MV_X_SWIGLU : MV_X_PLAIN, clamp,
-                             stream());
+  const int x_op = norm_w ? MV_X_RMS : (swiglu ? MV_X_SWIGLU : MV_X_PLAIN);
+  return launch_matvec_multi(ps, yp, (int)ws.size(), ptr<const float>(x), x_op, clamp, stream(),
+                             ptr<const float>(norm_w), eps);
 }
 
 // yb = wb . (A's output) after ya[i] = wa[i] . x, in one launch (matvec_chain.cu); false when it does not take them.
@@ -580,8 +603,11 @@ PYBIND11_MODULE(_ext, m) {
       .def("time_ms", &Graph::time_ms, py::arg("iters") = 20, py::arg("warmup") = 3);
   m.def("upload", &upload, py::arg("name"), py::arg("qtype"), py::arg("ne"), py::arg("raw"),
         "Upload GGUF blocks (C-contiguous bytes) of a tensor with GGUF shape ne; returns a resident Tensor.");
-  m.def("matvec", &matvec, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1,
-        "y[b, r] = W[r] . x[b, r // (rows / groups)]; x is [B, groups * ncols], B <= 8.");
+  m.def("matvec", &matvec, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1, py::arg("norm_w") = 0,
+        py::arg("eps") = 0.0f,
+        "y[b, r] = W[r] . x[b, r // (rows / groups)]; x is [B, groups * ncols], B <= 8. norm_w (device address, "
+        "batch 1): y = W . (rms_norm(x, eps) * norm_w); True when the norm was folded into the matvec launch, False "
+        "when it ran as its own launch (or there is none): the same bits.");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
@@ -610,8 +636,9 @@ PYBIND11_MODULE(_ext, m) {
   }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),
         "rows of float32 x as f16 hi (+ lo when lo != 0) parts of x / s, s = the row's largest magnitude");
   m.def("matvec_multi", &matvec_multi, py::arg("ws"), py::arg("x"), py::arg("ys"), py::arg("swiglu") = false,
-        py::arg("clamp") = 0.0f,
-        "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u). "
+        py::arg("clamp") = 0.0f, py::arg("norm_w") = 0, py::arg("eps") = 0.0f,
+        "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u); norm_w: "
+        "x -> rms_norm(x, eps) * norm_w (the bits of the rms_norm op). "
         "Returns False (nothing launched) when the matrices do not fit the streaming kernel.");
   m.def("matvec_chain", &matvec_chain, py::arg("wa"), py::arg("x"), py::arg("ya"), py::arg("groups_a"), py::arg("wb"),
         py::arg("yb"), py::arg("swiglu") = false, py::arg("clamp") = 0.0f,

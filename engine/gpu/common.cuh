@@ -112,11 +112,12 @@ void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __ha
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,
                    cudaStream_t stream, bool quantize = true);
 // matvec.cu / matvec_stream.cu: y_i = W_i . x for up to 4 matrices of one width and type (Q8_0 or F16), batch 1,
-// one launch; x_op MV_X_SWIGLU: x = swiglu(g, u) of x = [g | u] (2 ncols values, clamp c). False (nothing
-// launched) when the shapes or types do not fit that kernel or DS4_GPU_MV < 4.
-enum MvXOp { MV_X_PLAIN = 0, MV_X_SWIGLU = 1 };
+// one launch; x_op MV_X_SWIGLU: x = swiglu(g, u) of x = [g | u] (2 ncols values, clamp c); MV_X_RMS:
+// x = rms_norm(x) * norm_w with eps (the bits of launch_rms_norm's output; ncols a multiple of 4, at most 8192).
+// False (nothing launched) when the shapes or types do not fit that kernel or DS4_GPU_MV < 4.
+enum MvXOp { MV_X_PLAIN = 0, MV_X_SWIGLU = 1, MV_X_RMS = 2 };
 bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, const float* x, int x_op, float clamp,
-                         cudaStream_t stream);
+                         cudaStream_t stream, const float* norm_w = nullptr, float eps = 0.0f);
 // matvec_stream.cu: ask L2 to fetch byte ranges of weights that a later kernel streams (decode: during the
 // latency-bound kernels before it). mode 0: bulk prefetch (TMA), 1: one prefetch.global.L2 per 128-byte line.
 constexpr int PF_MAX_RANGES = 16;

@@ -247,7 +247,8 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
 
 
 def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning)."""
+    """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning). c: the
+    normalized q_a, or (q_a, (norm weight, eps)) for q_b's matvecs to normalize (DS4_GPU_NORM_FOLD)."""
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
@@ -259,7 +260,8 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                   freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
-    q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c)
+    c, q_norm = c if isinstance(c, tuple) else (c, None)
+    q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
     sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
     sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
     q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
@@ -273,7 +275,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
         comp = st["comp"]
         if r == 4 and comp.shape[0] > cfg.indexer_top_k:
             Hi, di = cfg.indexer_heads, cfg.indexer_dim
-            qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c), di, Hi, pos, freq=cfreq, rope_dim=rd,
+            qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm), di, Hi, pos, freq=cfreq, rope_dim=rd,
                              qat=cfg.indexer_qat)
             wi = W.mm(C.blk(li, L.IDX_PROJ), a)
             keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))

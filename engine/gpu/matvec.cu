@@ -117,7 +117,8 @@ static void launch_qt(const Packed& w, const float* x, const XQ& xq, int batch, 
 // matvec_stream.cu: the batch-1 streaming kernel for Q8_0 and F16 (x staged in the kernel unless xq is
 // given; up to 4 matrices of one width per launch); false if it does not take this shape.
 bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
-                          int x_op, float clamp, cudaStream_t stream, bool pdl);
+                          int x_op, float clamp, cudaStream_t stream, bool pdl, const float* norm_w = nullptr,
+                          float eps = 0.0f);
 
 // $DS4_GPU_MV selects the batch-1 kernels: 1 this file's, 2 matvec_stream.cu's for Q8_0, 3 the same with
 // programmatic dependent launch, 4 (default) also F16 and several matrices per launch (matvec_multi).
@@ -139,8 +140,8 @@ bool pdl_enabled() {
 }
 
 bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, const float* x, int x_op, float clamp,
-                         cudaStream_t stream) {
-  return mv_variant() >= 4 && launch_matvec_stream(ws, ys, nw, x, nullptr, 1, x_op, clamp, stream, true);
+                         cudaStream_t stream, const float* norm_w, float eps) {
+  return mv_variant() >= 4 && launch_matvec_stream(ws, ys, nw, x, nullptr, 1, x_op, clamp, stream, true, norm_w, eps);
 }
 
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,

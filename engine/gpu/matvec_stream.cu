@@ -68,10 +68,16 @@ static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_
 void set_mv_cap(int ctas_per_sm) { mv_cap_override() = ctas_per_sm > 0 ? ctas_per_sm : 0; }
 
 bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
-                          int x_op, float clamp, cudaStream_t stream, bool pdl) {
+                          int x_op, float clamp, cudaStream_t stream, bool pdl, const float* norm_w, float eps) {
   MvArgs a;
   int64_t rows = 0;
   if (!mv_args(ws, ys, nw, x, xq, groups, x_op, clamp, a, rows)) return false;
+  if (x_op == MV_X_RMS) {  // one x vector of rms_norm_kernel's float4 path (the shapes whose bits mv_rms_scale has)
+    if (groups != 1 || xq != nullptr || a.ncols % 4 || a.ncols > 16 * MV_RMS_THREADS || ((uintptr_t)norm_w & 15))
+      return false;
+    a.norm_w = norm_w;
+    a.eps = eps;
+  }
   if (ws[0]->qtype == QT_F16) launch_qt<QT_F16>(a, groups, rows, pdl, stream);
   else launch_qt<QT_Q8_0>(a, groups, rows, pdl, stream);
   return true;

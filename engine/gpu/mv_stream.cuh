@@ -9,7 +9,8 @@
 //   - stages x itself into shared memory (Q8_0: quantized with quantize_x_kernel's exact arithmetic;
 //     F16: as float32), after the first weight loads are already in flight, so a call is one launch;
 //   - optionally applies SwiGLU to x while staging it (x_op = MV_X_SWIGLU: x = [g | u] of 2 K values), so
-//     the shared expert's down projection needs no separate SwiGLU kernel;
+//     the shared expert's down projection needs no separate SwiGLU kernel, or an RMS norm (x_op = MV_X_RMS:
+//     x * rsqrt(mean(x^2) + eps) * w, the bits of rms_norm_kernel), so q_b needs no norm launch after q_a;
 //   - runs a persistent grid (resident CTAs only); each warp walks row tiles gw, gw + NW, ... over all
 //     segments and streams each tile in steps of C chunks, loading step n + 1 (two register buffers) before
 //     it computes step n, so a warp always has one to two steps of loads outstanding;
@@ -62,6 +63,8 @@ struct MvArgs {
   int quantize;
   int x_op;
   float clamp;  // MV_X_SWIGLU: x = silu(min(g, c)) * clamp(u, -c, c)
+  const float* norm_w;  // MV_X_RMS: x = rms_norm(x) * norm_w (null: no weight), one x vector (groups == 1) ...
+  float eps;            // ... of at most MV_RMS_THREADS * 16 values, a multiple of 4
 };
 
 // The segment of a tile: its matrix, output and the tile's index inside it (nseg <= 4, uniform per warp;
@@ -207,9 +210,65 @@ __device__ __forceinline__ float4 x_ld4(const float* p) {
   else return __ldg((const float4*)p);
 }
 
+// MV_X_RMS reads x with plain loads (L2 loads when COH: x written by this same grid). x is q_a's output, written
+// by the previous kernel; the weights of the norm through the read-only path.
 template <bool COH>
-__device__ __forceinline__ float4 x_load4(const MvArgs& a, int g, int col) {
+__device__ __forceinline__ float4 x_ld4_plain(const float* p) {
+  if constexpr (COH) return __ldcg((const float4*)p);
+  else return *(const float4*)p;
+}
+
+// MV_X_RMS: the 1 / rms of the one x vector (a.ncols values) with the bits rms_norm_kernel (fused.cu) computes.
+// That kernel runs RMS_THREADS = 512 threads; thread t sums the squares of its float4s i = t + 512 k (k < 4,
+// zeros past the end) as ss += fma(w, w, fma(z, z, fma(x, x, y * y))) in k order (the contraction nvcc makes of
+// its `v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w`: checked in its SASS), then block_sum: the xor-butterfly
+// warp sum (16, 8, 4, 2, 1) and the 16 warp sums added in order from 0; r = rsqrtf(ss / n + eps). Here each warp
+// plays that kernel's warps warp, warp + W, ... (cheap: a few thousand values, L2-resident) with the operations
+// spelled out, so the compiler's contraction choices in this kernel cannot change the bits. The 16 sums go
+// through the first 64 bytes of the x staging area (barriers on both sides; every thread of the CTA calls this).
+constexpr int MV_RMS_THREADS = 512;  // fused.cu's RMS_THREADS
+template <bool COH>
+__device__ __forceinline__ float mv_rms_scale(const MvArgs& a, unsigned char* smem) {
+  constexpr int VW = MV_RMS_THREADS / 32;
+  const int lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  const int n4 = a.ncols >> 2;
+  float* red = (float*)smem;
+  for (int vw = threadIdx.x >> 5; vw < VW; vw += W) {
+    const int t = 32 * vw + lane;
+    float4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = t + k * MV_RMS_THREADS;
+      v[k] = i < n4 ? x_ld4_plain<COH>(a.x + 4 * i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      ss = __fadd_rn(ss, __fmaf_rn(v[k].w, v[k].w, __fmaf_rn(v[k].z, v[k].z,
+                                                             __fmaf_rn(v[k].x, v[k].x, __fmul_rn(v[k].y, v[k].y)))));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+    if (lane == 0) red[vw] = ss;
+  }
+  __syncthreads();
+  float t = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VW; ++i) t = __fadd_rn(t, red[i]);
+  __syncthreads();  // the staging overwrites red
+  return rsqrtf(__fadd_rn(__fdiv_rn(t, (float)a.ncols), a.eps));
+}
+
+// rr: MV_X_RMS's 1 / rms (mv_rms_scale); x * rr * w as rms_norm_kernel multiplies (two roundings, in that order).
+template <bool COH>
+__device__ __forceinline__ float4 x_load4(const MvArgs& a, int g, int col, float rr = 1.0f) {
   if (col >= a.ncols) return make_float4(0.f, 0.f, 0.f, 0.f);
+  if (a.x_op == MV_X_RMS) {
+    const float4 v = x_ld4_plain<COH>(a.x + col);
+    if (!a.norm_w) return make_float4(__fmul_rn(v.x, rr), __fmul_rn(v.y, rr), __fmul_rn(v.z, rr), __fmul_rn(v.w, rr));
+    const float4 w = __ldg((const float4*)(a.norm_w + col));
+    return make_float4(__fmul_rn(__fmul_rn(v.x, rr), w.x), __fmul_rn(__fmul_rn(v.y, rr), w.y),
+                       __fmul_rn(__fmul_rn(v.z, rr), w.z), __fmul_rn(__fmul_rn(v.w, rr), w.w));
+  }
   if (a.x_op == MV_X_SWIGLU) {
     const float4 gv = x_ld4<COH>(a.x + col), uv = x_ld4<COH>(a.x + a.ncols + col);
     return make_float4(swiglu1(gv.x, uv.x, a.clamp), swiglu1(gv.y, uv.y, a.clamp), swiglu1(gv.z, uv.z, a.clamp),
@@ -225,12 +284,13 @@ template <int QT, bool COH = false>
 __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char* smem) {
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
   constexpr int QU = 8;
+  const float rr = a.x_op == MV_X_RMS ? mv_rms_scale<COH>(a, smem) : 1.0f;  // uniform: barriers inside
   if constexpr (QT == QT_F16) {
     float* s_x = (float*)smem;
     for (int base = 4 * tid; base < a.kpad; base += 4 * nthr * QU) {
       float4 v[QU];
 #pragma unroll
-      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr);
+      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr, rr);
 #pragma unroll
       for (int u = 0; u < QU; ++u) {
         const int col = base + u * 4 * nthr;
@@ -244,7 +304,7 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
     for (int base = 4 * tid; base < a.kpad; base += 4 * nthr * QU) {
       float4 v[QU];
 #pragma unroll
-      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr);
+      for (int u = 0; u < QU; ++u) v[u] = x_load4<COH>(a, g, base + u * 4 * nthr, rr);
 #pragma unroll
       for (int u = 0; u < QU; ++u) {
         const int col = base + u * 4 * nthr;

@@ -52,6 +52,9 @@ ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered key
 
 PREFETCH_POINTS = ("oa", "ob", "sh", "qb")
 PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
+# decode with the fused kernels: q_a's RMS norm applied by q_b's (and the indexer's q_b) matvec while it stages x,
+# not by its own launch (the same bits); read once, an A/B switch
+NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "0") == "1"
 
 
 def parse_prefetch(spec: str) -> dict[str, float]:
@@ -400,7 +403,10 @@ class Session(Timeline):
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
             qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
-            c = self._rms_norm(qa, W.vec(C.blk(li, L.ATTN_Q_A_NORM)))
+            q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
+            # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
+            c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
+                qa.shape[0] == 1 else self._rms_norm(qa, q_norm)
             pending = (attn(li, a, c, kv), None, post, comb)
             self.prefetch("sh", self._shexp(li))  # streamed after the mHC, the router and the routed experts
             X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM, pending)

@@ -57,6 +57,7 @@ class Weights:
             self.ext.reserve_scratch(64 << 20)
         self._mats: dict[str, object] = {}
         self._vecs: dict[str, torch.Tensor] = {}
+        self.folded_norms = 0  # mm(..., norm=) launches whose matvec applied the RMS norm itself (see mm)
 
     # ---- storage ---------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor:
@@ -112,10 +113,23 @@ class Weights:
     def _sync_stream(self) -> None:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def mm(self, name: str, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-        """x [T, groups·in] → [T, out] for a 2-D weight W[out, in] (groups: block-diagonal rows)."""
+    def mm(self, name: str, x: torch.Tensor, groups: int = 1,
+           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """x [T, groups·in] → [T, out] for a 2-D weight W[out, in] (groups: block-diagonal rows).
+        norm = (w, eps): the product of rms_norm(x) * w instead; for one token on CUDA the streaming matvec applies
+        the norm while it stages x (no norm launch), with the bits of the rms_norm kernel's output."""
         w = self.mat(name)
         x = x.contiguous()
+        if norm is not None:
+            nw, eps = norm
+            if self.ext is not None and x.shape[0] == 1 and groups == 1 and not isinstance(w, torch.Tensor):
+                self._sync_stream()
+                y = torch.empty((1, w.nrows), dtype=F32, device=self.device)
+                # the extension falls back to its rms_norm launch where the streaming kernel declines W
+                self.folded_norms += bool(self.ext.matvec(w, self._arr(x), self._arr(y), 1, nw.contiguous().data_ptr(),
+                                                          float(eps)))
+                return y
+            x = self._rms_norm(x, nw, eps)
         if isinstance(w, torch.Tensor):
             if self.emulate and self._quantized(name):
                 x = ops.quantize_hilo(x)
@@ -132,6 +146,16 @@ class Weights:
         for i in range(0, T, 8):
             xs, ys = x[i:i + 8], y[i:i + 8]
             self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
+        return y
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
+        if self.ext is None:
+            return ops.rms_norm(x, w, eps)
+        y = torch.empty_like(x)
+        self._sync_stream()
+        n = x.shape[-1]
+        self.ext.rms_norm(x.data_ptr(), w.contiguous().data_ptr(), y.data_ptr(), x.numel() // n, n, float(eps))
         return y
 
     def mm_then(self, first: str, x: torch.Tensor, groups: int, second: str) -> torch.Tensor:
