@@ -235,10 +235,18 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
     r = cfg.ratio(li)
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
-    for indexer in ((False, True) if r == 4 else (False,)):
-        names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM) if indexer else \
-            (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)
-        kv_c, sc_c = W.mm_many([C.blk(li, names[0]), C.blk(li, names[1])], a)
+    jobs = (False, True) if r == 4 else (False,)
+    names_of = {True: (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM),
+                False: (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)}
+    mats = [C.blk(li, names_of[ix][j]) for ix in jobs for j in (0, 1)]
+    # both compressors' kv and score products in one launch where the four matrices share type and width
+    ws = [W.mat(n) for n in mats]
+    outs = W.mm_many(mats, a) if all(not isinstance(w, torch.Tensor) for w in ws) and \
+        len({(w.qtype, w.ncols) for w in ws}) == 1 else \
+        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    for j, indexer in enumerate(jobs):
+        names = names_of[indexer]
+        kv_c, sc_c = outs[2 * j], outs[2 * j + 1]
         s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
             (st["comp_kv"], st["comp_score"], st["comp"])
         K.compress_step(kv_c, sc_c, W.vec(C.blk(li, names[2])), s_kv, s_sc, rows, pos, 4 if indexer else r,
