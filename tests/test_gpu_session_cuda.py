@@ -174,20 +174,23 @@ def test_chained_matvecs_leave_the_logits_bitwise_equal(models, monkeypatch):
     assert np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("names,per_sm", [("ffn", 0), ("comp", 0), ("ffn,comp", 1)])
+@pytest.mark.parametrize("names,per_sm", [("ffn", 0), ("comp", 0), ("idx", 0), ("ffn,comp,idx", 0), ("ffn,comp", 1)])
 def test_graph_branches_leave_the_logits_bitwise_equal(models, monkeypatch, names, per_sm):
-    """DS4_GPU_BRANCH: the shared expert and the compressors on a side stream of the decode graph (with the
-    side's streaming matvecs capped per SM) compute the same kernels on the same inputs: the same bits."""
+    """DS4_GPU_BRANCH: the shared expert, the compressors and the indexer on a side stream of the decode graph
+    (with the side's streaming matvecs capped per SM) compute the same kernels on the same inputs: the same
+    bits. ctx 512 on `small` has more compressed rows than its indexer's top-k, so `idx` takes its branch."""
     from ds4.engine.gpu import branches
     from ds4.engine.gpu.session import Session as GpuSession
 
     m = models["small"]
     toks = _prompt(m.config, 40, seed=7)
-    base = GpuSession(m, ctx=256)
+    monkeypatch.setattr(branches, "BRANCHES", frozenset())
+    base = GpuSession(m, ctx=512)
+    assert base.side is None
     want = np.stack([base.decode(t) for t in toks])
     monkeypatch.setattr(branches, "BRANCHES", branches.parse_branches(names))
     monkeypatch.setattr(branches, "SIDE_PER_SM", per_sm)
-    g = GpuSession(m, ctx=256, weights=base.W)
+    g = GpuSession(m, ctx=512, weights=base.W)
     forks = []
     real = branches.SideStream.fork
     monkeypatch.setattr(branches.SideStream, "fork", lambda self: forks.append(1) or real(self))

@@ -254,6 +254,22 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
                         0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
 
 
+def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: torch.Tensor) -> torch.Tensor:
+    """The indexer's top-k compressed rows for the decode token of ratio-4 layer li (its compressor step done)."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
+    Hi, di = cfg.indexer_heads, cfg.indexer_dim
+    qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm), di, Hi, pos, freq=sess._freq[True],
+                     rope_dim=cfg.rope_dim, qat=cfg.indexer_qat)
+    wi = W.mm(C.blk(li, L.IDX_PROJ), a)
+    keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
+    # one block: faster than torch.topk up to some 50k rows (H200), slower at 262144
+    return K.topk(keys, cfg.indexer_top_k, pos, 4) if keys.numel() <= TOPK_KERNEL_MAX_ROWS else \
+        torch.topk(keys, cfg.indexer_top_k).indices
+
+
 def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning). c: the
     normalized q_a, or (q_a, (norm weight, eps)) for q_b's matvecs to normalize (DS4_GPU_NORM_FOLD)."""
@@ -264,31 +280,31 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     r = cfg.ratio(li)
     H, d, rd = cfg.n_head, cfg.head_dim, cfg.rope_dim
     freq = sess._freq[r != 0]
-    cfreq = sess._freq[True]
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                   freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
     c, q_norm = c if isinstance(c, tuple) else (c, None)
+    indexed = r == 4 and st["comp"].shape[0] > cfg.indexer_top_k  # static: the compressed rows' capacity
+    side_index = indexed and sess._in_step and "idx" in sess._branches
+    sel = None
+    if side_index:  # the indexer's chain beside q_b and its RoPE (DS4_GPU_BRANCH=idx)
+        with sess.side.fork():  # after this layer's compressor steps when those are on the side already
+            if not sess._comp_forked:
+                compress_steps(sess, li, a, pos)
+            sel = index_select(sess, li, a, c, q_norm, pos)
     q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
     sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
     sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
     q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
                     also=kv_job)  # the KV row into the ring in the same launch
-    comp = sel = None
+    comp = None
     if r:
-        if sess._comp_forked:  # launched on the side branch after the mHC pre (DS4_GPU_BRANCH=comp)
+        if sess._comp_forked or side_index:  # launched on the side branch (DS4_GPU_BRANCH=comp / idx)
             sess.side.join()
         else:
             compress_steps(sess, li, a, pos)
         comp = st["comp"]
-        if r == 4 and comp.shape[0] > cfg.indexer_top_k:
-            Hi, di = cfg.indexer_heads, cfg.indexer_dim
-            qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm), di, Hi, pos, freq=cfreq, rope_dim=rd,
-                             qat=cfg.indexer_qat)
-            wi = W.mm(C.blk(li, L.IDX_PROJ), a)
-            keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
-            # one block: faster than torch.topk up to some 50k rows (H200), slower at 262144
-            sel = K.topk(keys, cfg.indexer_top_k, pos, 4) if keys.numel() <= TOPK_KERNEL_MAX_ROWS else \
-                torch.topk(keys, cfg.indexer_top_k).indices
+        if indexed and not side_index:
+            sel = index_select(sess, li, a, c, q_norm, pos)
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
     return W.mm_then(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
