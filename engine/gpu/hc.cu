@@ -68,8 +68,30 @@ __device__ __forceinline__ void hc_post_cols(const float* X, const HcPost& hp, i
   }
 }
 
+// Rows m0, m0 + 8, m0 + 16, m0 + 24 of the mix weights at this lane's 8 columns of slice p (0 past M or nD).
+__device__ __forceinline__ void hc_mix_load_w(const float* Wf, int M, int nD, int p, int m0, float (&w)[4][8]) {
+  const int c0 = p * HC_COLS + (threadIdx.x & 31) * 8;
+  const bool full = c0 + 8 <= nD;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int m = m0 + 8 * j;
+    const float* wr = Wf + (int64_t)m * nD + c0;
+    if (m < M && full) {
+      float4 a = __ldg((const float4*)wr), b = __ldg((const float4*)(wr + 4));
+      w[j][0] = a.x; w[j][1] = a.y; w[j][2] = a.z; w[j][3] = a.w;
+      w[j][4] = b.x; w[j][5] = b.y; w[j][6] = b.z; w[j][7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[j][i] = (m < M && c0 + i < nD) ? wr[i] : 0.0f;
+    }
+  }
+}
+
+// w0: the warp's first rows (m0 = warp), loaded by the caller (hc_mix_load_w); the mix weights never depend
+// on earlier kernels, so the one-launch kernel issues those loads before it waits for its predecessor.
 __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, int M, int nD, int P, float* part,
-                                             int p, int t, const HcPost& hp = HcPost(), int n = 0, int D = 0) {
+                                             int p, int t, const float (&w0)[4][8], const HcPost& hp = HcPost(),
+                                             int n = 0, int D = 0) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c0 = p * HC_COLS + lane * 8;
   const bool full = c0 + 8 <= nD;
@@ -96,18 +118,13 @@ __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, in
   }
   for (int m0 = warp; m0 < M; m0 += 32) {  // up to 4 rows per warp, all loads issued before use
     float w[4][8];
+    if (m0 == warp) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int m = m0 + 8 * j;
-      const float* wr = Wf + (int64_t)m * nD + c0;
-      if (m < M && full) {
-        float4 a = __ldg((const float4*)wr), b = __ldg((const float4*)(wr + 4));
-        w[j][0] = a.x; w[j][1] = a.y; w[j][2] = a.z; w[j][3] = a.w;
-        w[j][4] = b.x; w[j][5] = b.y; w[j][6] = b.z; w[j][7] = b.w;
-      } else {
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[j][i] = (m < M && c0 + i < nD) ? wr[i] : 0.0f;
-      }
+        for (int i = 0; i < 8; ++i) w[j][i] = w0[j][i];
+    } else {
+      hc_mix_load_w(Wf, M, nD, p, m0, w);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -121,8 +138,11 @@ __device__ __forceinline__ void hc_mix_block(const float* X, const float* Wf, in
 }
 __global__ void __launch_bounds__(256) hc_mix_kernel(const float* X, const float* Wf, int M, int nD, int P,
                                                      float* part) {
-  pdl_begin();
-  hc_mix_block(X, Wf, M, nD, P, part, blockIdx.x, blockIdx.y);
+  pdl_trigger();
+  float w0[4][8];  // weights: requested before the wait for the predecessor
+  hc_mix_load_w(Wf, M, nD, blockIdx.x, threadIdx.x >> 5, w0);
+  pdl_wait();
+  hc_mix_block(X, Wf, M, nD, P, part, blockIdx.x, blockIdx.y, w0);
 }
 
 // mHC pre, pass 2, token blockIdx.x (1024 threads): mix = sum of the P partials (warp m sums row m),
@@ -323,13 +343,16 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
                                                                  const float* norm_w, int n, int D, int iters,
                                                                  float eps_rms, float eps_hc, bool head, float* out,
                                                                  float* post_out, float* comb_out, HcPost hp) {
-  pdl_begin();
+  pdl_trigger();
+  float w0[4][8];  // the first mix rows of this warp: weights, so requested before the wait for the predecessor
+  hc_mix_load_w(Wf, M, n * D, blockIdx.x, threadIdx.x >> 5, w0);
+  pdl_wait();
   __shared__ float s_part[HC1_MAX_PART];
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float red[32];
   __shared__ bool last;
   const int t = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t, hp, n, D);
+  hc_mix_block(X, Wf, M, n * D, P, part, blockIdx.x, t, w0, hp, n, D);
   __threadfence();
   __syncthreads();
   if (tid == 0) last = atomicAdd(&g_hc_count[t], 1u) == (unsigned)P - 1;
