@@ -1,4 +1,4 @@
-"""Decode's routed MoE in two launches (DS4_GPU_GU_XQ=1, engine/gpu/moe.cu GU_X_QUANT): the gate/up kernel
+"""Decode's routed MoE in two launches (DS4_GPU_GU_XQ=1, engine/gpu/moe.cu GU_X_QUANT; =2: x only): the gate/up kernel
 quantizes the token's x into shared memory and h into the down kernel's input itself, with quantize_x_kernel's
 arithmetic, so the outputs are bitwise those of the four-launch path (NaN-poisoned ones included), and both are
 held to the numpy reference. The h blocks' arrival counts are reset by the kernel: repeated calls and graph
@@ -88,11 +88,12 @@ np.savez(sys.argv[2], **out)
 """
 
 
-def run(tmp_path: Path, xq: bool, ref: bool) -> dict:
+def run(tmp_path: Path, xq: str | None, ref: bool) -> dict:
+    """xq: DS4_GPU_GU_XQ's value ("1": x and h quantized by gate/up, "2": x only), None: unset."""
     env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_GU_XQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS")}
     if xq:
-        env["DS4_GPU_GU_XQ"] = "1"
-    out = tmp_path / f"moe_xq{int(xq)}.npz"
+        env["DS4_GPU_GU_XQ"] = xq
+    out = tmp_path / f"moe_xq{xq or 0}.npz"
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run([sys.executable, "-c", SCRIPT, tests, str(out), "ref" if ref else "-",
                            json.dumps(MIXES)], env=env,
@@ -105,10 +106,11 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-def test_two_launch_moe_gives_the_four_launch_bits_and_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("mode,quantize_launches", [("1", 0), ("2", 1)])
+def test_two_launch_moe_gives_the_four_launch_bits_and_the_reference(tmp_path, mode, quantize_launches) -> None:
     from test_gpu_kernels import TOL, rel_err
 
-    on, off = run(tmp_path, True, True), run(tmp_path, False, False)
+    on, off = run(tmp_path, mode, True), run(tmp_path, None, False)
     for mix in MIXES:
         for case in ("", "_again", "_bad", "_after_bad"):
             assert np.array_equal(bits(on[mix + case]), bits(off[mix + case])), mix + case
@@ -120,8 +122,8 @@ def test_two_launch_moe_gives_the_four_launch_bits_and_the_reference(tmp_path) -
         assert rel_err(on[mix], on[mix + "_ref"]) <= TOL, mix
     assert np.array_equal(bits(on["q2_graph"]), bits(on["q2"]))
     assert np.array_equal(bits(off["q2_graph"]), bits(off["q2"]))
-    if (on["q2_counts"] >= 0).all():  # the switch removed exactly the two quantize_x launches
-        assert on["q2_counts"].tolist() == [0, 1, 1], on["q2_counts"]
+    if (on["q2_counts"] >= 0).all():  # the switch removed exactly its quantize_x launches
+        assert on["q2_counts"].tolist() == [quantize_launches, 1, 1], on["q2_counts"]
         assert off["q2_counts"].tolist() == [2, 1, 1], off["q2_counts"]
 
 
@@ -146,15 +148,16 @@ def test_decode_session_logits_are_bitwise_the_four_launch_ones(tmp_path) -> Non
     model = tmp_path / "small.gguf"
     quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
     logits = []
-    for xq in (True, False):
+    for xq in ("1", "2", None):
         env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_GU_XQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS")}
         env["DS4_GPU_COMPILE"] = "0"  # the same elementwise code in both runs, without torch.compile's time
         if xq:
-            env["DS4_GPU_GU_XQ"] = "1"
-        out = tmp_path / f"logits_xq{int(xq)}.npy"
+            env["DS4_GPU_GU_XQ"] = xq
+        out = tmp_path / f"logits_xq{xq or 0}.npy"
         done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         logits.append(np.load(out))
     assert np.isfinite(logits[0]).all()
-    assert np.array_equal(bits(logits[0]), bits(logits[1]))
+    assert np.array_equal(bits(logits[0]), bits(logits[2]))
+    assert np.array_equal(bits(logits[1]), bits(logits[2]))

@@ -3,7 +3,7 @@
 // Two kernels: gate+up (one warp computes RH rows of W1 and the same rows of W3, SwiGLU in the
 // epilogue) and down (the k experts of a token are one long dot product, so the sum needs no atomics).
 // Their inputs x and h are quantized by quantize_x_kernel launches, except for DS4_GPU_GU_XQ=1 (decode), where
-// gate/up quantizes both itself (GU_X_QUANT below): two launches instead of four.
+// gate/up quantizes both itself (GU_X_QUANT below): two launches instead of four; DS4_GPU_GU_XQ=2: x only.
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
       }
     }
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
-    if constexpr (XM == GU_X_QUANT) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);
+    if constexpr (XM == GU_X_QUANT)
+      if (xq_h.hi) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);  // null: mode 2
   }
 }
 
@@ -269,11 +270,13 @@ static bool gateup_x_shared() {  // $DS4_GPU_GU_XS=1: stage the one token's x in
   return v;
 }
 
-// $DS4_GPU_GU_XQ=1: decode's routed MoE in two launches (gate/up quantizes x and h itself; A/B, default off)
-static bool gateup_x_quant() {
-  static const bool v = [] {
+// $DS4_GPU_GU_XQ: 1 = decode's routed MoE in two launches (gate/up quantizes x and, through arrival counts, h
+// itself); 2 = gate/up quantizes x only (three launches: the count's fence and atomic per unit stay out of
+// gate/up); unset or 0 = four launches (the default). An A/B switch (v8: mode 1 slower; mode 2 not measured).
+static int gateup_x_quant() {
+  static const int v = [] {
     const char* e = getenv("DS4_GPU_GU_XQ");
-    return e && e[0] == '1';
+    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
   }();
   return v;
 }
@@ -327,7 +330,7 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
 // XQ (decode): gate/up from the float32 x of the one token, h also quantized into xq_h; only where
 // gateup_xq_takes.
 static bool gateup_xq_takes(int qtype, int tokens, int n_embd, int n_ff, int k) {
-  return gateup_x_quant() && !(qtype == QT_IQ2_XXS && gateup_mma_enabled()) && tokens == 1 && n_embd % 256 == 0 &&
+  return gateup_x_quant() != 0 && !(qtype == QT_IQ2_XXS && gateup_mma_enabled()) && tokens == 1 && n_embd % 256 == 0 &&
          n_ff % 256 == 0 && gu_xs_bytes(n_embd) <= 32 * 1024 && (int64_t)k * (n_ff / 32) <= GU_XQ_MAX_BLOCKS;
 }
 
@@ -336,11 +339,12 @@ static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int
                              cudaStream_t stream) {
   XQ xq;  // only n: the planes are the kernel's shared memory
   xq.n = (int)gate.ncols;
+  const XQ xq_h = gateup_x_quant() == 1 ? s.xq_h : XQ();  // mode 2: h is quantized by its own launch
   switch (gate.qtype) {
-    case QT_Q8_0: launch_gateup_rows_as<QT_Q8_0, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
-    case QT_Q4_K: launch_gateup_rows_as<QT_Q4_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
-    case QT_Q2_K: launch_gateup_rows_as<QT_Q2_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
-    case QT_IQ2_XXS: launch_gateup_rows_as<QT_IQ2_XXS, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, s.xq_h); break;
+    case QT_Q8_0: launch_gateup_rows_as<QT_Q8_0, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, xq_h); break;
+    case QT_Q4_K: launch_gateup_rows_as<QT_Q4_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, xq_h); break;
+    case QT_Q2_K: launch_gateup_rows_as<QT_Q2_K, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, xq_h); break;
+    case QT_IQ2_XXS: launch_gateup_rows_as<QT_IQ2_XXS, GU_X_QUANT>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, s.h, stream, x, xq_h); break;
     default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
   }
 }
@@ -391,6 +395,7 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   const int pairs = tokens * k;
   if (gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
     launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
+    if (gateup_x_quant() == 2) launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   } else {
     launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream);
     launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
