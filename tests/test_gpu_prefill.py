@@ -83,8 +83,12 @@ def test_gemm_matches_the_reference(qtype: Q, groups: int) -> None:
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"{qtype.name} groups={groups}: rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("mix", ["q2", "q4"])
-def test_moe_gemm_matches_the_reference(mix: str) -> None:
+@pytest.mark.parametrize("mix,cap_factor", [("q2", 2.0), ("q4", 2.0), ("q2", 1.0), ("q2", 0.25)])
+def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch) -> None:
+    """cap_factor (DS4_GPU_MOE_CAP): smaller ones send more of each expert's rows to the overflow GEMMs."""
+    from ds4.engine.gpu import weights as gw
+
+    monkeypatch.setattr(gw, "MOE_CAP_FACTOR", cap_factor)
     qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
     n_embd, n_ff, n_expert, k, T = 1024, 512, 16, 6, 40
     rng = np.random.default_rng(50 if mix == "q2" else 51)
@@ -103,7 +107,7 @@ def test_moe_gemm_matches_the_reference(mix: str) -> None:
     got = _weights()._moe_gemm(gate, up, down, torch.from_numpy(x).to(dev), torch.from_numpy(ids).long().to(dev),
                                torch.from_numpy(wts).to(dev), 10.0)
     err = rel_err(got.cpu().numpy().astype(np.float64), ref)
-    assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix}: rel err {err:.2e}"
+    assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix} cap x{cap_factor}: rel err {err:.2e}"
 
 
 def test_split_half_is_the_scaled_hi_lo_of_each_row() -> None:

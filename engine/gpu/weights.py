@@ -8,6 +8,7 @@ holds float32 torch tensors, so the session's logic runs (and is tested) on the 
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -30,6 +31,9 @@ EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") == "1"  # decode: dependent matvec pairs in one launch (A/B)
+# prefill routed experts: the padded batch holds up to this many times the mean load per expert (the rest of a
+# busy expert goes to plain GEMMs); padding rows cost GEMM work, overflow costs launches (A/B, v8: not measured)
+MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
 
 
@@ -306,7 +310,7 @@ class Weights:
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=n_expert)
         counts_host = counts.cpu().tolist()  # the one host sync of the layer
-        cap = min(max(counts_host), max(16, -(-2 * T * k // n_expert)))
+        cap = min(max(counts_host), max(16, math.ceil(MOE_CAP_FACTOR * T * k / n_expert)))
         starts = torch.cumsum(counts, 0) - counts
         e_sorted = flat[order]
         slot = torch.arange(T * k, device=self.device) - starts[e_sorted]
