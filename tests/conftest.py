@@ -37,6 +37,21 @@ def build_model(preset: str, out_dir: Path, seed: int = 0, gguf_type: str = "f16
     return gguf
 
 
+@pytest.fixture
+def ext_on_torch_stream():
+    """GPU tests that mix torch ops and extension ops: the extension launches on torch's current stream for the
+    test, and goes back to its own stream afterwards (graph captures of later tests use that one)."""
+    import torch
+
+    from ds4.engine import gpu
+
+    ext = gpu.load()
+    ext.set_stream(torch.cuda.current_stream().cuda_stream)
+    yield ext
+    torch.cuda.synchronize()
+    ext.reset_stream()
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return paths.data_dir()

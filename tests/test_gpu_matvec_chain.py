@@ -13,18 +13,10 @@ from ds4.gguf_tools.constants import QuantType as Q
 
 from test_gpu_kernels import random_blocks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason())),
+              pytest.mark.usefixtures("ext_on_torch_stream")]
 
 torch = pytest.importorskip("torch")
-
-
-@pytest.fixture(autouse=True)
-def _own_stream():
-    ext = gpu.load()
-    ext.set_stream(torch.cuda.current_stream().cuda_stream)
-    yield
-    torch.cuda.synchronize()
-    ext.reset_stream()
 
 
 def upload(name: str, qtype: Q, cols: int, rows: int, rng):

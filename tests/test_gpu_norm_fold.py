@@ -20,20 +20,12 @@ from ds4.gguf_tools.constants import QuantType as Q
 
 from test_gpu_kernels import TOL, dequant, random_blocks, rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason())),
+              pytest.mark.usefixtures("ext_on_torch_stream")]
 
 torch = pytest.importorskip("torch")
 EPS = 1e-6
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def _own_stream():
-    ext = gpu.load()
-    ext.set_stream(torch.cuda.current_stream().cuda_stream)
-    yield
-    torch.cuda.synchronize()
-    ext.reset_stream()
 
 
 def _arr(t: torch.Tensor):

@@ -23,19 +23,11 @@ from ds4.gguf_tools.constants import QuantType as Q
 from conftest import quantize_cli
 from test_gpu_kernels import random_blocks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason())),
+              pytest.mark.usefixtures("ext_on_torch_stream")]
 
 torch = pytest.importorskip("torch")
 SCORE_TOL = 1e-6  # routing weights against float64 (as tests/test_gpu_fused.py::test_router)
-
-
-@pytest.fixture(autouse=True)
-def _own_stream():
-    ext = gpu.load()
-    ext.set_stream(torch.cuda.current_stream().cuda_stream)
-    yield
-    torch.cuda.synchronize()
-    ext.reset_stream()
 
 
 def _p(t) -> int:

@@ -78,17 +78,7 @@ static bool launch_chain_rc(const MvArgs& a, const MvArgs& b, int groups_a, size
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int grid = per_sm * sm_count() / groups_a * groups_a;  // every CTA resident; groups_a divides it
   if (grid < groups_a) return false;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)grid, 1, 1);
-  cfg.blockDim = dim3(MV_MAX_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, b, groups_a));
+  launch_k(kernel, dim3((unsigned)grid), dim3(MV_MAX_THREADS), smem, stream, a, b, groups_a);
   return true;
 }
 

@@ -41,17 +41,7 @@ static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, boo
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t per_group = std::max<int64_t>(1, (int64_t)per_sm * sm_count() / groups);
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, per_group);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(gx, (unsigned)groups, 1);
-  cfg.blockDim = dim3((unsigned)threads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl && pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, matvec_stream_kernel<QT, R, C>, a));
+  launch_pdl(pdl, matvec_stream_kernel<QT, R, C>, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem, stream, a);
 }
 
 template <int QT>

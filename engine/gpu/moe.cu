@@ -302,18 +302,8 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   auto it = resident.find(smem);
   if (it == resident.end())
     it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM>, GU_THREADS, smem)).first;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second), 1, 1);
-  cfg.blockDim = dim3(GU_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_rows_kernel<QT, XM>, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp,
-                               units, h, x, xq_h));
+  launch_k(moe_gateup_rows_kernel<QT, XM>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
 template <int QT>

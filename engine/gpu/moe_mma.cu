@@ -285,18 +285,8 @@ bool launch_gateup_mma(const Packed& gate, const Packed& up, int n_ff, int n_exp
     }
   }
   const int per_cta = GM_WARPS / splits;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)std::min((units + per_cta - 1) / per_cta, resident), 1, 1);
-  cfg.blockDim = dim3(GM_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = GM_SMEM;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, moe_gateup_mma_kernel, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units,
-                               splits, h));
+  launch_k(moe_gateup_mma_kernel, dim3((unsigned)std::min((units + per_cta - 1) / per_cta, resident)), dim3(GM_THREADS),
+           GM_SMEM, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, splits, h);
   return true;
 }
 

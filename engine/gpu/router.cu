@@ -73,17 +73,7 @@ void launch_c(const MvArgs& a, const RouteArgs& r, int threads, size_t smem, cud
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t ctas = std::max<int64_t>(1, (int64_t)per_sm * sm_count());
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, ctas);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(gx, 1, 1);
-  cfg.blockDim = dim3((unsigned)threads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  DS4_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, r));
+  launch_k(kernel, dim3(gx), dim3((unsigned)threads), smem, stream, a, r);
 }
 
 // $DS4_GPU_MV as matvec.cu reads it: below 4, ext.matvec's F16 products run the general kernel (other sums),
