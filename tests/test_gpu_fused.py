@@ -125,6 +125,28 @@ def test_hc_post(K):
     assert rel(K.hc_post(X, y1, None, post, comb), ops.hc_post(X.double(), y1.double(), post.double(), comb.double())) < 1e-6
 
 
+def test_hc_post_four_stream_kernel_gives_the_generic_kernels_bits(K):
+    """n = 4 with 16-byte aligned rows takes hc_post4_kernel (float4 columns, comb and post in registers); a
+    misaligned copy of the same values takes the generic kernel: the bits must agree (prefill and decode share them)."""
+    g = torch.Generator().manual_seed(12)
+    T, n, D = 5, 4, 1000
+    X, y1, y2, post, comb = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n)
+
+    def misaligned(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        assert v.data_ptr() % 16 != 0
+        return v
+
+    for y2_ in (y2, None):
+        fast = K.hc_post(X, y1, y2_, post, comb)
+        generic = K.hc_post(misaligned(X), misaligned(y1), y2_, post, comb)
+        assert torch.equal(fast, generic)
+        ref = ops.hc_post(X.double(), (y1 if y2_ is None else y1 + y2_).double(), post.double(), comb.double())
+        assert rel(fast, ref) < 1e-6
+
+
 def test_norm_rope_heads_kv_ring_and_inverse(K):
     g = torch.Generator().manual_seed(3)
     T, H, d, rd = 2, 8, 512, 64

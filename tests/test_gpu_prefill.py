@@ -110,6 +110,66 @@ def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix} cap x{cap_factor}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("mix,spread,small", [("q2", 1.25, 64), ("q4", 1.25, 64), ("q2", 1.0, 0), ("q2", 100.0, 0)])
+def test_bucketed_moe_gemm_matches_the_reference(mix: str, spread: float, small: int, monkeypatch) -> None:
+    """The bucketed routed experts (moe_gemm.routed_experts): spread 1 and no small bucket give one bucket per
+    distinct count (plain GEMMs for single experts), 100 puts every expert into one batched GEMM; one expert is
+    much busier than the rest and one gets no token (it is neither dequantized nor multiplied)."""
+    from ds4.engine.gpu import moe_gemm
+
+    qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
+    n_embd, n_ff, n_expert, k, T = 1024, 512, 16, 6, 40
+    rng = np.random.default_rng(52 if mix == "q2" else 53)
+    gate_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
+    up_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
+    down_raw = random_blocks(qd, n_expert * n_embd, n_ff, rng).reshape(n_expert, n_embd, -1)
+    gate = gpu.upload("blk.1.ffn_gate_exps.weight", qg, (n_embd, n_ff, n_expert), gate_raw)
+    up = gpu.upload("blk.1.ffn_up_exps.weight", qg, (n_embd, n_ff, n_expert), up_raw)
+    down = gpu.upload("blk.1.ffn_down_exps.weight", qd, (n_ff, n_embd, n_expert), down_raw)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32) * 2.0
+    ids = np.stack([rng.choice(n_expert - 1, k, replace=False) for _ in range(T)]).astype(np.int32)  # 15 unused
+    ids[:30, 0] = 3
+    wts = rng.uniform(0.1, 0.5, (T, k)).astype(np.float32)
+    ref = moe_reference(gate_raw, up_raw, down_raw, qg, qd, x.astype(np.float64), ids, wts, 10.0)
+    counts = np.bincount(ids.reshape(-1), minlength=n_expert).tolist()
+    used, buckets, rows = moe_gemm.plan_buckets(counts, spread, small)
+    assert 15 not in used and sorted(used) == [e for e in range(n_expert) if counts[e]]
+    assert rows == sum(b.slots * b.cap for b in buckets) >= sum(counts)
+    if spread == 100.0:
+        assert len(buckets) == 1
+    elif spread == 1.0:
+        assert len(buckets) == len(set(counts) - {0})
+    monkeypatch.setattr(moe_gemm, "SPREAD", spread)
+    monkeypatch.setattr(moe_gemm, "SMALL_ROWS", small)
+    dev = torch.device("cuda")
+    got = moe_gemm.routed_experts(_weights(), gate, up, down, torch.from_numpy(x).to(dev),
+                                  torch.from_numpy(ids).long().to(dev), torch.from_numpy(wts).to(dev), 10.0)
+    err = rel_err(got.cpu().numpy().astype(np.float64), ref)
+    assert err <= (1e-5 if EXACT_GEMM else TOL), f"bucketed moe gemm {mix} spread {spread}: rel err {err:.2e}"
+
+
+def test_dequant_block_map_permutes_whole_experts() -> None:
+    """dequant with a block map writes expert block_map[b] as output block b, bit for bit the plain rows."""
+    rng = np.random.default_rng(54)
+    n_in, n_out, n_expert = 512, 64, 6
+    raw = random_blocks(Q.IQ2_XXS, n_expert * n_out, n_in, rng).reshape(n_expert, n_out, -1)
+    w = gpu.upload("blk.1.ffn_gate_exps.weight", Q.IQ2_XXS, (n_in, n_out, n_expert), raw)
+    W = _weights()
+    plain = torch.empty((n_expert * n_out, n_in), dtype=torch.float16, device="cuda")
+    plain_lo = torch.empty_like(plain)
+    W.ext.dequant(w, plain.data_ptr(), plain_lo.data_ptr(), 1024.0)
+    order = [4, 1, 5]
+    block_map = torch.tensor(order, dtype=torch.int32, device="cuda")
+    hi = torch.empty((len(order) * n_out, n_in), dtype=torch.float16, device="cuda")
+    lo = torch.empty_like(hi)
+    W.ext.dequant(w, hi.data_ptr(), lo.data_ptr(), 1024.0, 0, len(order) * n_out, -1, block_map.data_ptr(), n_out)
+    want = plain.view(n_expert, n_out, n_in)[order].reshape(-1, n_in)
+    want_lo = plain_lo.view(n_expert, n_out, n_in)[order].reshape(-1, n_in)
+    assert torch.equal(hi, want) and torch.equal(lo, want_lo)
+    with pytest.raises(ValueError, match="whole blocks"):
+        W.ext.dequant(w, hi.data_ptr(), lo.data_ptr(), 1024.0, 0, n_out + 1, -1, block_map.data_ptr(), n_out)
+
+
 def test_split_half_is_the_scaled_hi_lo_of_each_row() -> None:
     from ds4.engine.gpu.weights import to_half
 

@@ -58,15 +58,20 @@ def test_prefill_and_decode_match_the_cpu_engine(tiny, chunk):
     assert np.allclose(fa, fb, rtol=1e-4, atol=1e-5, equal_nan=True)
 
 
-def test_prefill_attention_in_query_blocks(tiny, monkeypatch):
-    """Prefill attention runs in blocks of queries (each reading its window view and its top-k rows);
-    the block size must not change the result."""
-    from ds4.engine.gpu import session as gpu_session
+@pytest.mark.parametrize("block, budget", [(7, None), (0, 1)])
+def test_prefill_attention_in_query_blocks(tiny, monkeypatch, block, budget):
+    """Prefill attention and the indexer run in blocks of queries (each reading its window view and its
+    top-k rows): a fixed size (7), or the byte budget's (1 byte: the 64-query minimum); the block size must
+    not change the result."""
+    from ds4.engine.gpu import prefill
 
     m = tiny.with_numerics(fp8_kv=False, indexer_qat=False)
     toks = _prompt(m.config, 200, seed=6)
     whole = GpuSession(m, ctx=256, device="cpu").prefill(toks, all_logits=True)
-    monkeypatch.setattr(gpu_session, "ATTN_BLOCK", 7)
+    monkeypatch.setattr(prefill, "ATTN_BLOCK", block)
+    if budget is not None:
+        monkeypatch.setattr(prefill, "ATTN_BYTES", budget)
+        assert prefill.block_rows(10**6) == 64
     blocks = GpuSession(m, ctx=256, device="cpu").prefill(toks, all_logits=True)
     ref = CpuSession(m, ctx=256).prefill(toks, all_logits=True)
     assert rel(blocks, whole) < 1e-6

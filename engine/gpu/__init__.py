@@ -79,7 +79,8 @@ def __getattr__(name: str) -> Any:  # gpu.matvec, gpu.Array, ... forward to the 
     return getattr(load(), name)
 
 
-_SUBMODULES = {"branches", "ops", "session", "bench_session", "smoke", "bench", "routing", "fused", "tc", "weights"}
+_SUBMODULES = {"branches", "moe_gemm", "ops", "prefill", "session", "bench_session", "smoke", "bench", "routing",
+               "fused", "tc", "trace_gaps", "weights"}
 
 
 def upload(name: str, qtype: int, ne: tuple[int, ...], raw: np.ndarray) -> Any:

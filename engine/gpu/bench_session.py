@@ -64,6 +64,41 @@ def count_kernels(model, W, ctx: int, top: int = 40, trace: str | None = None) -
     return profile_kernels(lambda: s.decode(10), top, trace)
 
 
+def prefill_gaps(model, W, n: int, chunk: int, rng, keep: str | None) -> dict:
+    """Trace one prefill of n tokens (after a warm-up of the same length) with host and device activities and
+    report where the device waited for the host (trace_gaps)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds4.engine.gpu import trace_gaps
+    from ds4.engine.gpu.session import Session
+
+    s = Session(model, ctx=n + 8, weights=W, prefill_chunk=chunk)
+    toks = rng.integers(2, model.config.vocab_size, n).tolist()
+    s.sync(toks)
+    s.invalidate()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.time()
+        s.sync(toks)
+        torch.cuda.synchronize()
+        dt = time.time() - t
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/prefill.json"
+        prof.export_chrome_trace(path)
+        r = trace_gaps.analyse(trace_gaps.load(path))
+        if keep:
+            with open(path, "rb") as src, (gzip.open if keep.endswith(".gz") else open)(keep, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    print(f"prefill {n} under the profiler (after a warm-up of the same length): {dt:.2f} s", flush=True)
+    trace_gaps.report(r)
+    r["wall_s"] = dt
+    return r
+
+
 def _print_profile(title: str, prof: dict) -> None:
     print(f"{title}: {prof['kernels']} kernels, summed kernel time {prof['kernel_us'] / 1e3:.2f} ms", flush=True)
     for row in prof["top"]:
@@ -86,9 +121,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
     ap.add_argument("--trace", help="with --count-kernels: write the step's chrome trace (kernel order, grids) here")
+    ap.add_argument("--prefill-runs", type=int, default=1, metavar="R",
+                    help="timed prefills per length (the table reports the first; later runs are printed too)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk (the session default)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="also profile the kernels of one prefill of N tokens")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N",
+                    help="also trace one prefill of N tokens (host and device) and print where the device idles")
+    ap.add_argument("--gaps-trace", help="with --gaps: keep that chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
@@ -119,17 +159,22 @@ def main(argv=None) -> int:
         s = Session(model, ctx=n + 8, weights=W, prefill_chunk=args.prefill_chunk)
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
         s.sync(toks[:min(n, 512)])  # warm-up (allocator, cuBLAS, the GEMM and matvec paths)
-        s.invalidate()
-        torch.cuda.synchronize()
-        before = allocator_counts()
-        t = time.time()
-        s.sync(toks)
-        torch.cuda.synchronize()
-        dt = time.time() - t
+        runs = []
+        for _ in range(args.prefill_runs):  # the first run of a length also pays its shapes' first calls
+            s.invalidate()
+            torch.cuda.synchronize()
+            before = allocator_counts()
+            t = time.time()
+            s.sync(toks)
+            torch.cuda.synchronize()
+            runs.append(time.time() - t)
+        dt = runs[0]
         alloc = {k: v - before[k] for k, v in allocator_counts().items()}
-        res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc})
-        print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s (allocator: {alloc['num_alloc_retries']} retries, "
-              f"{alloc['num_device_alloc']} cudaMalloc, {alloc['num_device_free']} cudaFree)", flush=True)
+        res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc,
+                               "runs_s": runs})
+        more = f"; later runs {', '.join(f'{n / r:.0f}' for r in runs[1:])} t/s" if len(runs) > 1 else ""
+        print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s{more} (allocator, last run: {alloc['num_alloc_retries']} "
+              f"retries, {alloc['num_device_alloc']} cudaMalloc, {alloc['num_device_free']} cudaFree)", flush=True)
         del s
     for P in args.ctx:
         s = Session(model, ctx=P + args.decode + 8, weights=W)
@@ -164,6 +209,8 @@ def main(argv=None) -> int:
         _print_profile(f"prefill of {n} tokens", prof)
         print(prof["ops_table"], flush=True)
         del s
+    if args.gaps:
+        res["prefill_gaps"] = prefill_gaps(model, W, args.gaps, args.prefill_chunk, rng, args.gaps_trace)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -110,7 +110,7 @@ void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t str
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
 // lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
-                    cudaStream_t stream);
+                    cudaStream_t stream, const int32_t* block_map = nullptr, int64_t block_rows = 0);
 // x [rows, n] f32 -> s[row] = max |x| (>= 1e-30), hi = f16(x / s), lo (if not null) = f16(x / s - hi).
 void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream);
 // matvec.cu: y[b, r] = W[r] . x[b, g(r)], x is [B, groups, ncols], row r in group r / (nrows / groups).

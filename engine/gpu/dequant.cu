@@ -32,9 +32,13 @@ __device__ __forceinline__ void warp_store_blocks(uint4* stage, const uint32_t (
   __syncwarp();
 }
 
+// block_map (prefill's routed experts): output rows come in blocks of block_rows (one expert's matrix), and output
+// block b is the weight's block block_map[b] (clamped into range), so the experts a chunk uses are written busiest
+// first, adjacent, in the order its grouped GEMMs take them; null: rows row0.. in order.
 template <int QT>
 __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t row0, int64_t nrows, __half* out,
-                                                             __half* lo_out, int64_t ld, float scale) {
+                                                             __half* lo_out, int64_t ld, float scale,
+                                                             const int32_t* block_map, int64_t block_rows) {
   __shared__ unsigned long long grid[256];
   __shared__ uint4 stage[DQ_THREADS / 32][128];
   if constexpr (QT == QT_IQ2_XXS) {
@@ -46,8 +50,14 @@ __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t r
   const bool valid = i < nrows * nxb;
   const int64_t r = valid ? i / nxb : 0;
   const int xb = valid ? (int)(i % nxb) : 0;
-  const uint8_t* qrow = w.qs + (row0 + r) * w.qs_row;
-  const uint8_t* srow = w.sc + (row0 + r) * w.sc_row;
+  int64_t src = row0 + r;
+  if (block_map) {
+    const int64_t blk = r / block_rows, n_blocks = w.nrows / block_rows;
+    const int64_t from = min(max((int64_t)block_map[blk], (int64_t)0), n_blocks - 1);
+    src = from * block_rows + (r - blk * block_rows);
+  }
+  const uint8_t* qrow = w.qs + src * w.qs_row;
+  const uint8_t* srow = w.sc + src * w.sc_row;
   RawXb raw;
   load_xb<QT>(qrow, srow, xb, nb, raw);
   XbCodes c;
@@ -81,8 +91,14 @@ __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t r
 }
 
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
-                    cudaStream_t stream) {
-  if (row0 < 0 || nrows < 0 || row0 + nrows > w.nrows) throw std::invalid_argument("dequant: rows out of range");
+                    cudaStream_t stream, const int32_t* block_map, int64_t block_rows) {
+  if (block_map) {
+    if (block_rows <= 0 || w.nrows % block_rows || nrows % block_rows || row0 != 0)
+      throw std::invalid_argument("dequant: a block map needs row0 = 0 and rows in whole blocks of block_rows");
+    if (w.qtype == QT_F16) throw std::invalid_argument("dequant: F16 rows take no block map");
+  } else if (row0 < 0 || nrows < 0 || row0 + nrows > w.nrows) {
+    throw std::invalid_argument("dequant: rows out of range");
+  }
   if (ld < w.ncols || ld % 8) throw std::invalid_argument("dequant: ld must be >= ncols and a multiple of 8");
   if (nrows == 0) return;
   if (w.qtype == QT_F16) {  // already f16: a copy (exact, so no lo part and no scale)
@@ -94,10 +110,14 @@ void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, _
   const int64_t threads = nrows * (w.ncols / 32);
   const unsigned blocks = (unsigned)((threads + DQ_THREADS - 1) / DQ_THREADS);
   switch (w.qtype) {
-    case QT_Q8_0: dequant_kernel<QT_Q8_0><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
-    case QT_Q4_K: dequant_kernel<QT_Q4_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
-    case QT_Q2_K: dequant_kernel<QT_Q2_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
-    case QT_IQ2_XXS: dequant_kernel<QT_IQ2_XXS><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale); break;
+    case QT_Q8_0: dequant_kernel<QT_Q8_0><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
+                                                                           block_rows); break;
+    case QT_Q4_K: dequant_kernel<QT_Q4_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
+                                                                           block_rows); break;
+    case QT_Q2_K: dequant_kernel<QT_Q2_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
+                                                                           block_rows); break;
+    case QT_IQ2_XXS: dequant_kernel<QT_IQ2_XXS><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
+                                                                           block_rows); break;
     default: throw std::invalid_argument("dequant: quant type " + std::to_string(w.qtype) + " has no GPU kernel");
   }
   DS4_CHECK_LAUNCH("dequant_kernel");

@@ -4,6 +4,7 @@
 # Usage: bash engine/gpu/device_fused.sh [ctx...]
 # Env: KERNEL_TESTS, SESSION_TESTS (none: skip), BENCH=0 (tests only; the synthetic GGUF stays in /dev/shm for the
 #      next call while the machine is warm), PREFILL (prefill lengths), PREFILL_CHUNK, PROFILE_PREFILL (tokens: kernels of one prefill),
+#      PREFILL_RUNS (timed prefills per length), GAPS (tokens: where one prefill leaves the device idle, by section),
 #      PREFILL_AB (prefill GEMM modes to compare), MV_AB (batch-1 Q8_0 kernels to compare),
 #      ENV_AB (runs with other kernel switches, e.g. "DS4_GPU_HC_ONE=0 DS4_GPU_PDL=0": decode at AB_CTX, default
 #      2048, and prefill of AB_PREFILL tokens, default none; AB_COUNT=regex: kernels of one step matching it;
@@ -26,7 +27,7 @@ echo "== session tests $(( $(date +%s) - T0 ))s"
 [ -z "$SYN" ] || wait $SYN; cat "$OUT/synth.log"
 [ "${BENCH:-1}" = 0 ] && { stamp "done (BENCH=0: no benchmark)"; exit 0; }
 echo "== bench $(( $(date +%s) - T0 ))s"
-timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-8192} --profile-prefill ${PROFILE_PREFILL:-0} --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -${BENCH_TAIL:-24}
+timeout ${BENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${*:-2048 32768} --decode 64 --prefill ${PREFILL:-512} --prefill-chunk ${PREFILL_CHUNK:-8192} --prefill-runs ${PREFILL_RUNS:-1} --profile-prefill ${PROFILE_PREFILL:-0} --gaps ${GAPS:-0} --gaps-trace "$OUT/gaps.json.gz" --count-kernels --trace "$OUT/trace.json" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | grep -v -i warn | tail -${BENCH_TAIL:-24}
 gzip -f "$OUT/trace.json" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/bench.log" 2>&1
 for mv in ${MV_AB:-}; do  # A/B of the batch-1 Q8_0 matvec kernels: kernel table and the session at 2k
@@ -39,7 +40,7 @@ done
 for envs in ${ENV_AB:-}; do  # A/B of switches read by the kernels: "VAR=v[,VAR2=w]" per run, decode at 2k + prefill
   stamp "env $envs"; echo "== env $envs" >> "$OUT/env_ab.log"
   env ${envs//,/ } timeout 150 python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx ${AB_CTX:-2048} --decode 64 \
-    --prefill ${AB_PREFILL:-} --prefill-chunk ${PREFILL_CHUNK:-8192} ${AB_COUNT:+--count-kernels} 2>&1 | tee -a "$OUT/env_ab.log" \
+    --prefill ${AB_PREFILL:-} --prefill-chunk ${PREFILL_CHUNK:-8192} --prefill-runs ${PREFILL_RUNS:-1} ${AB_COUNT:+--count-kernels} 2>&1 | tee -a "$OUT/env_ab.log" \
     | grep -E "prefill|decode|summed|${AB_COUNT:-^$}"
 done
 for mode in ${PREFILL_AB:-}; do  # prefill GEMM precision modes (weights.py): exact (hi/lo) or f16

@@ -449,6 +449,52 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
   }
 }
 
+// hc_post_kernel for n = 4 streams (Flash, Pro) and aligned rows: 4 columns per thread in float4s, and comb and post
+// read into registers before any store (the stores may alias X, so the generic kernel reloads them after each
+// store: a dependent L1 round trip per stream). Same operations in the same order: the same bits.
+__global__ void hc_post4_kernel(const float* X, const float* y1, const float* y2, const float* post, const float* comb,
+                                int D, float* Xo) {
+  constexpr int N = 4;
+  pdl_begin();
+  const int t = blockIdx.y;
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  if (d >= D) return;
+  float cb[N][N], pb[N];
+#pragma unroll
+  for (int a = 0; a < N; ++a) {
+    pb[a] = post[(int64_t)t * N + a];
+#pragma unroll
+    for (int b = 0; b < N; ++b) cb[a][b] = comb[((int64_t)t * N + a) * N + b];
+  }
+  float x[N][4];
+#pragma unroll
+  for (int a = 0; a < N; ++a) {
+    const float4 v = *(const float4*)(X + ((int64_t)t * N + a) * D + d);
+    x[a][0] = v.x; x[a][1] = v.y; x[a][2] = v.z; x[a][3] = v.w;
+  }
+  float y[4];
+  {
+    const float4 v = *(const float4*)(y1 + (int64_t)t * D + d);
+    y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
+  }
+  if (y2) {
+    const float4 v = *(const float4*)(y2 + (int64_t)t * D + d);
+    y[0] += v.x; y[1] += v.y; y[2] += v.z; y[3] += v.w;
+  }
+#pragma unroll
+  for (int b = 0; b < N; ++b) {
+    float o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float s = 0.0f;
+#pragma unroll
+      for (int a = 0; a < N; ++a) s += cb[a][b] * x[a][j];
+      o[j] = pb[b] * y[j] + s;
+    }
+    *(float4*)(Xo + ((int64_t)t * N + b) * D + d) = make_float4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 }  // namespace
 
 // ---- launchers -------------------------------------------------------------------------------------
@@ -524,6 +570,12 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s) {
   if (n > 16) throw std::invalid_argument("hc_post: at most 16 streams");
+  const auto aligned = [](const void* p) { return ((uintptr_t)p & 15u) == 0; };
+  if (n == 4 && D % 4 == 0 && aligned(X) && aligned(y1) && aligned(y2) && aligned(Xo)) {
+    launch_k(hc_post4_kernel, dim3((D / 4 + 255) / 256, T), dim3(256), 0, s, X, y1, y2, post, comb, D, Xo);
+    DS4_CHECK_LAUNCH("hc_post4");
+    return;
+  }
   dim3 grid((D + 255) / 256, T);
   launch_k(hc_post_kernel, dim3(grid), dim3(256), 0, s, X, y1, y2, post, comb, n, D, Xo);
   DS4_CHECK_LAUNCH("hc_post");

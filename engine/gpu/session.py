@@ -40,13 +40,12 @@ from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, Timeline, kv_by
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
-from . import branches, fused, ops, tc
+from . import branches, fused, ops, prefill, tc
 from .weights import Weights, default_device
 
 L = C.LayerTensor
 F32 = torch.float32
 ROUTE_DENOM_MIN = 6.1035e-5
-ATTN_BLOCK = 512  # prefill queries per attention block (bounds the gathered keys: 512 x top-k x head_dim)
 
 
 
@@ -371,7 +370,7 @@ class Session(Timeline):
     def _chunk(self, tok: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
         T = tok.shape[0]
         pos = torch.arange(pos0, pos0 + T, device=self.device)
-        X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_chunk(li, a, c, pos0, kv))
+        X, pending = self._layers(tok, pos, lambda li, a, c, kv: prefill.attn_chunk(self, li, a, c, pos0, kv))
         X = self._hc_post(X, *pending)
         if not all_logits:
             X = X[-1:]
@@ -396,21 +395,28 @@ class Session(Timeline):
         e = W.embedding()[tok].to(F32)
         X = e[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
         pending = None
+        on = not self._in_step  # profiler labels of the prefill phases (bench_session --gaps)
         for li in range(cfg.n_layer):
-            X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM, pending)
+            with prefill.section("hc_pre", on):
+                X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM,
+                                                pending)
             self._comp_forked = self._in_step and "comp" in self._branches and cfg.ratio(li) != 0
             if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
-            qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
-            q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
-            # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
-            c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
-                qa.shape[0] == 1 else self._rms_norm(qa, q_norm)
+            with prefill.section("q_a_kv", on):
+                qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
+                q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
+                # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
+                c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
+                    qa.shape[0] == 1 else self._rms_norm(qa, q_norm)
             pending = (attn(li, a, c, kv), None, post, comb)
             self.prefetch("sh", self._shexp(li))  # streamed after the mHC, the router and the routed experts
-            X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM, pending)
-            pending = (*self._moe(li, b, tok), post, comb)
+            with prefill.section("hc_pre", on):
+                X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM,
+                                                pending)
+            with prefill.section("ffn", on):
+                pending = (*self._moe(li, b, tok), post, comb)
             self.prefetch("qb", [C.blk(li + 1, t) for t in (L.ATTN_Q_A, L.ATTN_KV, L.ATTN_Q_B)]
                           if li + 1 < cfg.n_layer else [C.OUTPUT])
         return X, pending
@@ -600,141 +606,6 @@ class Session(Timeline):
             q = self._f("indexer_qat")(q)
         w = W.mm(C.blk(li, L.IDX_PROJ), a) * (1.0 / math.sqrt(di * Hi))
         return q, w
-
-    # -- prefill (dynamic shapes)
-    def _attn_chunk(self, li, a, c, pos0, kv_lin):
-        """Each query reads only its own keys: the raw window (a sliding view of ring + chunk) and the
-        compressed rows it may see (all of them, or the indexer's top-k gathered per query)."""
-        cfg, st = self.cfg, self.layers[li]
-        T = a.shape[0]
-        r = cfg.ratio(li)
-        pos = torch.arange(pos0, pos0 + T, device=self.device)
-        q, kv, cos, sin = self._qkv(li, a, c, pos, kv_lin)
-        Wn, cap = self.raw_window, self.raw_cap
-        old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=self.device)
-        pad = torch.zeros((Wn - 1 - len(old), kv.shape[1]), dtype=F32, device=self.device)
-        win_keys = torch.cat([pad, st["raw"][old % cap], kv])  # row j is position pos0 - (Wn - 1) + j
-        keep = pos[-min(T, cap):]
-        st["raw"][keep % cap] = kv[T - len(keep):]
-        on = self.tc_attn
-        win = tc.each(tc.maybe_split(win_keys, on), lambda v: v.unfold(0, Wn, 1))  # [T, d, Wn], oldest key first
-        win_valid = (pos[:, None] - (Wn - 1) + torch.arange(Wn, device=self.device)[None, :]) >= 0
-        comp = sel = comp_valid = None
-        if r:
-            n_comp = self._compress_chunk(li, a, pos0, indexer=False)
-            if r == 4:
-                self._compress_chunk(li, a, pos0, indexer=True)
-            n_vis = (pos + 1) // r
-            comp = st["comp"][:n_comp]
-            K = cfg.indexer_top_k
-            if r == 4 and n_comp > K:  # per-query rows: the top-k where more than k are visible
-                sel = self._indexer_select_chunk(li, a, c, pos, n_comp, n_vis)
-                comp_valid = sel < n_vis[:, None]
-            else:
-                comp_valid = torch.arange(n_comp, device=self.device)[None, :] < n_vis[:, None]
-        comp = None if comp is None else tc.maybe_split(comp, on)
-        o = torch.empty_like(q)
-        for t0 in range(0, T, ATTN_BLOCK):
-            b = slice(t0, min(T, t0 + ATTN_BLOCK))
-            o[b] = self._attend_rows(li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
-                                     None if sel is None else sel[b], None if comp is None else comp_valid[b])
-        return self._attn_out(li, o, cos, sin)
-
-    def _attend_rows(self, li, q, win, win_valid, comp, sel, comp_valid):
-        """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
-        of comp, or the rows sel [t, k] of it). The sink is one more score column, so the softmax is one
-        fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time).
-        win and comp are float32, or tc.Splits for the products on tensor cores."""
-        t, H, d = q.shape
-        on = isinstance(win, tc.Split)
-        sinks = self.W.vec(C.blk(li, L.ATTN_SINKS))
-        qs = tc.maybe_split(q * (1.0 / math.sqrt(d)), on)
-        s = tc.mm(qs, win).masked_fill_(~win_valid[:, None, :], -math.inf)
-        parts, kc = [s], None
-        if comp is not None:
-            if sel is not None:
-                kc = tc.each(comp, lambda v: v[sel])  # [t, k, d]
-                sc = tc.mm(qs, tc.t(kc))
-            else:
-                sc = tc.mm(tc.each(qs, lambda v: v.reshape(t * H, d)), tc.t(comp)).reshape(t, H, -1)
-            parts.append(sc.masked_fill_(~comp_valid[:, None, :], -math.inf))
-        parts.append(sinks[None, :, None].expand(t, H, 1))
-        p = tc.maybe_split(torch.softmax(torch.cat(parts, dim=-1), dim=-1), on)
-        Wn = win_valid.shape[-1]
-        o = tc.mm(tc.each(p, lambda v: v[..., :Wn]), tc.t(win))
-        if comp is not None:
-            pc = tc.each(p, lambda v: v[..., Wn:-1])
-            if kc is not None:
-                o += tc.mm(pc, kc)
-            else:
-                o += tc.mm(tc.each(pc, lambda v: v.reshape(t * H, -1)), comp).reshape(t, H, d)
-        return o
-
-    def _indexer_select_chunk(self, li, a, c, pos, n, n_vis):
-        """[T, k] compressed rows per query: the indexer's top-k (score order, ties to the lower row) where
-        more than k rows are visible, else rows 0..k-1 (the caller masks rows >= n_vis)."""
-        cfg, st = self.cfg, self.layers[li]
-        K = cfg.indexer_top_k
-        sel = torch.arange(K, device=self.device).expand(len(pos), K).clone()
-        rows = torch.nonzero(n_vis > K).reshape(-1)
-        ids = torch.arange(n, device=self.device)
-        on = self.tc_attn
-        keys = tc.t(tc.maybe_split(st["idx"][:n], on))
-        for i in range(0, len(rows), ATTN_BLOCK):
-            rb = rows[i:i + ATTN_BLOCK]
-            q, w = self._index_q(li, a[rb], c[rb], pos[rb])
-            t, Hi, di = q.shape
-            dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
-            scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
-            scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
-            sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
-        return sel
-
-    def _compress_chunk(self, li, a, pos0, indexer: bool) -> int:
-        """Stream T tokens into a compressor frontier; append finished rows; return the row count."""
-        st, r = self.layers[li], self.cfg.ratio(li)
-        if indexer:
-            r = 4
-        T = a.shape[0]
-        pos = torch.arange(pos0, pos0 + T, device=self.device)
-        kv, sc = self._comp_inputs(li, a, pos, indexer)
-        s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
-            (st["comp_kv"], st["comp_score"], st["comp"])
-        width = kv.shape[1]
-        d = width // 2 if r == 4 else width
-        off = pos0 % r
-        n_rows = pos0 // r
-        live = slice(r, r + off) if r == 4 else slice(0, off)
-        seq_kv, seq_sc = torch.cat([s_kv[live], kv]), torch.cat([s_sc[live], sc])
-        n_full = (off + T) // r
-        rem = off + T - n_full * r
-        if n_full:
-            win_kv = seq_kv[:n_full * r].reshape(n_full, r, width)
-            win_sc = seq_sc[:n_full * r].reshape(n_full, r, width)
-            if r == 4:
-                prev_kv = torch.cat([s_kv[None, :4, :d], win_kv[:-1, :, :d]])
-                prev_sc = torch.cat([s_sc[None, :4, :d], win_sc[:-1, :, :d]])
-                cand_kv = torch.cat([prev_kv, win_kv[:, :, d:]], dim=1)
-                cand_sc = torch.cat([prev_sc, win_sc[:, :, d:]], dim=1)
-            else:
-                cand_kv, cand_sc = win_kv, win_sc
-            pooled = (cand_kv * torch.softmax(cand_sc, dim=1)).sum(dim=1)
-            if n_rows + n_full > rows.shape[0] - 1:
-                raise SessionError("compressed rows exceed the context the session was built for")
-            row_pos = (n_rows + torch.arange(n_full, device=self.device)) * r
-            rows[n_rows:n_rows + n_full] = self._finish_rows(li, pooled, row_pos, indexer)
-        new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
-        if r == 4:
-            if n_full:
-                new_kv[:4], new_sc[:4] = win_kv[-1], win_sc[-1]
-            else:
-                new_kv[:4], new_sc[:4] = s_kv[:4], s_sc[:4]
-            new_kv[4:4 + rem], new_sc[4:4 + rem] = seq_kv[n_full * 4:], seq_sc[n_full * 4:]
-        else:
-            new_kv[:rem], new_sc[:rem] = seq_kv[n_full * r:], seq_sc[n_full * r:]
-        s_kv.copy_(new_kv)
-        s_sc.copy_(new_sc)
-        return n_rows + n_full
 
     # -- decode (static shapes: capturable)
     def _attn_step(self, li, a, c, pos, kv_lin):

@@ -1,0 +1,138 @@
+"""Prefill's routed experts as grouped GEMMs with little padding (Weights.moe for many tokens on CUDA).
+
+A chunk of T tokens makes T·k (token, expert) assignments. Sorted by expert, every expert's rows would be one
+GEMM on that expert's weights: 256 small GEMMs per matrix. The v5 path (`padded`) put every expert into one
+batched GEMM padded to a common cap (twice the mean load) and sent the rest of busy experts to plain GEMMs; with
+the synthetic router's spread about half of that batch was zero rows, and filling and scattering into it cost
+as much again (v9 trace: 1.93 s of an 8192-token prefill's 3.88 s of kernels were the routed experts).
+
+`buckets` (default): the experts a chunk uses are ordered busiest first, and consecutive ones whose counts are
+within `DS4_GPU_MOE_SPREAD` (1.25) of the group's busiest form a bucket with cap = that busiest count; experts
+with few rows (<= SMALL_ROWS) share one bucket. Each bucket is one batched GEMM (one plain GEMM for a bucket of
+one expert). The dequant kernel writes the used experts' weights in that order (its block map), so a bucket's
+weights are one strided view; one gather builds every padded activation row (a zero row where there is no
+assignment), and one gather takes the results back in assignment order. Padding is then at most the spread
+(~10% in practice) and there is one host sync per layer (the counts), as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+F32, F16 = torch.float32, torch.float16
+MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "buckets")  # buckets | padded (the v5..v8 path)
+SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
+SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
+
+
+class Bucket(NamedTuple):
+    slot0: int  # first expert slot (position in the busiest-first order)
+    slots: int  # experts in the bucket
+    cap: int  # rows per expert (its busiest member's count)
+    row0: int  # first padded row: the bucket holds rows row0 .. row0 + slots * cap - 1
+
+
+def plan_buckets(counts: list[int], spread: float = SPREAD, small: int = SMALL_ROWS) \
+        -> tuple[list[int], list[Bucket], int]:
+    """(experts with rows in slot order: busiest first, ties to the lower id; their buckets; padded rows)."""
+    if spread < 1.0:
+        raise ValueError(f"DS4_GPU_MOE_SPREAD must be >= 1, got {spread}")
+    used = sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
+    buckets: list[Bucket] = []
+    row = i = 0
+    while i < len(used):
+        cap = counts[used[i]]
+        j = i + 1
+        while j < len(used) and (cap <= small or counts[used[j]] * spread >= cap):
+            j += 1
+        buckets.append(Bucket(i, j - i, cap, row))
+        row += (j - i) * cap
+        i = j
+    return used, buckets, row
+
+
+def _mm_into(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """y = a @ b (float16 operands, float32 y written in place)."""
+    from .weights import mm_f32
+
+    fn = torch.mm if a.dim() == 2 else torch.bmm
+    try:
+        fn(a, b, out_dtype=F32, out=y)
+    except (TypeError, RuntimeError, NotImplementedError):
+        y.copy_(mm_f32(a, b))
+
+
+def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float):
+    """sum_k w_k · down_e(swiglu(gate_e b, up_e b)) for every token, e = ids[t, k]: [T, n_embd] float32."""
+    from .weights import EXACT_GEMM, W_SCALE, acc_mm
+
+    dev = b.device
+    T, k = ids.shape
+    n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_expert)
+    used, buckets, P = plan_buckets(counts.cpu().tolist(), SPREAD, SMALL_ROWS)  # the layer's one host sync
+    base = [0] * n_expert  # padded row of each expert's first assignment
+    for bk in buckets:
+        for s in range(bk.slots):
+            base[used[bk.slot0 + s]] = bk.row0 + s * bk.cap
+    n_asg = T * k
+    e_sorted = flat[order]
+    rank = torch.arange(n_asg, device=dev) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+    dst = torch.tensor(base, device=dev)[e_sorted] + rank  # padded row of each assignment (expert order)
+    asg_of_row = torch.full((P,), n_asg, dtype=torch.long, device=dev)  # n_asg: no assignment (a zero row)
+    asg_of_row[dst] = torch.arange(n_asg, device=dev)
+    tok_sorted = order // k
+    tok_of_row = torch.cat([tok_sorted, torch.full((1,), T, dtype=torch.long, device=dev)])[asg_of_row]
+    block_map = torch.tensor(used, dtype=torch.int32, device=dev)
+
+    def padded(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_zeros((1, t.shape[1]))])[rows]
+
+    def experts(w, xh, xl, n_out: int, n_in: int) -> torch.Tensor:
+        """Padded f16 activations [P, n_in] times the used experts' weights → [T·k, n_out] in expert order."""
+        split = EXACT_GEMM
+        scale = W_SCALE if split else 1.0
+        hi = torch.empty((len(used) * n_out, n_in), dtype=F16, device=dev)
+        lo = torch.empty_like(hi) if split else None
+        W._sync_stream()
+        W.ext.dequant(w, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), scale, 0, len(used) * n_out, -1,
+                      block_map.data_ptr(), n_out)
+        y = torch.empty((P, n_out), dtype=F32, device=dev)
+        for bk in buckets:
+            r = slice(bk.row0, bk.row0 + bk.slots * bk.cap)
+            wr = slice(bk.slot0 * n_out, (bk.slot0 + bk.slots) * n_out)
+            if bk.slots == 1:  # one expert: a plain GEMM
+                a_h, a_l, yv = xh[r], None if xl is None else xl[r], y[r]
+                w_h, w_l = hi[wr].T, None if lo is None else lo[wr].T
+            else:
+                a_h = xh[r].view(bk.slots, bk.cap, n_in)
+                a_l = None if xl is None else xl[r].view(bk.slots, bk.cap, n_in)
+                yv = y[r].view(bk.slots, bk.cap, n_out)
+                w_h = hi[wr].view(bk.slots, n_out, n_in).transpose(1, 2)
+                w_l = None if lo is None else lo[wr].view(bk.slots, n_out, n_in).transpose(1, 2)
+            _mm_into(yv, a_h, w_h)
+            if a_l is not None:
+                acc_mm(yv, a_l, w_h)
+            if w_l is not None:
+                acc_mm(yv, a_h, w_l)
+        return y[dst] * (1.0 / scale)
+
+    xh, xl, s = W.to_half(b)
+    g_rows_h, g_rows_l = padded(xh, tok_of_row), padded(xl, tok_of_row)
+    sa = s[tok_sorted]
+    g = experts(gate, g_rows_h, g_rows_l, n_ff, n_embd) * sa
+    u = experts(up, g_rows_h, g_rows_l, n_ff, n_embd) * sa
+    del g_rows_h, g_rows_l
+    h = torch.empty_like(g)
+    W.ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
+    h *= wts.reshape(-1)[order, None]
+    hh, hl, hs = W.to_half(h)
+    y_sorted = experts(down, padded(hh, asg_of_row), padded(hl, asg_of_row), n_embd, n_ff) * hs
+    y = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
+    y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
+    return y.view(T, k, n_embd).sum(dim=1)

@@ -1,0 +1,196 @@
+"""Prefill of the CUDA engine's Session (dynamic shapes, any chunk length T): attention over each query's
+own keys, the compressors' frontiers, the indexer's top-k per query. Split from session.py, whose methods
+these functions use (`ses` is the Session); the decode step (static shapes, graph-captured) stays there.
+
+Queries run in blocks: the gathered top-k keys ([t, k, d] float32) and the score tensors grow with the
+block, while every block costs a fixed ~20 torch launches of host time. A block is as many queries as fit
+a byte budget (DS4_GPU_ATTN_MIB, default 2048 MiB for the largest per-block tensors), or exactly
+DS4_GPU_ATTN_BLOCK queries where that is set (an A/B switch; 512 was the fixed size before).
+`section` names the phases for the profiler (bench_session --gaps), at ~1 us of host time each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+from ds4.engine.session import SessionError
+from ds4.gguf_tools import constants as C
+
+from . import tc
+
+L = C.LayerTensor
+F32 = torch.float32
+ATTN_BLOCK = int(os.environ.get("DS4_GPU_ATTN_BLOCK", "0"))  # queries per block; 0: from the byte budget
+ATTN_BYTES = int(float(os.environ.get("DS4_GPU_ATTN_MIB", "2048")) * 2**20)
+
+
+def section(name: str, on: bool = True):
+    """A profiler label for a prefill phase (nothing where on is False: the decode step)."""
+    return torch.profiler.record_function(name) if on else contextlib.nullcontext()
+
+
+def block_rows(per_query_bytes: int) -> int:
+    """Queries per block: ATTN_BLOCK where set, else what fits ATTN_BYTES (a multiple of 64, at least 64)."""
+    if ATTN_BLOCK > 0:
+        return ATTN_BLOCK
+    return max(64, ATTN_BYTES // max(1, per_query_bytes) // 64 * 64)
+
+
+def attn_chunk(ses, li, a, c, pos0, kv_lin):
+    """Each query reads only its own keys: the raw window (a sliding view of ring + chunk) and the
+    compressed rows it may see (all of them, or the indexer's top-k gathered per query)."""
+    cfg, st = ses.cfg, ses.layers[li]
+    T = a.shape[0]
+    r = cfg.ratio(li)
+    pos = torch.arange(pos0, pos0 + T, device=ses.device)
+    with section("qkv"):
+        q, kv, cos, sin = ses._qkv(li, a, c, pos, kv_lin)
+    Wn, cap = ses.raw_window, ses.raw_cap
+    old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=ses.device)
+    pad = torch.zeros((Wn - 1 - len(old), kv.shape[1]), dtype=F32, device=ses.device)
+    win_keys = torch.cat([pad, st["raw"][old % cap], kv])  # row j is position pos0 - (Wn - 1) + j
+    keep = pos[-min(T, cap):]
+    st["raw"][keep % cap] = kv[T - len(keep):]
+    on = ses.tc_attn
+    win = tc.each(tc.maybe_split(win_keys, on), lambda v: v.unfold(0, Wn, 1))  # [T, d, Wn], oldest key first
+    win_valid = (pos[:, None] - (Wn - 1) + torch.arange(Wn, device=ses.device)[None, :]) >= 0
+    comp = sel = comp_valid = None
+    n_comp = 0
+    if r:
+        with section("compress"):
+            n_comp = compress_chunk(ses, li, a, pos0, indexer=False)
+            if r == 4:
+                compress_chunk(ses, li, a, pos0, indexer=True)
+        n_vis = (pos + 1) // r
+        comp = st["comp"][:n_comp]
+        K = cfg.indexer_top_k
+        if r == 4 and n_comp > K:  # per-query rows: the top-k where more than k are visible
+            with section("indexer"):
+                sel = indexer_select_chunk(ses, li, a, c, pos0, pos, n_comp, n_vis)
+            comp_valid = sel < n_vis[:, None]
+        else:
+            comp_valid = torch.arange(n_comp, device=ses.device)[None, :] < n_vis[:, None]
+    comp = None if comp is None else tc.maybe_split(comp, on)
+    o = torch.empty_like(q)
+    H, d = q.shape[1], q.shape[2]
+    n_keys = Wn + (sel.shape[1] if sel is not None else n_comp) + 1
+    # per query: scores, their concatenation and softmax (float32), and the gathered top-k keys
+    step = block_rows(H * n_keys * 4 * 3 + (sel.shape[1] * d * 4 * (2 if on else 1) if sel is not None else 0))
+    with section("attend"):
+        for t0 in range(0, T, step):
+            b = slice(t0, min(T, t0 + step))
+            o[b] = attend_rows(ses, li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
+                               None if sel is None else sel[b], None if comp is None else comp_valid[b])
+    with section("attn_out"):
+        return ses._attn_out(li, o, cos, sin)
+
+
+def attend_rows(ses, li, q, win, win_valid, comp, sel, comp_valid):
+    """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
+    of comp, or the rows sel [t, k] of it). The sink is one more score column, so the softmax is one
+    fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time).
+    win and comp are float32, or tc.Splits for the products on tensor cores."""
+    t, H, d = q.shape
+    on = isinstance(win, tc.Split)
+    sinks = ses.W.vec(C.blk(li, L.ATTN_SINKS))
+    qs = tc.maybe_split(q * (1.0 / math.sqrt(d)), on)
+    s = tc.mm(qs, win).masked_fill_(~win_valid[:, None, :], -math.inf)
+    parts, kc = [s], None
+    if comp is not None:
+        if sel is not None:
+            kc = tc.each(comp, lambda v: v[sel])  # [t, k, d]
+            sc = tc.mm(qs, tc.t(kc))
+        else:
+            sc = tc.mm(tc.each(qs, lambda v: v.reshape(t * H, d)), tc.t(comp)).reshape(t, H, -1)
+        parts.append(sc.masked_fill_(~comp_valid[:, None, :], -math.inf))
+    parts.append(sinks[None, :, None].expand(t, H, 1))
+    p = tc.maybe_split(torch.softmax(torch.cat(parts, dim=-1), dim=-1), on)
+    Wn = win_valid.shape[-1]
+    o = tc.mm(tc.each(p, lambda v: v[..., :Wn]), tc.t(win))
+    if comp is not None:
+        pc = tc.each(p, lambda v: v[..., Wn:-1])
+        if kc is not None:
+            o += tc.mm(pc, kc)
+        else:
+            o += tc.mm(tc.each(pc, lambda v: v.reshape(t * H, -1)), comp).reshape(t, H, d)
+    return o
+
+
+def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
+    """[T, k] compressed rows per query: the indexer's top-k (score order, ties to the lower row) where
+    more than k rows are visible, else rows 0..k-1 (the caller masks rows >= n_vis)."""
+    cfg, st = ses.cfg, ses.layers[li]
+    K = cfg.indexer_top_k
+    T = len(pos)
+    sel = torch.arange(K, device=ses.device).expand(T, K).clone()
+    # n_vis = (pos + 1) // 4 grows with pos: the queries with more than k visible rows are a suffix,
+    # found from the chunk's first position on the host (no device sync)
+    first = min(T, max(0, 4 * (K + 1) - 1 - pos0))
+    ids = torch.arange(n, device=ses.device)
+    on = ses.tc_attn
+    keys = tc.t(tc.maybe_split(st["idx"][:n], on))
+    Hi = cfg.indexer_heads
+    step = block_rows(Hi * n * 4 * 2 + n * 4 * 4)  # dots and their clamp; scores, sort values and indices
+    if first < T:  # the indexer's queries of all those rows: two GEMMs (each dequantizes its weight once)
+        q_all, w_all = ses._index_q(li, a[first:], c[first:], pos[first:])
+    for i in range(first, T, step):
+        rb = slice(i, min(T, i + step))
+        q, w = q_all[i - first:rb.stop - first], w_all[i - first:rb.stop - first]
+        t, Hi, di = q.shape
+        dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
+        scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
+        scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
+        sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+    return sel
+
+
+def compress_chunk(ses, li, a, pos0, indexer: bool) -> int:
+    """Stream T tokens into a compressor frontier; append finished rows; return the row count."""
+    st, r = ses.layers[li], ses.cfg.ratio(li)
+    if indexer:
+        r = 4
+    T = a.shape[0]
+    pos = torch.arange(pos0, pos0 + T, device=ses.device)
+    kv, sc = ses._comp_inputs(li, a, pos, indexer)
+    s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+        (st["comp_kv"], st["comp_score"], st["comp"])
+    width = kv.shape[1]
+    d = width // 2 if r == 4 else width
+    off = pos0 % r
+    n_rows = pos0 // r
+    live = slice(r, r + off) if r == 4 else slice(0, off)
+    seq_kv, seq_sc = torch.cat([s_kv[live], kv]), torch.cat([s_sc[live], sc])
+    n_full = (off + T) // r
+    rem = off + T - n_full * r
+    if n_full:
+        win_kv = seq_kv[:n_full * r].reshape(n_full, r, width)
+        win_sc = seq_sc[:n_full * r].reshape(n_full, r, width)
+        if r == 4:
+            prev_kv = torch.cat([s_kv[None, :4, :d], win_kv[:-1, :, :d]])
+            prev_sc = torch.cat([s_sc[None, :4, :d], win_sc[:-1, :, :d]])
+            cand_kv = torch.cat([prev_kv, win_kv[:, :, d:]], dim=1)
+            cand_sc = torch.cat([prev_sc, win_sc[:, :, d:]], dim=1)
+        else:
+            cand_kv, cand_sc = win_kv, win_sc
+        pooled = (cand_kv * torch.softmax(cand_sc, dim=1)).sum(dim=1)
+        if n_rows + n_full > rows.shape[0] - 1:
+            raise SessionError("compressed rows exceed the context the session was built for")
+        row_pos = (n_rows + torch.arange(n_full, device=ses.device)) * r
+        rows[n_rows:n_rows + n_full] = ses._finish_rows(li, pooled, row_pos, indexer)
+    new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
+    if r == 4:
+        if n_full:
+            new_kv[:4], new_sc[:4] = win_kv[-1], win_sc[-1]
+        else:
+            new_kv[:4], new_sc[:4] = s_kv[:4], s_sc[:4]
+        new_kv[4:4 + rem], new_sc[4:4 + rem] = seq_kv[n_full * 4:], seq_sc[n_full * 4:]
+    else:
+        new_kv[:rem], new_sc[:rem] = seq_kv[n_full * r:], seq_sc[n_full * r:]
+    s_kv.copy_(new_kv)
+    s_sc.copy_(new_sc)
+    return n_rows + n_full
+

@@ -1,0 +1,41 @@
+"""The bucket plan of prefill's routed experts (moe_gemm.plan_buckets): pure host code, checked by the
+properties the grouped GEMMs rely on, on counts shaped like a real chunk's (one very busy expert, a bulk
+near the mean, a tail of rarely used ones, unused ones)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.engine.gpu.moe_gemm import plan_buckets
+
+
+def _counts(seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    c = rng.poisson(176, 256)
+    c[7] = 4255  # the synthetic router's favourite
+    c[rng.choice(256, 20, replace=False)] = rng.integers(0, 9, 20)
+    return c.tolist()
+
+
+@pytest.mark.parametrize("seed,spread,small", [(0, 1.25, 64), (1, 1.1, 64), (2, 1.0, 0), (3, 2.0, 16)])
+def test_every_used_expert_gets_one_slot_in_a_bucket_that_holds_its_rows(seed, spread, small):
+    counts = _counts(seed)
+    used, buckets, rows = plan_buckets(counts, spread, small)
+    assert sorted(used) == [e for e, c in enumerate(counts) if c > 0]
+    assert [counts[e] for e in used] == sorted((c for c in counts if c > 0), reverse=True)
+    slot, row = 0, 0
+    for b in buckets:  # contiguous slots and rows, in order
+        assert (b.slot0, b.row0) == (slot, row) and b.slots >= 1
+        members = [counts[e] for e in used[b.slot0:b.slot0 + b.slots]]
+        assert b.cap == max(members)
+        assert b.cap <= small or b.cap <= spread * min(members)
+        slot, row = slot + b.slots, row + b.slots * b.cap
+    assert slot == len(used) and row == rows
+    # each expert is padded to at most spread times its rows, or to the small bucket's cap
+    assert rows <= sum(max(spread * c, small) for c in counts if c > 0) + 1e-9
+
+
+def test_a_spread_below_one_is_refused():
+    with pytest.raises(ValueError, match="SPREAD"):
+        plan_buckets([3, 4], 0.5)
