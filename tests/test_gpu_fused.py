@@ -169,6 +169,29 @@ def test_norm_rope_heads_kv_ring_and_inverse(K):
     assert torch.all(ring[torch.arange(128, device=DEV) != 2] == 7.0)
 
 
+@pytest.mark.parametrize("norm,weight,inverse", [(True, False, False), (True, True, False), (False, False, True)])
+def test_norm_rope_warp_kernel_for_many_rows(K, norm, weight, inverse):
+    """From 256 rows (prefill) norm_rope runs one warp per row: against the float64 ops, and against the block
+    kernel (the same rows in launches of fewer than 256) up to the norm's summation order; the RoPE alone
+    (inverse, no norm: attention output) is the same bits."""
+    g = torch.Generator().manual_seed(14)
+    T, H, d, rd = 9, 64, 512, 64
+    freq, pos = freq_table(rd), torch.arange(1000, 1000 + T, device=DEV)
+    cos, sin = ops.cos_sin(freq, pos)
+    x, w = rnd(g, T, H * d, scale=2.0), (rnd(g, d) if weight else None)
+    kw = dict(norm=norm, w=w, freq=freq, rope_dim=rd, inverse=inverse)
+    got = K.norm_rope(x, d, H, pos, **kw).reshape(T, H, d)  # 576 rows: the warp kernel
+    block = torch.cat([K.norm_rope(x[t:t + 1], d, H, pos[t:t + 1], **kw).reshape(1, H, d) for t in range(T)])
+    xd = x.double().reshape(T, H, d)
+    ref = ops.apply_tail(ops.rms_norm(xd, None if w is None else w.double(), 1e-6) if norm else xd,
+                         cos.double(), sin.double(), rd, inverse=inverse)
+    assert rel(got, ref) < 1e-6
+    if norm:
+        assert rel(got, block) < 1e-6
+    else:
+        assert torch.equal(got, block)
+
+
 def test_norm_rope_two_jobs_in_one_launch(K):
     """Decode's query heads and KV ring row in one launch: each exactly as its own launch writes it."""
     g = torch.Generator().manual_seed(13)

@@ -159,6 +159,64 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
   for (int i = threadIdx.x; i < d; i += blockDim.x) j.out[orow * d + i] = v[i];
 }
 
+// norm_rope for many rows (prefill's query heads: 64 x T rows of 512): one warp per row, the row in registers
+// (element lane + 32 k), the norm's sum by shuffles and RoPE's pairs (even, odd) in adjacent lanes, so no
+// block barrier and 8 rows per 256-thread block. The block kernel keeps ~16 rows per SM in flight, each waiting
+// on its barriers: at 0.5M rows per prefill chunk that ran at a third of the bandwidth. Same formulas as
+// row_post; the norm's sum runs in another order (the block kernel stays for decode and the FP8/FP4 rows).
+constexpr int NR_WARP_MAX_D = 1024, NR_WARP_THREADS = 256, NR_WARP_MIN_ROWS = 256;
+__global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRopeJob j, const int64_t* pos) {
+  pdl_begin();
+  constexpr int KMAX = NR_WARP_MAX_D / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = (int64_t)blockIdx.x * (NR_WARP_THREADS / 32) + (threadIdx.x >> 5);
+  if (row >= j.rows) return;
+  const int d = j.d, nk = d / 32;
+  const RowPost& o = j.o;
+  float v[KMAX];
+  const float* xr = j.x + row * d;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) v[k] = k < nk ? xr[lane + 32 * k] : 0.0f;
+  if (o.norm) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) ss += v[k] * v[k];
+    ss = warp_sum_f(ss);
+    const float r = rsqrtf(ss / (float)d + o.eps);
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k)
+      if (k < nk) v[k] = o.w ? v[k] * r * o.w[lane + 32 * k] : v[k] * r;
+  }
+  if (o.freq) {
+    const int n_nope = d - o.rope_dim;
+    const float p = pos ? (float)pos[row / j.rows_per_token] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int e = lane + 32 * k;
+      const float partner = __shfl_xor_sync(0xffffffffu, v[k], 1);
+      if (k < nk && e >= n_nope) {
+        const float ang = p * o.freq[(e - n_nope) / 2];
+        const float c = cosf(ang), sn = o.inverse ? -sinf(ang) : sinf(ang);
+        v[k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn), __fmul_rn(v[k], c))
+                          : __fsub_rn(__fmul_rn(v[k], c), __fmul_rn(partner, sn));
+      }
+    }
+  }
+  float* yr = j.out + row * d;
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k)
+    if (k < nk) yr[lane + 32 * k] = v[k];
+}
+
+// $DS4_GPU_NR_WARP=0: every norm_rope on the block kernel (benchmark A/B).
+static bool norm_rope_warp_on() {
+  static const bool v = [] {
+    const char* e = getenv("DS4_GPU_NR_WARP");
+    return !(e && e[0] == '0');
+  }();
+  return v;
+}
+
 // MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: route_token (router.cuh,
 // shared with the one-launch decode router of router.cu). Top-k by rank (the v3 kernel ran k argmax passes on
 // one warp, ~7 us).
@@ -586,6 +644,14 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
   for (const NormRopeJob* j : {&a, &jb}) {
     check_row_post(j->o, j->d);
     if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
+  }
+  if (jb.rows == 0 && a.rows >= NR_WARP_MIN_ROWS && a.ring_cap <= 0 && !a.o.fp8_nope && !a.o.qat && a.d % 32 == 0 &&
+      a.d <= NR_WARP_MAX_D && (a.d - a.o.rope_dim) % 2 == 0 && norm_rope_warp_on()) {
+    const int per_block = NR_WARP_THREADS / 32;
+    launch_k(norm_rope_warp_kernel, dim3((unsigned)((a.rows + per_block - 1) / per_block)), dim3(NR_WARP_THREADS), 0,
+             s, a, pos);
+    DS4_CHECK_LAUNCH("norm_rope_warp");
+    return;
   }
   const int d = std::max(a.d, jb.rows ? jb.d : 0);
   launch_k(norm_rope_kernel, dim3(a.rows + jb.rows), dim3(128), 2 * d * sizeof(float), s, a, jb, pos);

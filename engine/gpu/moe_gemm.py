@@ -93,8 +93,9 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
     def padded(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
         return None if t is None else torch.cat([t, t.new_zeros((1, t.shape[1]))])[rows]
 
-    def experts(w, xh, xl, n_out: int, n_in: int) -> torch.Tensor:
-        """Padded f16 activations [P, n_in] times the used experts' weights → [T·k, n_out] in expert order."""
+    def experts(w, xh, xl, n_out: int, n_in: int, row_scale: torch.Tensor) -> torch.Tensor:
+        """Padded f16 activations [P, n_in] times the used experts' weights → [T·k, n_out] in expert order, times
+        row_scale [T·k, 1] (the activations' split scale) over the weights' power-of-two scale: one pass."""
         split = EXACT_GEMM
         scale = W_SCALE if split else 1.0
         hi = torch.empty((len(used) * n_out, n_in), dtype=F16, device=dev)
@@ -120,19 +121,19 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
                 acc_mm(yv, a_l, w_h)
             if w_l is not None:
                 acc_mm(yv, a_h, w_l)
-        return y[dst] * (1.0 / scale)
+        return y[dst] * (row_scale * (1.0 / scale))  # exact: scale is a power of two
 
     xh, xl, s = W.to_half(b)
     g_rows_h, g_rows_l = padded(xh, tok_of_row), padded(xl, tok_of_row)
     sa = s[tok_sorted]
-    g = experts(gate, g_rows_h, g_rows_l, n_ff, n_embd) * sa
-    u = experts(up, g_rows_h, g_rows_l, n_ff, n_embd) * sa
+    g = experts(gate, g_rows_h, g_rows_l, n_ff, n_embd, sa)
+    u = experts(up, g_rows_h, g_rows_l, n_ff, n_embd, sa)
     del g_rows_h, g_rows_l
     h = torch.empty_like(g)
     W.ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
     h *= wts.reshape(-1)[order, None]
     hh, hl, hs = W.to_half(h)
-    y_sorted = experts(down, padded(hh, asg_of_row), padded(hl, asg_of_row), n_embd, n_ff) * hs
+    y_sorted = experts(down, padded(hh, asg_of_row), padded(hl, asg_of_row), n_embd, n_ff, hs)
     y = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
     y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
     return y.view(T, k, n_embd).sum(dim=1)

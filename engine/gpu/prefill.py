@@ -83,17 +83,21 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
     with section("attend"):
         for t0 in range(0, T, step):
             b = slice(t0, min(T, t0 + step))
-            o[b] = attend_rows(ses, li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
-                               None if sel is None else sel[b], None if comp is None else comp_valid[b])
+            res = attend_rows(ses, li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
+                              None if sel is None else sel[b], None if comp is None else comp_valid[b],
+                              out=None if on else o[b])
+            if on:
+                o[b] = res
     with section("attn_out"):
-        return ses._attn_out(li, o, cos, sin)
+        return ses._attn_out(li, o, cos, sin, pos)
 
 
-def attend_rows(ses, li, q, win, win_valid, comp, sel, comp_valid):
+def attend_rows(ses, li, q, win, win_valid, comp, sel, comp_valid, out=None):
     """Softmax with sink over a query block's window keys [t, d, Wn] and compressed keys (all n rows
     of comp, or the rows sel [t, k] of it). The sink is one more score column, so the softmax is one
     fused torch op (the explicit max/exp/sum/divide chain was most of prefill's elementwise time).
-    win and comp are float32, or tc.Splits for the products on tensor cores."""
+    win and comp are float32, or tc.Splits for the products on tensor cores. out (float32 operands): the [t, H, d]
+    result is written there, the compressed rows' product accumulated in its GEMM (no sum pass, no copy)."""
     t, H, d = q.shape
     on = isinstance(win, tc.Split)
     sinks = ses.W.vec(C.blk(li, L.ATTN_SINKS))
@@ -110,6 +114,15 @@ def attend_rows(ses, li, q, win, win_valid, comp, sel, comp_valid):
     parts.append(sinks[None, :, None].expand(t, H, 1))
     p = tc.maybe_split(torch.softmax(torch.cat(parts, dim=-1), dim=-1), on)
     Wn = win_valid.shape[-1]
+    if out is not None and not on:
+        torch.matmul(p[..., :Wn], win.transpose(-1, -2), out=out)
+        if comp is not None:
+            pc = p[..., Wn:-1]
+            if kc is not None:
+                out.baddbmm_(pc, kc)
+            else:
+                out.view(t * H, d).addmm_(pc.reshape(t * H, -1), comp)
+        return out
     o = tc.mm(tc.each(p, lambda v: v[..., :Wn]), tc.t(win))
     if comp is not None:
         pc = tc.each(p, lambda v: v[..., Wn:-1])

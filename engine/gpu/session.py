@@ -584,11 +584,16 @@ class Session(Timeline):
         o = torch.einsum("thn,tnd->thd", e / denom[..., None], keys.expand(T, -1, -1))
         return self._attn_out(li, o, cos, sin)
 
-    def _attn_out(self, li, o, cos, sin):
-        """Attention output [T, H, d] (RoPE tail undone) through the grouped output projection → [T, D]."""
+    def _attn_out(self, li, o, cos, sin, pos=None):
+        """Attention output [T, H, d] (RoPE tail undone) through the grouped output projection → [T, D].
+        pos (prefill on CUDA): the inverse RoPE runs in the norm_rope kernel, as decode's does."""
         cfg, W = self.cfg, self.W
         T, H, d = o.shape
-        o = self._f("apply_tail")(o, cos, sin, cfg.rope_dim, inverse=True)
+        if self.K is not None and pos is not None:
+            o = self.K.norm_rope(o, d, H, pos, freq=self._freq[cfg.ratio(li) != 0], rope_dim=cfg.rope_dim,
+                                 inverse=True)
+        else:
+            o = self._f("apply_tail")(o, cos, sin, cfg.rope_dim, inverse=True)
         low = W.mm(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(T, H * d), groups=cfg.o_groups)
         return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
 
