@@ -83,15 +83,15 @@ def test_gemm_matches_the_reference(qtype: Q, groups: int) -> None:
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"{qtype.name} groups={groups}: rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("mix,cap_factor", [("q2", 2.0), ("q4", 2.0), ("q2", 1.0), ("q2", 0.25)])
-def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch) -> None:
-    """cap_factor (DS4_GPU_MOE_CAP): smaller ones send more of each expert's rows to the overflow GEMMs."""
-    from ds4.engine.gpu import weights as gw
+N_EXPERT = 16
 
-    monkeypatch.setattr(gw, "MOE_CAP_FACTOR", cap_factor)
+
+def _moe_case(mix: str, seed: int, n_choice: int = N_EXPERT):
+    """Random experts on the device, a chunk of 40 tokens routed among the first n_choice of them (one expert
+    much busier than the rest: past the padded batch's cap), the float64 reference: (moe args, ref, ids)."""
     qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
-    n_embd, n_ff, n_expert, k, T = 1024, 512, 16, 6, 40
-    rng = np.random.default_rng(50 if mix == "q2" else 51)
+    n_embd, n_ff, n_expert, k, T = 1024, 512, N_EXPERT, 6, 40
+    rng = np.random.default_rng(seed)
     gate_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
     up_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
     down_raw = random_blocks(qd, n_expert * n_embd, n_ff, rng).reshape(n_expert, n_embd, -1)
@@ -99,13 +99,24 @@ def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch
     up = gpu.upload("blk.1.ffn_up_exps.weight", qg, (n_embd, n_ff, n_expert), up_raw)
     down = gpu.upload("blk.1.ffn_down_exps.weight", qd, (n_ff, n_embd, n_expert), down_raw)
     x = rng.standard_normal((T, n_embd)).astype(np.float32) * 2.0
-    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(T)]).astype(np.int32)
-    ids[:30, 0] = 3  # one expert much busier than the rest: past the batched GEMM's padding
+    ids = np.stack([rng.choice(n_choice, k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[:30, 0] = 3
     wts = rng.uniform(0.1, 0.5, (T, k)).astype(np.float32)
     ref = moe_reference(gate_raw, up_raw, down_raw, qg, qd, x.astype(np.float64), ids, wts, 10.0)
     dev = torch.device("cuda")
-    got = _weights()._moe_gemm(gate, up, down, torch.from_numpy(x).to(dev), torch.from_numpy(ids).long().to(dev),
-                               torch.from_numpy(wts).to(dev), 10.0)
+    args = (gate, up, down, torch.from_numpy(x).to(dev), torch.from_numpy(ids).long().to(dev),
+            torch.from_numpy(wts).to(dev), 10.0)
+    return args, ref, ids
+
+
+@pytest.mark.parametrize("mix,cap_factor", [("q2", 2.0), ("q4", 2.0), ("q2", 1.0), ("q2", 0.25)])
+def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch) -> None:
+    """cap_factor (DS4_GPU_MOE_CAP): smaller ones send more of each expert's rows to the overflow GEMMs."""
+    from ds4.engine.gpu import weights as gw
+
+    monkeypatch.setattr(gw, "MOE_CAP_FACTOR", cap_factor)
+    args, ref, _ = _moe_case(mix, 50 if mix == "q2" else 51)
+    got = _weights()._moe_gemm(*args)
     err = rel_err(got.cpu().numpy().astype(np.float64), ref)
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix} cap x{cap_factor}: rel err {err:.2e}"
 
@@ -117,23 +128,10 @@ def test_bucketed_moe_gemm_matches_the_reference(mix: str, spread: float, small:
     much busier than the rest and one gets no token (it is neither dequantized nor multiplied)."""
     from ds4.engine.gpu import moe_gemm
 
-    qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
-    n_embd, n_ff, n_expert, k, T = 1024, 512, 16, 6, 40
-    rng = np.random.default_rng(52 if mix == "q2" else 53)
-    gate_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
-    up_raw = random_blocks(qg, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1)
-    down_raw = random_blocks(qd, n_expert * n_embd, n_ff, rng).reshape(n_expert, n_embd, -1)
-    gate = gpu.upload("blk.1.ffn_gate_exps.weight", qg, (n_embd, n_ff, n_expert), gate_raw)
-    up = gpu.upload("blk.1.ffn_up_exps.weight", qg, (n_embd, n_ff, n_expert), up_raw)
-    down = gpu.upload("blk.1.ffn_down_exps.weight", qd, (n_ff, n_embd, n_expert), down_raw)
-    x = rng.standard_normal((T, n_embd)).astype(np.float32) * 2.0
-    ids = np.stack([rng.choice(n_expert - 1, k, replace=False) for _ in range(T)]).astype(np.int32)  # 15 unused
-    ids[:30, 0] = 3
-    wts = rng.uniform(0.1, 0.5, (T, k)).astype(np.float32)
-    ref = moe_reference(gate_raw, up_raw, down_raw, qg, qd, x.astype(np.float64), ids, wts, 10.0)
-    counts = np.bincount(ids.reshape(-1), minlength=n_expert).tolist()
+    args, ref, ids = _moe_case(mix, 52 if mix == "q2" else 53, n_choice=N_EXPERT - 1)
+    counts = np.bincount(ids.reshape(-1), minlength=N_EXPERT).tolist()
     used, buckets, rows = moe_gemm.plan_buckets(counts, spread, small)
-    assert 15 not in used and sorted(used) == [e for e in range(n_expert) if counts[e]]
+    assert N_EXPERT - 1 not in used and sorted(used) == [e for e in range(N_EXPERT) if counts[e]]
     assert rows == sum(b.slots * b.cap for b in buckets) >= sum(counts)
     if spread == 100.0:
         assert len(buckets) == 1
@@ -141,9 +139,7 @@ def test_bucketed_moe_gemm_matches_the_reference(mix: str, spread: float, small:
         assert len(buckets) == len(set(counts) - {0})
     monkeypatch.setattr(moe_gemm, "SPREAD", spread)
     monkeypatch.setattr(moe_gemm, "SMALL_ROWS", small)
-    dev = torch.device("cuda")
-    got = moe_gemm.routed_experts(_weights(), gate, up, down, torch.from_numpy(x).to(dev),
-                                  torch.from_numpy(ids).long().to(dev), torch.from_numpy(wts).to(dev), 10.0)
+    got = moe_gemm.routed_experts(_weights(), *args)
     err = rel_err(got.cpu().numpy().astype(np.float64), ref)
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"bucketed moe gemm {mix} spread {spread}: rel err {err:.2e}"
 
