@@ -18,24 +18,27 @@ def _counts(seed: int) -> list[int]:
     return c.tolist()
 
 
-@pytest.mark.parametrize("seed,spread,small", [(0, 1.25, 64), (1, 1.1, 64), (2, 1.0, 0), (3, 2.0, 16)])
-def test_every_used_expert_gets_one_slot_in_a_bucket_that_holds_its_rows(seed, spread, small):
+@pytest.mark.parametrize("seed,spread,small,round_to", [(0, 1.25, 64, 1), (1, 1.1, 64, 1), (2, 1.0, 0, 1),
+                                                         (3, 2.0, 16, 1), (4, 1.25, 64, 16)])
+def test_every_used_expert_gets_one_slot_in_a_bucket_that_holds_its_rows(seed, spread, small, round_to):
     counts = _counts(seed)
-    used, buckets, rows = plan_buckets(counts, spread, small)
+    used, buckets, rows = plan_buckets(counts, spread, small, round_to)
     assert sorted(used) == [e for e, c in enumerate(counts) if c > 0]
     assert [counts[e] for e in used] == sorted((c for c in counts if c > 0), reverse=True)
     slot, row = 0, 0
     for b in buckets:  # contiguous slots and rows, in order
         assert (b.slot0, b.row0) == (slot, row) and b.slots >= 1
         members = [counts[e] for e in used[b.slot0:b.slot0 + b.slots]]
-        assert b.cap == max(members)
-        assert b.cap <= small or b.cap <= spread * min(members)
+        assert b.cap % round_to == 0 and max(members) <= b.cap < max(members) + round_to
+        assert max(members) <= small or max(members) <= spread * min(members)
         slot, row = slot + b.slots, row + b.slots * b.cap
     assert slot == len(used) and row == rows
     # each expert is padded to at most spread times its rows, or to the small bucket's cap
-    assert rows <= sum(max(spread * c, small) for c in counts if c > 0) + 1e-9
+    assert rows <= sum(max(spread * c, small) + round_to - 1 for c in counts if c > 0) + 1e-9
 
 
-def test_a_spread_below_one_is_refused():
+def test_a_spread_below_one_or_a_zero_rounding_is_refused():
     with pytest.raises(ValueError, match="SPREAD"):
         plan_buckets([3, 4], 0.5)
+    with pytest.raises(ValueError, match="ROUND"):
+        plan_buckets([3, 4], 1.25, 64, 0)

@@ -121,24 +121,28 @@ def test_moe_gemm_matches_the_reference(mix: str, cap_factor: float, monkeypatch
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"moe gemm {mix} cap x{cap_factor}: rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("mix,spread,small", [("q2", 1.25, 64), ("q4", 1.25, 64), ("q2", 1.0, 0), ("q2", 100.0, 0)])
-def test_bucketed_moe_gemm_matches_the_reference(mix: str, spread: float, small: int, monkeypatch) -> None:
+@pytest.mark.parametrize("mix,spread,small,round_to", [("q2", 1.25, 64, 1), ("q4", 1.25, 64, 1), ("q2", 1.0, 0, 1),
+                                                       ("q2", 100.0, 0, 1), ("q2", 1.25, 64, 16)])
+def test_bucketed_moe_gemm_matches_the_reference(mix: str, spread: float, small: int, round_to: int,
+                                                 monkeypatch) -> None:
     """The bucketed routed experts (moe_gemm.routed_experts): spread 1 and no small bucket give one bucket per
     distinct count (plain GEMMs for single experts), 100 puts every expert into one batched GEMM; one expert is
-    much busier than the rest and one gets no token (it is neither dequantized nor multiplied)."""
+    much busier than the rest and one gets no token (it is neither dequantized nor multiplied); round_to 16: caps
+    rounded up (DS4_GPU_MOE_ROUND), more zero rows."""
     from ds4.engine.gpu import moe_gemm
 
     args, ref, ids = _moe_case(mix, 52 if mix == "q2" else 53, n_choice=N_EXPERT - 1)
     counts = np.bincount(ids.reshape(-1), minlength=N_EXPERT).tolist()
-    used, buckets, rows = moe_gemm.plan_buckets(counts, spread, small)
+    used, buckets, rows = moe_gemm.plan_buckets(counts, spread, small, round_to)
     assert N_EXPERT - 1 not in used and sorted(used) == [e for e in range(N_EXPERT) if counts[e]]
     assert rows == sum(b.slots * b.cap for b in buckets) >= sum(counts)
     if spread == 100.0:
         assert len(buckets) == 1
-    elif spread == 1.0:
+    elif spread == 1.0 and round_to == 1:
         assert len(buckets) == len(set(counts) - {0})
     monkeypatch.setattr(moe_gemm, "SPREAD", spread)
     monkeypatch.setattr(moe_gemm, "SMALL_ROWS", small)
+    monkeypatch.setattr(moe_gemm, "ROUND", round_to)
     got = moe_gemm.routed_experts(_weights(), *args)
     err = rel_err(got.cpu().numpy().astype(np.float64), ref)
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"bucketed moe gemm {mix} spread {spread}: rel err {err:.2e}"

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
     ap.add_argument("--trace", help="with --count-kernels: write the step's chrome trace (kernel order, grids) here")
     ap.add_argument("--prefill-runs", type=int, default=1, metavar="R",
-                    help="timed prefills per length (the table reports the first; later runs are printed too)")
+                    help="timed prefills per length, each of a new random prompt (the table reports the first; "
+                         "later runs are printed too)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk (the session default)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="also profile the kernels of one prefill of N tokens")
@@ -160,7 +161,9 @@ def main(argv=None) -> int:
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
         s.sync(toks[:min(n, 512)])  # warm-up (allocator, cuBLAS, the GEMM and matvec paths)
         runs = []
-        for _ in range(args.prefill_runs):  # the first run of a length also pays its shapes' first calls
+        for i in range(args.prefill_runs):  # the first run of a length also pays its shapes' first calls
+            if i:  # a new prompt: other routing, so other expert-bucket shapes (as a server's next request)
+                toks = rng.integers(2, cfg.vocab_size, n).tolist()
             s.invalidate()
             torch.cuda.synchronize()
             before = allocator_counts()

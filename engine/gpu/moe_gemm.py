@@ -26,6 +26,9 @@ F32, F16 = torch.float32, torch.float16
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "buckets")  # buckets | padded (the v5..v8 path)
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
+# caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
+# shape), for a little more padding; 1 = exact caps (not measured against each other yet)
+ROUND = int(os.environ.get("DS4_GPU_MOE_ROUND", "1"))
 
 
 class Bucket(NamedTuple):
@@ -35,11 +38,14 @@ class Bucket(NamedTuple):
     row0: int  # first padded row: the bucket holds rows row0 .. row0 + slots * cap - 1
 
 
-def plan_buckets(counts: list[int], spread: float = SPREAD, small: int = SMALL_ROWS) \
+def plan_buckets(counts: list[int], spread: float = SPREAD, small: int = SMALL_ROWS, round_to: int = 1) \
         -> tuple[list[int], list[Bucket], int]:
-    """(experts with rows in slot order: busiest first, ties to the lower id; their buckets; padded rows)."""
+    """(experts with rows in slot order: busiest first, ties to the lower id; their buckets; padded rows).
+    round_to: each cap rounded up to a multiple of it."""
     if spread < 1.0:
         raise ValueError(f"DS4_GPU_MOE_SPREAD must be >= 1, got {spread}")
+    if round_to < 1:
+        raise ValueError(f"DS4_GPU_MOE_ROUND must be >= 1, got {round_to}")
     used = sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
     buckets: list[Bucket] = []
     row = i = 0
@@ -48,6 +54,7 @@ def plan_buckets(counts: list[int], spread: float = SPREAD, small: int = SMALL_R
         j = i + 1
         while j < len(used) and (cap <= small or counts[used[j]] * spread >= cap):
             j += 1
+        cap = -(-cap // round_to) * round_to
         buckets.append(Bucket(i, j - i, cap, row))
         row += (j - i) * cap
         i = j
@@ -75,7 +82,7 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_expert)
-    used, buckets, P = plan_buckets(counts.cpu().tolist(), SPREAD, SMALL_ROWS)  # the layer's one host sync
+    used, buckets, P = plan_buckets(counts.cpu().tolist(), SPREAD, SMALL_ROWS, ROUND)  # the layer's one host sync
     base = [0] * n_expert  # padded row of each expert's first assignment
     for bk in buckets:
         for s in range(bk.slots):
