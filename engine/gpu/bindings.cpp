@@ -687,6 +687,21 @@ PYBIND11_MODULE(_ext, m) {
     launch_norm_rope(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
   }, "jobs: (x, rows, d, rows_per_token, norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale, "
      "ring_cap, out) each; the second runs in the same launch", py::arg("pos"), py::arg("jobs"));
+  m.def("prefill_attn", [](uintptr_t q, uintptr_t win, uintptr_t comp, uintptr_t sel, uintptr_t sinks, uintptr_t out,
+                           int T, int H, int d, int Wn, int n_comp, int n_sel, int ratio, int64_t pos0, float scale) {
+    PrefillAttn a;
+    a.q = ptr<const float>(q);
+    a.win = ptr<const float>(win);
+    a.comp = ptr<const float>(comp);
+    a.sel = ptr<const int64_t>(sel);
+    a.sinks = ptr<const float>(sinks);
+    a.out = ptr<float>(out);
+    a.T = T, a.H = H, a.d = d, a.Wn = Wn, a.n_comp = n_comp, a.n_sel = n_sel, a.ratio = ratio, a.pos0 = pos0;
+    a.scale = scale;
+    launch_prefill_attn(a, stream());
+  }, "prefill attention of T queries (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d], comp [n_comp, d] or 0, "
+     "sel [T, n_sel] int64 or 0 (all comp rows), sinks [H], out [T, H, d]");
+  m.def("prefill_attn_takes", &prefill_attn_takes, py::arg("H"), py::arg("d"));
   m.def("router", [](uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok, int T, int E, int k, float scale,
                      uintptr_t ids, uintptr_t wts) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),

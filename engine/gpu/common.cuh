@@ -187,6 +187,22 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
 void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
                           const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s);
 int attn_chunks(int n_keys);
+// Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1
+// of win (valid from position 0) and the comp rows sel[t] (n_sel each; null: all n_comp rows), visible below
+// (pos + 1) / ratio; out [T, H, d]. Takes d a multiple of 64 up to 512 (prefill_attn_takes).
+struct PrefillAttn {
+  const float* q = nullptr;
+  const float* win = nullptr;
+  const float* comp = nullptr;
+  const int64_t* sel = nullptr;
+  const float* sinks = nullptr;
+  float* out = nullptr;
+  int T = 0, H = 0, d = 0, Wn = 0, n_comp = 0, n_sel = 0, ratio = 0;
+  int64_t pos0 = 0;
+  float scale = 1.0f;
+};
+bool prefill_attn_takes(int H, int d);
+void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

@@ -203,6 +203,24 @@ class Fused:
                            _p(out))
         return out
 
+    def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
+                     sinks: torch.Tensor, pos0: int, ratio: int) -> torch.Tensor | None:
+        """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
+        t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
+        of comp per query (None: all of them). None where the kernel does not take the shapes."""
+        T, H, d = q.shape
+        if not self.ext.prefill_attn_takes(H, d):
+            return None
+        q, win = q.contiguous(), win.contiguous()
+        comp = None if comp is None else comp.contiguous()
+        sel = None if sel is None else sel.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        self._stream()
+        self.ext.prefill_attn(_p(q), _p(win), _p(comp), _p(sel), _p(sinks.contiguous()), _p(out), T, H, d,
+                              win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
+                              0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d))
+        return out
+
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
                    scale: float) -> torch.Tensor:
         """Per compressed row: Σ_h scale w_h relu(q_h . row) as float64 minus row·1e-300, -inf if not visible."""

@@ -26,6 +26,9 @@ L = C.LayerTensor
 F32 = torch.float32
 ATTN_BLOCK = int(os.environ.get("DS4_GPU_ATTN_BLOCK", "0"))  # queries per block; 0: from the byte budget
 ATTN_BYTES = int(float(os.environ.get("DS4_GPU_ATTN_MIB", "2048")) * 2**20)
+# DS4_GPU_PREFILL_ATTN=fused: the attention of a whole chunk in one kernel (attn_prefill.cu; TF32 splits on the tensor
+# cores) instead of the torch products per query block; f32 (default) and tc are the torch forms (v10: not measured)
+FUSED_ATTN = os.environ.get("DS4_GPU_PREFILL_ATTN", "f32") == "fused"
 
 
 def section(name: str, on: bool = True):
@@ -74,6 +77,12 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
             comp_valid = sel < n_vis[:, None]
         else:
             comp_valid = torch.arange(n_comp, device=ses.device)[None, :] < n_vis[:, None]
+    if FUSED_ATTN and ses.K is not None and not on:
+        with section("attend"):
+            o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r)
+        if o is not None:
+            with section("attn_out"):
+                return ses._attn_out(li, o, cos, sin, pos)
     comp = None if comp is None else tc.maybe_split(comp, on)
     o = torch.empty_like(q)
     H, d = q.shape[1], q.shape[2]

@@ -1,0 +1,229 @@
+// Prefill attention in one kernel (model-spec §3.5; session prefill.attend_rows is the torch form): for query t,
+// the keys are its raw window (rows t .. t + Wn - 1 of win, valid from position 0 on) and its compressed rows
+// (sel[t] of comp, or all n_comp rows, visible below (pos + 1) / ratio); scores q_h . k / sqrt(d), a softmax with
+// the head's sink as one more score, output sum_j p_j k_j (the keys are the values).
+//
+// One CTA per (query, group of up to 64 heads), keys in tiles of 16, online softmax over the tiles. Products on
+// the tensor cores as three TF32 products (hi.hi + hi.lo + lo.hi of x = hi + lo, each part rounded to TF32: ~22
+// bits, float32-level like the prefill GEMMs' f16 splits, with float32's range), mma.sync.m16n8k8:
+//   scores [16 heads x 8 keys] per warp over the head dimension, P.V [16 heads x 8 columns] tiles per warp.
+// Shared memory: the group's queries, one key tile, its scores (rows padded by 4 floats: conflict-free
+// fragment reads). One CTA per SM (~170 KB for 64 heads of 512); a first version, written for correctness.
+#include <math.h>
+
+#include "common.cuh"
+
+namespace ds4gpu {
+
+namespace {
+
+constexpr int AP_THREADS = 256, AP_WARPS = AP_THREADS / 32;
+constexpr int AP_KT = 16;            // keys per tile
+constexpr int AP_PAD = 4;            // floats of padding per shared row
+constexpr int AP_SP = AP_KT + 4;     // score row stride
+constexpr int AP_NT_MAX = 32;        // 8-column output tiles per warp, at most (64 heads of 512: 32)
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// c += a . b for split operands, without lo.lo (below float32 rounding); the small products first.
+__device__ __forceinline__ void mma3(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                     const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma_tf32(c, al, bh);
+  mma_tf32(c, ah, bl);
+  mma_tf32(c, ah, bh);
+}
+
+// Fragments of m16n8k8 (PTX ISA, .tf32): with g = lane / 4, i = lane % 4,
+//   A (16 x 8, row): a0 (g, i), a1 (g + 8, i), a2 (g, i + 4), a3 (g + 8, i + 4)
+//   B (8 x 8, col):  b0 (k = i, n = g), b1 (k = i + 4, n = g)
+//   C (16 x 8):      c0 (g, 2i), c1 (g, 2i + 1), c2 (g + 8, 2i), c3 (g + 8, 2i + 1)
+template <int MT>
+__global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn a) {
+  constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
+  constexpr int CP = AP_WARPS / MT;    // column parts of the output per m-tile
+  extern __shared__ __align__(16) float sh[];
+  const int d = a.d, ds = d + AP_PAD, d4 = d / 4;
+  float* Qs = sh;                      // [HG][ds]
+  float* Ks = Qs + HG * ds;            // [AP_KT][ds]
+  float* Ss = Ks + AP_KT * ds;         // [HG][AP_SP]
+  float* m_s = Ss + HG * AP_SP;        // [HG] running max
+  float* l_s = m_s + HG;               // [HG] running sum
+  float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
+  int* ok_s = (int*)(f_s + HG);        // [AP_KT] key present and visible
+  const int t = blockIdx.x, h_base = blockIdx.y * HG;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
+  const int64_t p = a.pos0 + t;
+  for (int i = tid; i < HG * d4; i += AP_THREADS) {
+    const int r = i / d4, c = i - r * d4, h = h_base + r;
+    const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
+                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    *(float4*)(Qs + r * ds + 4 * c) = v;
+  }
+  if (tid < HG) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
+  const int n_keys = a.Wn + n_cmp;
+  const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
+  const int mt_o = warp % MT, cp = warp / MT, ntw = d / 8 / CP;  // this warp's output tiles
+  float acc[AP_NT_MAX][4];
+#pragma unroll
+  for (int n = 0; n < AP_NT_MAX; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+  for (int k0 = 0; k0 < n_keys; k0 += AP_KT) {
+    __syncthreads();  // the previous tile's reads of Ks and Ss are done
+    for (int r = warp; r < AP_KT; r += AP_WARPS) {
+      const int kk = k0 + r;
+      const float* src = nullptr;
+      if (kk < a.Wn) {
+        if (p - (a.Wn - 1) + kk >= 0) src = a.win + ((int64_t)t + kk) * d;
+      } else if (kk < n_keys) {
+        const int j = kk - a.Wn;
+        const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
+        if (row >= 0 && row < n_vis && row < a.n_comp) src = a.comp + row * d;
+      }
+      for (int c = lane; c < d4; c += 32)
+        *(float4*)(Ks + r * ds + 4 * c) = src ? __ldg((const float4*)src + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (lane == 0) ok_s[r] = src != nullptr;
+    }
+    __syncthreads();
+    if (warp < 2 * MT) {  // scores: m-tile warp % MT, keys 8 (warp / MT) .. + 7 of the tile
+      const int mt = warp % MT, n0 = 8 * (warp / MT);
+      const float* q0 = Qs + (16 * mt + g) * ds;
+      const float* q1 = q0 + 8 * ds;
+      const float* kr = Ks + (n0 + g) * ds;
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int k = 0; k < d; k += 8) {
+        uint32_t ah[4], al[4], bh[2], bl[2];
+        split_tf32(q0[k + i4], ah[0], al[0]);
+        split_tf32(q1[k + i4], ah[1], al[1]);
+        split_tf32(q0[k + i4 + 4], ah[2], al[2]);
+        split_tf32(q1[k + i4 + 4], ah[3], al[3]);
+        split_tf32(kr[k + i4], bh[0], bl[0]);
+        split_tf32(kr[k + i4 + 4], bh[1], bl[1]);
+        mma3(c, ah, al, bh, bl);
+      }
+      float* s = Ss + (16 * mt + g) * AP_SP + n0 + 2 * i4;
+      s[0] = c[0];
+      s[1] = c[1];
+      s[8 * AP_SP] = c[2];
+      s[8 * AP_SP + 1] = c[3];
+    }
+    __syncthreads();
+    if (tid < HG) {  // online softmax of head row tid over this tile
+      float* srow = Ss + tid * AP_SP;
+      const float mo = m_s[tid];
+      float mx = mo;
+      for (int j = 0; j < AP_KT; ++j) {
+        const float s = (k0 + j < n_keys && ok_s[j]) ? srow[j] * a.scale : -INFINITY;
+        srow[j] = s;
+        mx = fmaxf(mx, s);
+      }
+      const float alpha = mx == -INFINITY ? 1.0f : expf(mo - mx);
+      float sum = 0.0f;
+      for (int j = 0; j < AP_KT; ++j) {
+        const float e = srow[j] == -INFINITY ? 0.0f : expf(srow[j] - mx);
+        srow[j] = e;
+        sum += e;
+      }
+      l_s[tid] = l_s[tid] * alpha + sum;
+      m_s[tid] = mx;
+      f_s[tid] = alpha;
+    }
+    __syncthreads();
+    const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
+#pragma unroll
+    for (int n = 0; n < AP_NT_MAX; ++n) {
+      acc[n][0] *= r0;
+      acc[n][1] *= r0;
+      acc[n][2] *= r1;
+      acc[n][3] *= r1;
+    }
+#pragma unroll
+    for (int ks = 0; ks < AP_KT; ks += 8) {  // P [16 heads x 8 keys] . V [8 keys x 8 columns] per output tile
+      const float* p0 = Ss + (16 * mt_o + g) * AP_SP + ks;
+      uint32_t ah[4], al[4];
+      split_tf32(p0[i4], ah[0], al[0]);
+      split_tf32(p0[8 * AP_SP + i4], ah[1], al[1]);
+      split_tf32(p0[i4 + 4], ah[2], al[2]);
+      split_tf32(p0[8 * AP_SP + i4 + 4], ah[3], al[3]);
+      const float* v0 = Ks + (ks + i4) * ds + g;
+#pragma unroll
+      for (int n = 0; n < AP_NT_MAX; ++n) {
+        if (n >= ntw) break;
+        const int col = (cp * ntw + n) * 8;
+        uint32_t bh[2], bl[2];
+        split_tf32(v0[col], bh[0], bl[0]);
+        split_tf32(v0[4 * ds + col], bh[1], bl[1]);
+        mma3(acc[n], ah, al, bh, bl);
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < HG) {  // the sink: one more score, then 1 / denominator
+    const int h = h_base + tid;
+    const float sink = h < a.H ? a.sinks[h] : 0.0f;
+    const float m = m_s[tid], M = fmaxf(m, sink);
+    const float fac = m == -INFINITY ? 0.0f : expf(m - M);
+    f_s[tid] = fac / (l_s[tid] * fac + expf(sink - M));
+  }
+  __syncthreads();
+  const int h0 = h_base + 16 * mt_o + g, h1 = h0 + 8;
+  const float f0 = f_s[16 * mt_o + g], f1 = f_s[16 * mt_o + g + 8];
+#pragma unroll
+  for (int n = 0; n < AP_NT_MAX; ++n) {
+    if (n >= ntw) break;
+    const int col = (cp * ntw + n) * 8 + 2 * i4;
+    if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = make_float2(acc[n][0] * f0, acc[n][1] * f0);
+    if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = make_float2(acc[n][2] * f1, acc[n][3] * f1);
+  }
+}
+
+template <int MT>
+void launch_mt(const PrefillAttn& a, cudaStream_t s) {
+  const int HG = 16 * MT, ds = a.d + AP_PAD;
+  const size_t shm = sizeof(float) * ((size_t)(HG + AP_KT) * ds + (size_t)HG * AP_SP + 3 * HG) + sizeof(int) * AP_KT;
+  static size_t shm_set = 0;
+  if (shm > shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    shm_set = shm;
+  }
+  prefill_attn_kernel<MT><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
+}
+
+}  // namespace
+
+bool prefill_attn_takes(int H, int d) { return H > 0 && d > 0 && d % 64 == 0 && d <= 512; }
+
+void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s) {
+  if (!prefill_attn_takes(a.H, a.d)) throw std::invalid_argument("prefill_attn: head dim must be a multiple of 64, <= 512");
+  if (a.T < 0 || a.Wn < 1 || a.n_comp < 0 || (a.sel && a.n_sel < 1) || (a.comp && a.ratio < 1))
+    throw std::invalid_argument("prefill_attn: bad sizes");
+  for (const void* ptr : {(const void*)a.q, (const void*)a.win, (const void*)a.comp, (const void*)a.out})
+    if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
+  if (a.T == 0) return;
+  // heads per CTA: 16, 32 or 64 (d * MT / 64 output tiles of 8 columns per warp)
+  if (a.H <= 16) launch_mt<1>(a, s);
+  else if (a.H <= 32) launch_mt<2>(a, s);
+  else launch_mt<4>(a, s);
+  DS4_CHECK_LAUNCH("prefill_attn");
+}
+
+}  // namespace ds4gpu

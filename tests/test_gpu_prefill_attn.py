@@ -1,0 +1,99 @@
+"""The one-kernel prefill attention (attn_prefill.cu, DS4_GPU_PREFILL_ATTN=fused) against a float64 reference of
+model-spec §3.5's attention with sinks (window keys valid from position 0, compressed rows visible below
+(pos + 1) / ratio, per-query top-k rows or all rows), and in the session against the torch path. Skipped without
+a usable CUDA device."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from ds4.engine import gpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and gpu.available()),
+                                reason="needs a CUDA device and the built extension")
+
+DEV = "cuda"
+
+
+def reference(q, win, comp, sel, sinks, pos0: int, ratio: int) -> torch.Tensor:
+    T, H, d = q.shape
+    Wn = win.shape[0] - T + 1
+    pos = torch.arange(pos0, pos0 + T, device=q.device)
+    keys = [win.double().unfold(0, Wn, 1).transpose(1, 2)]  # [T, Wn, d]
+    valid = [(pos[:, None] - (Wn - 1) + torch.arange(Wn, device=q.device)[None]) >= 0]
+    if comp is not None:
+        n = comp.shape[0]
+        rows = sel if sel is not None else torch.arange(n, device=q.device).expand(T, n)
+        keys.append(comp.double()[rows.clamp(0, max(n - 1, 0))])
+        valid.append((rows >= 0) & (rows < n) & (rows < ((pos + 1) // ratio)[:, None]))
+    K, V = torch.cat(keys, 1), torch.cat(valid, 1)
+    s = torch.einsum("thd,tnd->thn", q.double(), K) / math.sqrt(d)
+    s = s.masked_fill(~V[:, None, :], -math.inf)
+    s = torch.cat([s, sinks.double()[None, :, None].expand(T, H, 1)], -1)
+    p = torch.softmax(s, -1)[..., :-1]
+    return torch.einsum("thn,tnd->thd", p, K)
+
+
+def _case(seed, T, H, d, Wn, n_comp, k_sel, pos0, ratio):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(T, H, d, generator=g) * 0.3).to(DEV)
+    win = torch.randn(T + Wn - 1, d, generator=g).to(DEV)
+    comp = None if n_comp is None else torch.randn(n_comp, d, generator=g).to(DEV)
+    sel = None
+    if k_sel:
+        sel = torch.stack([torch.randperm(n_comp, generator=g)[:k_sel] for _ in range(T)]).to(DEV)
+    sinks = torch.randn(H, generator=g).to(DEV)
+    return q, win, comp, sel, sinks
+
+
+@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
+    (40, 64, 512, 900, 512, 3000, 4),     # Flash: top-k rows, some not visible yet
+    (24, 8, 512, 20, 0, 2000, 128),       # small, ratio 128: all rows, the last ones not visible
+    (50, 4, 128, None, 0, 0, 0),          # tiny, window only, from position 0 (early window keys masked)
+    (9, 128, 512, 700, 512, 2600, 4),     # Pro: two groups of 64 heads
+    (17, 20, 64, 40, 16, 100, 4),         # 32-head groups with 12 padding rows
+])
+def test_prefill_attention_kernel_matches_the_float64_reference(T, H, d, n_comp, k_sel, pos0, ratio):
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(T + H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
+    got = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
+    ref = reference(q, win, comp, sel, sinks, pos0, ratio)
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 1e-5, f"rel err {err:.2e}"
+
+
+def test_prefill_attention_kernel_declines_odd_head_dims():
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(1, 4, 4, 96, 128, None, 0, 0, 0)
+    assert K.prefill_attn(q, win, comp, sel, sinks, 0, 0) is None
+
+
+def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
+    """small, 600 tokens in chunks of 256: past the window, the indexer's top-k and the ratio-128 rows."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import prefill
+    from ds4.engine.gpu.session import Session as GpuSession
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 600).tolist()
+    want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    calls = []
+    monkeypatch.setattr(prefill, "FUSED_ATTN", True)
+    g = GpuSession(m, ctx=1024, prefill_chunk=256)
+    real = type(g.K).prefill_attn
+    monkeypatch.setattr(type(g.K), "prefill_attn", lambda self, *a: calls.append(1) or real(self, *a))
+    got = g.prefill(toks, all_logits=True)
+    assert calls, "the fused kernel did not run"
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    assert err < 1e-3, f"rel err {err:.2e}"
