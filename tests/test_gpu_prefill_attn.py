@@ -1,7 +1,7 @@
-"""The one-kernel prefill attention (attn_prefill.cu, DS4_GPU_PREFILL_ATTN=fused) against a float64 reference of
-model-spec §3.5's attention with sinks (window keys valid from position 0, compressed rows visible below
-(pos + 1) / ratio, per-query top-k rows or all rows), and in the session against the torch path. Skipped without
-a usable CUDA device."""
+"""The forms of the prefill attention (DS4_GPU_PREFILL_ATTN). The one-kernel form (attn_prefill.cu, `fused`) against a
+float64 reference of model-spec §3.5's attention with sinks (window keys valid from position 0, compressed rows
+visible below (pos + 1) / ratio, per-query top-k rows or all rows), and in the session against the torch path; the
+TF32 products (`tf32`, the default) in the session against float32 ones. Skipped without a usable CUDA device."""
 
 from __future__ import annotations
 
@@ -87,7 +87,9 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
     m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
     toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 600).tolist()
-    want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    ref = GpuSession(m, ctx=1024, prefill_chunk=256)
+    ref.tf32_attn = False
+    want = ref.prefill(toks, all_logits=True)
     calls = []
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
@@ -97,3 +99,27 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     assert calls, "the fused kernel did not run"
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     assert err < 1e-3, f"rel err {err:.2e}"
+
+
+def test_tf32_products_stay_near_float32_in_the_session(tmp_path):
+    """The default TF32 attention and indexer products against float32 ones on `small` (600 tokens: the indexer's
+    top-k and the ratio-128 rows run): close (the engine's 1e-3), and not the same bits (the switch took effect)."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import tc
+    from ds4.engine.gpu.session import Session as GpuSession
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 600).tolist()
+    f32 = GpuSession(m, ctx=1024, prefill_chunk=256)
+    f32.tf32_attn = False
+    want = f32.prefill(toks, all_logits=True)
+    tf = GpuSession(m, ctx=1024, prefill_chunk=256)
+    assert tf.tf32_attn == (tc.ATTN_MODE == "tf32")
+    tf.tf32_attn = True
+    got = tf.prefill(toks, all_logits=True)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    print(f"\ntf32 against f32 prefill products: rel {err:.2e}")
+    assert 0 < err < 1e-3, f"rel err {err:.2e}"

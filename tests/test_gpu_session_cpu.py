@@ -220,3 +220,11 @@ def test_split_of_no_rows_is_empty():
 
     sp = tc.split(torch.zeros((0, 16)))
     assert sp.hi.shape == (0, 16) and float(sp.s) == 1.0
+
+
+def test_prefill_attention_modes_are_checked():
+    from ds4.engine.gpu import tc
+
+    assert tc.parse_attn_mode("") == "tf32" and tc.parse_attn_mode(" F32 ") == "f32"
+    with pytest.raises(ValueError, match="unknown mode.*tf32, f32, tc, fused"):
+        tc.parse_attn_mode("fp16")

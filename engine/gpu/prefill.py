@@ -26,9 +26,9 @@ L = C.LayerTensor
 F32 = torch.float32
 ATTN_BLOCK = int(os.environ.get("DS4_GPU_ATTN_BLOCK", "0"))  # queries per block; 0: from the byte budget
 ATTN_BYTES = int(float(os.environ.get("DS4_GPU_ATTN_MIB", "2048")) * 2**20)
-# DS4_GPU_PREFILL_ATTN=fused: the attention of a whole chunk in one kernel (attn_prefill.cu; TF32 splits on the tensor
-# cores) instead of the torch products per query block; f32 (default) and tc are the torch forms (v10: not measured)
-FUSED_ATTN = os.environ.get("DS4_GPU_PREFILL_ATTN", "f32") == "fused"
+# DS4_GPU_PREFILL_ATTN (tc.py): tf32 (default) / f32 / tc torch products per query block, or fused: the attention of
+# a whole chunk in one kernel (attn_prefill.cu; three TF32 passes; v10: 2402 against 2671 t/s for f32 at 8192 tokens)
+FUSED_ATTN = tc.ATTN_MODE == "fused"
 
 
 def section(name: str, on: bool = True):
@@ -89,7 +89,7 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
     n_keys = Wn + (sel.shape[1] if sel is not None else n_comp) + 1
     # per query: scores, their concatenation and softmax (float32), and the gathered top-k keys
     step = block_rows(H * n_keys * 4 * 3 + (sel.shape[1] * d * 4 * (2 if on else 1) if sel is not None else 0))
-    with section("attend"):
+    with section("attend"), tc.tf32_products(ses.tf32_attn):
         for t0 in range(0, T, step):
             b = slice(t0, min(T, t0 + step))
             res = attend_rows(ses, li, q[b], tc.each(win, lambda v: v[b]), win_valid[b], comp,
@@ -163,7 +163,8 @@ def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
         rb = slice(i, min(T, i + step))
         q, w = q_all[i - first:rb.stop - first], w_all[i - first:rb.stop - first]
         t, Hi, di = q.shape
-        dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
+        with tc.tf32_products(ses.tf32_attn):
+            dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
         scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
         scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
         sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]

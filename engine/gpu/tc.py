@@ -5,7 +5,17 @@ overflows float16), i.e. ~22 significant bits, and a product is hi·hi + hi·lo 
 float32 inside the GEMMs (weights.split_product). That keeps float32-level agreement with the CPU engine
 (the lo·lo term is below float32 rounding) at tensor-core speed: the float32 products these replace ran
 on the SIMT cores (~0.6 s of an 8192-token prefill). DS4_GPU_PREFILL_GEMM=f16 drops the lo parts, as
-for the weight GEMMs; DS4_GPU_PREFILL_ATTN=f32 keeps the float32 products.
+for the weight GEMMs.
+
+DS4_GPU_PREFILL_ATTN picks the form of the prefill attention and indexer products:
+- `tf32` (default): the float32 products on the tensor cores as TF32 (one pass: operands rounded to 10-bit
+  mantissas, float32 sums; torch's fp32_precision switch, only inside those products). Emulated on the CPU
+  twin (`small`, 600 tokens) it moves the logits 1.3e-4 from the CPU engine (attention 8e-5, indexer 1.5e-5),
+  against the 1e-3 the engine is held to; the weight GEMMs keep their hi/lo splits, since one f16 pass there
+  gave 1.2e-3.
+- `f32`: float32 products on the SIMT cores (~40 TFLOP/s: 0.44 s of an 8192-token prefill, v9).
+- `tc`: the f16 hi/lo Splits below (v7: slower, the split passes cost more than they save).
+- `fused`: one kernel per chunk, attn_prefill.cu (three TF32 passes; v10: slower than f32).
 
 Operands may be Splits or float32 tensors (the CPU path): `each` applies a view or gather to both parts,
 `mm` multiplies either kind.
@@ -13,6 +23,7 @@ Operands may be Splits or float32 tensors (the CPU path): `each` applies a view 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, NamedTuple
 
@@ -20,9 +31,41 @@ import torch
 
 from .weights import EXACT_GEMM, split_product
 
-# Off by default: measured slower on the H200 (8192-token prefill 1612 t/s vs 1799 t/s with the float32
-# products): the split's torch passes over q, p and the keys cost more than the tensor cores save.
-TC_ATTN = os.environ.get("DS4_GPU_PREFILL_ATTN", "f32") == "tc"
+ATTN_MODES = ("tf32", "f32", "tc", "fused")
+
+
+def parse_attn_mode(value: str) -> str:
+    mode = value.strip().lower() or "tf32"
+    if mode not in ATTN_MODES:
+        raise ValueError(f"DS4_GPU_PREFILL_ATTN={value!r}: unknown mode (known: {', '.join(ATTN_MODES)})")
+    return mode
+
+
+ATTN_MODE = parse_attn_mode(os.environ.get("DS4_GPU_PREFILL_ATTN", "tf32"))
+TC_ATTN = ATTN_MODE == "tc"  # v7: 1612 against 1799 t/s for f32 (8192 tokens)
+TF32_ATTN = ATTN_MODE == "tf32"
+
+
+@contextlib.contextmanager
+def tf32_products(on: bool):
+    """float32 matmuls inside the block run as TF32 on the tensor cores where on (CUDA only)."""
+    if not on:
+        yield
+        return
+    mm = torch.backends.cuda.matmul
+    new_api = hasattr(mm, "fp32_precision")  # torch >= 2.9; allow_tf32 before
+    old = mm.fp32_precision if new_api else mm.allow_tf32
+    if new_api:
+        mm.fp32_precision = "tf32"
+    else:
+        mm.allow_tf32 = True
+    try:
+        yield
+    finally:
+        if new_api:
+            mm.fp32_precision = old
+        else:
+            mm.allow_tf32 = old
 
 
 class Split(NamedTuple):
