@@ -118,7 +118,7 @@ class Session(Timeline):
         self.side = branches.SideStream(self.W.ext, self.device) if self._branches else None
         self._comp_forked = False
         self.tc_attn = tc.TC_ATTN and self.device.type == "cuda"  # prefill attention products on tensor cores
-        self.tf32_attn = tc.TF32_ATTN and self.device.type == "cuda"  # ... as TF32 (the default)
+        self.tf32_attn = tc.TF32_ATTN and self.device.type == "cuda"  # ... as TF32 (a speed mode)
         self.load_weights()
 
     def _f(self, name: str):
