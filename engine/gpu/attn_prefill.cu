@@ -7,8 +7,8 @@
 // the tensor cores as three TF32 products (hi.hi + hi.lo + lo.hi of x = hi + lo, each part rounded to TF32: ~22
 // bits, float32-level like the prefill GEMMs' f16 splits, with float32's range), mma.sync.m16n8k8:
 //   scores [16 heads x 8 keys] per warp over the head dimension, P.V [16 heads x 8 columns] tiles per warp.
-// Shared memory: the group's queries, one key tile, its scores (rows padded by 4 floats: conflict-free
-// fragment reads). One CTA per SM (~170 KB for 64 heads of 512); a first version, written for correctness.
+// Shared memory: the group's queries, two key tiles (the next one loading), the tile's scores (rows padded by 4
+// floats: conflict-free fragment reads). One CTA per SM (~200 KB for 64 heads of 512).
 #include <math.h>
 
 #include "common.cuh"
@@ -49,26 +49,60 @@ __device__ __forceinline__ void mma3(float (&c)[4], const uint32_t (&ah)[4], con
   mma_tf32(c, ah, bh);
 }
 
+// Loads key tile `k0` (rows of the query's window, then its compressed rows) into Kb with cp.async (16-byte pieces;
+// missing or invisible rows are zero-filled), and whether each row is a key into ok. One warp per row.
+__device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys, int k0,
+                                             float* Kb, int* ok, int ds) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d4 = a.d / 4;
+  for (int r = warp; r < AP_KT; r += AP_WARPS) {
+    const int kk = k0 + r;
+    const float* src = nullptr;
+    if (kk < a.Wn) {
+      if (p - (a.Wn - 1) + kk >= 0) src = a.win + ((int64_t)t + kk) * a.d;
+    } else if (kk < n_keys) {
+      const int j = kk - a.Wn;
+      const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
+      if (row >= 0 && row < n_vis && row < a.n_comp) src = a.comp + row * a.d;
+    }
+    const float* from = src ? src : a.win;  // a valid address; 0 bytes are read from it
+    const int bytes = src ? 16 : 0;
+    for (int c = lane; c < d4; c += 32) {
+      const uint32_t dst = (uint32_t)__cvta_generic_to_shared(Kb + r * ds + 4 * c);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from + 4 * c), "r"(bytes));
+    }
+    if (lane == 0) ok[r] = src != nullptr;
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
 // Fragments of m16n8k8 (PTX ISA, .tf32): with g = lane / 4, i = lane % 4,
 //   A (16 x 8, row): a0 (g, i), a1 (g + 8, i), a2 (g, i + 4), a3 (g + 8, i + 4)
 //   B (8 x 8, col):  b0 (k = i, n = g), b1 (k = i + 4, n = g)
 //   C (16 x 8):      c0 (g, 2i), c1 (g, 2i + 1), c2 (g + 8, 2i), c3 (g + 8, 2i + 1)
+// v2 (v10): the key tiles are double-buffered (cp.async: the next tile loads while this one is used), the scores
+// run in 4 independent chains over the head dimension with the small products in chains of their own (v1 had one
+// chain of 3 d / 8 dependent mma per warp and tile), and the online softmax takes 4 threads per head row.
 template <int MT>
 __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
   constexpr int CP = AP_WARPS / MT;    // column parts of the output per m-tile
+  constexpr int KC = 4;                // independent score chains over the head dimension
   extern __shared__ __align__(16) float sh[];
   const int d = a.d, ds = d + AP_PAD, d4 = d / 4;
   float* Qs = sh;                      // [HG][ds]
-  float* Ks = Qs + HG * ds;            // [AP_KT][ds]
-  float* Ss = Ks + AP_KT * ds;         // [HG][AP_SP]
+  float* Kbuf = Qs + HG * ds;          // [2][AP_KT][ds]
+  float* Ss = Kbuf + 2 * AP_KT * ds;   // [HG][AP_SP]
   float* m_s = Ss + HG * AP_SP;        // [HG] running max
   float* l_s = m_s + HG;               // [HG] running sum
   float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
-  int* ok_s = (int*)(f_s + HG);        // [AP_KT] key present and visible
+  int* ok_s = (int*)(f_s + HG);        // [2][AP_KT] key present and visible
   const int t = blockIdx.x, h_base = blockIdx.y * HG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
   const int64_t p = a.pos0 + t;
+  const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
+  const int n_keys = a.Wn + n_cmp;
+  const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
+  ap_load_tile(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, ds);  // the first tile loads while the queries are staged
   for (int i = tid; i < HG * d4; i += AP_THREADS) {
     const int r = i / d4, c = i - r * d4, h = h_base + r;
     const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
@@ -79,47 +113,49 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
   }
-  const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
-  const int n_keys = a.Wn + n_cmp;
-  const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
   const int mt_o = warp % MT, cp = warp / MT, ntw = d / 8 / CP;  // this warp's output tiles
   float acc[AP_NT_MAX][4];
 #pragma unroll
   for (int n = 0; n < AP_NT_MAX; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  for (int k0 = 0; k0 < n_keys; k0 += AP_KT) {
-    __syncthreads();  // the previous tile's reads of Ks and Ss are done
-    for (int r = warp; r < AP_KT; r += AP_WARPS) {
-      const int kk = k0 + r;
-      const float* src = nullptr;
-      if (kk < a.Wn) {
-        if (p - (a.Wn - 1) + kk >= 0) src = a.win + ((int64_t)t + kk) * d;
-      } else if (kk < n_keys) {
-        const int j = kk - a.Wn;
-        const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
-        if (row >= 0 && row < n_vis && row < a.n_comp) src = a.comp + row * d;
-      }
-      for (int c = lane; c < d4; c += 32)
-        *(float4*)(Ks + r * ds + 4 * c) = src ? __ldg((const float4*)src + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (lane == 0) ok_s[r] = src != nullptr;
+  for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
+    __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
+    if (k0 + AP_KT < n_keys) {
+      ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
     }
-    __syncthreads();
+    __syncthreads();  // this tile is in shared memory for every thread
+    const float* Ks = Kbuf + buf * AP_KT * ds;
+    const int* ok = ok_s + buf * AP_KT;
     if (warp < 2 * MT) {  // scores: m-tile warp % MT, keys 8 (warp / MT) .. + 7 of the tile
       const int mt = warp % MT, n0 = 8 * (warp / MT);
       const float* q0 = Qs + (16 * mt + g) * ds;
       const float* q1 = q0 + 8 * ds;
       const float* kr = Ks + (n0 + g) * ds;
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      for (int k = 0; k < d; k += 8) {
-        uint32_t ah[4], al[4], bh[2], bl[2];
-        split_tf32(q0[k + i4], ah[0], al[0]);
-        split_tf32(q1[k + i4], ah[1], al[1]);
-        split_tf32(q0[k + i4 + 4], ah[2], al[2]);
-        split_tf32(q1[k + i4 + 4], ah[3], al[3]);
-        split_tf32(kr[k + i4], bh[0], bl[0]);
-        split_tf32(kr[k + i4 + 4], bh[1], bl[1]);
-        mma3(c, ah, al, bh, bl);
+      float cm[KC][4], cc[KC][4];
+#pragma unroll
+      for (int j = 0; j < KC; ++j) cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
+      for (int k = 0; k < d; k += 8 * KC) {
+#pragma unroll
+        for (int j = 0; j < KC; ++j) {
+          const int kk = k + 8 * j;
+          uint32_t ah[4], al[4], bh[2], bl[2];
+          split_tf32(q0[kk + i4], ah[0], al[0]);
+          split_tf32(q1[kk + i4], ah[1], al[1]);
+          split_tf32(q0[kk + i4 + 4], ah[2], al[2]);
+          split_tf32(q1[kk + i4 + 4], ah[3], al[3]);
+          split_tf32(kr[kk + i4], bh[0], bl[0]);
+          split_tf32(kr[kk + i4 + 4], bh[1], bl[1]);
+          mma_tf32(cc[j], al, bh);
+          mma_tf32(cc[j], ah, bl);
+          mma_tf32(cm[j], ah, bh);
+        }
       }
+      float c[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[e] = ((cc[0][e] + cc[1][e]) + (cc[2][e] + cc[3][e])) + ((cm[0][e] + cm[1][e]) + (cm[2][e] + cm[3][e]));
       float* s = Ss + (16 * mt + g) * AP_SP + n0 + 2 * i4;
       s[0] = c[0];
       s[1] = c[1];
@@ -127,25 +163,34 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
       s[8 * AP_SP + 1] = c[3];
     }
     __syncthreads();
-    if (tid < HG) {  // online softmax of head row tid over this tile
-      float* srow = Ss + tid * AP_SP;
-      const float mo = m_s[tid];
-      float mx = mo;
-      for (int j = 0; j < AP_KT; ++j) {
-        const float s = (k0 + j < n_keys && ok_s[j]) ? srow[j] * a.scale : -INFINITY;
-        srow[j] = s;
-        mx = fmaxf(mx, s);
+    if (tid < 4 * HG) {  // online softmax: head row tid / 4, keys 4 (tid % 4) .. + 3 of the tile
+      const int row = tid >> 2, j0 = 4 * (tid & 3);
+      float* srow = Ss + row * AP_SP + j0;
+      float v[4], mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? srow[j] * a.scale : -INFINITY;
+        mx = fmaxf(mx, v[j]);
       }
-      const float alpha = mx == -INFINITY ? 1.0f : expf(mo - mx);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mo = m_s[row];
+      mx = fmaxf(mx, mo);
       float sum = 0.0f;
-      for (int j = 0; j < AP_KT; ++j) {
-        const float e = srow[j] == -INFINITY ? 0.0f : expf(srow[j] - mx);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float e = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
         srow[j] = e;
         sum += e;
       }
-      l_s[tid] = l_s[tid] * alpha + sum;
-      m_s[tid] = mx;
-      f_s[tid] = alpha;
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (j0 == 0) {
+        const float alpha = mx == -INFINITY ? 1.0f : expf(mo - mx);
+        l_s[row] = l_s[row] * alpha + sum;
+        m_s[row] = mx;
+        f_s[row] = alpha;
+      }
     }
     __syncthreads();
     const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
@@ -199,7 +244,7 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
 template <int MT>
 void launch_mt(const PrefillAttn& a, cudaStream_t s) {
   const int HG = 16 * MT, ds = a.d + AP_PAD;
-  const size_t shm = sizeof(float) * ((size_t)(HG + AP_KT) * ds + (size_t)HG * AP_SP + 3 * HG) + sizeof(int) * AP_KT;
+  const size_t shm = sizeof(float) * ((size_t)(HG + 2 * AP_KT) * ds + (size_t)HG * AP_SP + 3 * HG) + sizeof(int) * 2 * AP_KT;
   static size_t shm_set = 0;
   if (shm > shm_set) {
     DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
