@@ -23,15 +23,12 @@ constexpr int AP_PAD = 4;            // floats of padding per shared row
 constexpr int AP_SP = AP_KT + 4;     // score row stride
 constexpr int AP_NT_MAX = 32;        // 8-column output tiles per warp, at most (64 heads of 512: 32)
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
+// x = hi + lo: hi is x truncated to TF32 (one AND), lo = x - hi exactly (one FADD), passed as float32 bits: the
+// tensor core reads a .tf32 operand's top 19 bits, so lo is truncated there (~21 bits in all). v1 rounded both
+// parts with cvt.rna (several instructions each): ncu counted ~46k instructions per 16-key tile, half the issue slots.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));
+  hi = __float_as_uint(x) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {

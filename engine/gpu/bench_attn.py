@@ -1,0 +1,89 @@
+"""`python -m ds4.engine.gpu.bench_attn`: the one-kernel prefill attention (attn_prefill.cu, DS4_GPU_PREFILL_ATTN=fused)
+against its peer, the session's torch products per query block (prefill.attend_rows, float32 or TF32), at Flash
+shapes: a top-k layer (ratio 4: window 128 + 512 selected rows) and a ratio-128 layer (window + all visible rows).
+Prints milliseconds per call and the ratio to the torch path. Needs a CUDA device and the built extension."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import types
+
+import torch
+
+from . import prefill, tc
+
+
+def _inputs(T: int, n_comp: int, k_sel: int, pos0: int, H=64, d=512, Wn=128, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, d, device="cuda", generator=g) * 0.3
+    win = torch.randn(T + Wn - 1, d, device="cuda", generator=g)
+    comp = torch.randn(n_comp, d, device="cuda", generator=g)
+    sel = torch.randint(0, n_comp, (T, k_sel), device="cuda", generator=g) if k_sel else None
+    sinks = torch.randn(H, device="cuda", generator=g)
+    return q, win, comp, sel, sinks
+
+
+def _torch_attend(q, win_keys, comp, sel, sinks, pos0: int, ratio: int, tf32: bool):
+    """The session's torch form (prefill.attn_chunk's block loop) for one chunk, on the same inputs."""
+    T, H, d = q.shape
+    Wn = win_keys.shape[0] - T + 1
+    pos = torch.arange(pos0, pos0 + T, device="cuda")
+    ses = types.SimpleNamespace(W=types.SimpleNamespace(vec=lambda name: sinks))  # attend_rows reads the sinks only
+    win = win_keys.unfold(0, Wn, 1)
+    win_valid = (pos[:, None] - (Wn - 1) + torch.arange(Wn, device="cuda")[None, :]) >= 0
+    n_vis = (pos + 1) // ratio
+    comp_valid = (sel if sel is not None else torch.arange(comp.shape[0], device="cuda")[None, :]) < n_vis[:, None]
+    out = torch.empty_like(q)
+    n_keys = Wn + (sel.shape[1] if sel is not None else comp.shape[0]) + 1
+    step = prefill.block_rows(H * n_keys * 4 * 3 + (sel.shape[1] * d * 4 if sel is not None else 0))
+    with tc.tf32_products(tf32):
+        for t0 in range(0, T, step):
+            b = slice(t0, min(T, t0 + step))
+            prefill.attend_rows(ses, 0, q[b], win[b], win_valid[b], comp, None if sel is None else sel[b],
+                                comp_valid[b], out=out[b])
+    return out
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="queries per chunk (default 2048)")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attn: needs a CUDA device", file=sys.stderr)
+        return 2
+    from . import load
+    from .fused import Fused
+
+    K = Fused(load(), torch.device("cuda"))
+    T = args.tokens
+    pos0 = 8192 - T
+    print(f"{'layer':<22} {'fused ms':>9} {'torch f32 ms':>13} {'torch tf32 ms':>14} {'f32 / fused':>12}")
+    for name, ratio, n_comp, k_sel in (("top-k (ratio 4)", 4, 2048, 512), ("ratio 128", 128, 64, 0)):
+        q, win, comp, sel, sinks = _inputs(T, n_comp, k_sel, pos0)
+        fused = _time(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio), args.reps)
+        f32 = _time(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, False), args.reps)
+        tf32 = _time(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, True), args.reps)
+        ref = _torch_attend(q, win, comp, sel, sinks, pos0, ratio, False)
+        got = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
+        err = float((got - ref).norm() / ref.norm())
+        print(f"{name:<22} {fused:9.2f} {f32:13.2f} {tf32:14.2f} {f32 / fused:12.2f}   (fused vs f32 rel {err:.1e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
