@@ -19,9 +19,8 @@ namespace {
 
 constexpr int AP_THREADS = 256, AP_WARPS = AP_THREADS / 32;
 constexpr int AP_KT = 16;            // keys per tile
-constexpr int AP_PAD = 4;            // floats of padding per shared row
+constexpr int AP_PAD = 8;            // floats of padding per shared row (d + 8 = 8 mod 32 for d % 32 == 0)
 constexpr int AP_SP = AP_KT + 4;     // score row stride
-constexpr int AP_NT_MAX = 32;        // 8-column output tiles per warp, at most (64 heads of 512: 32)
 
 // x = hi + lo: hi is x truncated to TF32 (one AND), lo = x - hi exactly (one FADD), passed as float32 bits: the
 // tensor core reads a .tf32 operand's top 19 bits, so lo is truncated there (~21 bits in all). v1 rounded both
@@ -76,23 +75,32 @@ __device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_
 //   A (16 x 8, row): a0 (g, i), a1 (g + 8, i), a2 (g, i + 4), a3 (g + 8, i + 4)
 //   B (8 x 8, col):  b0 (k = i, n = g), b1 (k = i + 4, n = g)
 //   C (16 x 8):      c0 (g, 2i), c1 (g, 2i + 1), c2 (g + 8, 2i), c3 (g + 8, 2i + 1)
-// v2 (v10): the key tiles are double-buffered (cp.async: the next tile loads while this one is used), the scores
-// run in 4 independent chains over the head dimension with the small products in chains of their own (v1 had one
-// chain of 3 d / 8 dependent mma per warp and tile), and the online softmax takes 4 threads per head row.
-template <int MT>
-__global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn a) {
+// A product sums over k in any order, so the scores map the fragments' k = i and i + 4 to the head dimension's
+// columns 2i and 2i + 1 of the 8-column step, for queries and keys alike: one 8-byte shared load per pair.
+//
+// MT m-tiles of 16 heads per CTA; the scores of a 16-key tile are 2 MT (m-tile, 8-key half) jobs, each split over
+// KS parts of the head dimension so that all 8 warps take one (partials summed by the softmax); NBUF key buffers
+// (2: the next tile loads while this one is used); MINB CTAs per SM (2: 16 resident warps hide more latency, at
+// most 128 registers per thread).
+// v2 (v10): double-buffered tiles, scores in independent chains, softmax on 4 threads per head row; v3: TF32
+// splits by truncation, paired loads, rows padded to 8 floats mod 32 (conflict-free reads for both products), and
+// for 64 heads the choice of one CTA of 64 or two of 32 per query (DS4_GPU_ATTN_HEADS).
+template <int MT, int NBUF, int MINB>
+__global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
   constexpr int CP = AP_WARPS / MT;    // column parts of the output per m-tile
-  constexpr int KC = 4;                // independent score chains over the head dimension
+  constexpr int KS = AP_WARPS / (2 * MT);  // head-dimension parts of each score job
+  constexpr int NT = 8 * MT;           // output tiles of 8 columns per warp, at most (d <= 512)
+  constexpr int KC = 4;                // independent score chains
   extern __shared__ __align__(16) float sh[];
   const int d = a.d, ds = d + AP_PAD, d4 = d / 4;
   float* Qs = sh;                      // [HG][ds]
-  float* Kbuf = Qs + HG * ds;          // [2][AP_KT][ds]
-  float* Ss = Kbuf + 2 * AP_KT * ds;   // [HG][AP_SP]
-  float* m_s = Ss + HG * AP_SP;        // [HG] running max
+  float* Kbuf = Qs + HG * ds;          // [NBUF][AP_KT][ds]
+  float* Ss = Kbuf + NBUF * AP_KT * ds;  // [KS][HG][AP_SP] partial scores; part 0 then holds the tile's weights
+  float* m_s = Ss + KS * HG * AP_SP;   // [HG] running max
   float* l_s = m_s + HG;               // [HG] running sum
   float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
-  int* ok_s = (int*)(f_s + HG);        // [2][AP_KT] key present and visible
+  int* ok_s = (int*)(f_s + HG);        // [NBUF][AP_KT] key present and visible
   const int t = blockIdx.x, h_base = blockIdx.y * HG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
   const int64_t p = a.pos0 + t;
@@ -111,40 +119,49 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
     l_s[tid] = 0.0f;
   }
   const int mt_o = warp % MT, cp = warp / MT, ntw = d / 8 / CP;  // this warp's output tiles
-  float acc[AP_NT_MAX][4];
+  const int kpart = d / KS, k_lo = (warp / (2 * MT)) * kpart, k_hi = k_lo + kpart;  // this warp's score columns
+  float acc[NT][4];
 #pragma unroll
-  for (int n = 0; n < AP_NT_MAX; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
+  for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf = NBUF == 2 ? buf ^ 1 : 0) {
     __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
-    if (k0 + AP_KT < n_keys) {
-      ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds);
-      asm volatile("cp.async.wait_group 1;\n" ::);
+    if constexpr (NBUF == 2) {
+      if (k0 + AP_KT < n_keys) {
+        ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+      }
     } else {
+      if (k0 > 0) ap_load_tile(a, t, p, n_vis, n_keys, k0, Kbuf, ok_s, ds);
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // this tile is in shared memory for every thread
     const float* Ks = Kbuf + buf * AP_KT * ds;
     const int* ok = ok_s + buf * AP_KT;
-    if (warp < 2 * MT) {  // scores: m-tile warp % MT, keys 8 (warp / MT) .. + 7 of the tile
-      const int mt = warp % MT, n0 = 8 * (warp / MT);
-      const float* q0 = Qs + (16 * mt + g) * ds;
+    {  // scores: m-tile warp % MT, keys 8 ((warp / MT) % 2) .. + 7 of the tile, columns k_lo .. k_hi - 1
+      const int mt = warp % MT, n0 = 8 * ((warp / MT) % 2);
+      const float* q0 = Qs + (16 * mt + g) * ds + 2 * i4;
       const float* q1 = q0 + 8 * ds;
-      const float* kr = Ks + (n0 + g) * ds;
+      const float* kr = Ks + (n0 + g) * ds + 2 * i4;
       float cm[KC][4], cc[KC][4];
 #pragma unroll
-      for (int j = 0; j < KC; ++j) cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
-      for (int k = 0; k < d; k += 8 * KC) {
+      for (int j = 0; j < KC; ++j)
+        cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
+      for (int k = k_lo; k < k_hi; k += 8 * KC) {
 #pragma unroll
         for (int j = 0; j < KC; ++j) {
           const int kk = k + 8 * j;
+          if (kk >= k_hi) break;  // uniform: d / KS may not be a multiple of 32
+          const float2 x0 = *(const float2*)(q0 + kk), x1 = *(const float2*)(q1 + kk), y = *(const float2*)(kr + kk);
           uint32_t ah[4], al[4], bh[2], bl[2];
-          split_tf32(q0[kk + i4], ah[0], al[0]);
-          split_tf32(q1[kk + i4], ah[1], al[1]);
-          split_tf32(q0[kk + i4 + 4], ah[2], al[2]);
-          split_tf32(q1[kk + i4 + 4], ah[3], al[3]);
-          split_tf32(kr[kk + i4], bh[0], bl[0]);
-          split_tf32(kr[kk + i4 + 4], bh[1], bl[1]);
+          split_tf32(x0.x, ah[0], al[0]);
+          split_tf32(x1.x, ah[1], al[1]);
+          split_tf32(x0.y, ah[2], al[2]);
+          split_tf32(x1.y, ah[3], al[3]);
+          split_tf32(y.x, bh[0], bl[0]);
+          split_tf32(y.y, bh[1], bl[1]);
           mma_tf32(cc[j], al, bh);
           mma_tf32(cc[j], ah, bl);
           mma_tf32(cm[j], ah, bh);
@@ -152,12 +169,13 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
       }
       float c[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[e] = ((cc[0][e] + cc[1][e]) + (cc[2][e] + cc[3][e])) + ((cm[0][e] + cm[1][e]) + (cm[2][e] + cm[3][e]));
-      float* s = Ss + (16 * mt + g) * AP_SP + n0 + 2 * i4;
-      s[0] = c[0];
-      s[1] = c[1];
-      s[8 * AP_SP] = c[2];
-      s[8 * AP_SP + 1] = c[3];
+      for (int e = 0; e < 4; ++e)
+        c[e] = ((cc[0][e] + cc[1][e]) + (cc[2][e] + cc[3][e])) + ((cm[0][e] + cm[1][e]) + (cm[2][e] + cm[3][e]));
+      float* sp = Ss + (warp / (2 * MT)) * HG * AP_SP + (16 * mt + g) * AP_SP + n0 + 2 * i4;
+      sp[0] = c[0];
+      sp[1] = c[1];
+      sp[8 * AP_SP] = c[2];
+      sp[8 * AP_SP + 1] = c[3];
     }
     __syncthreads();
     if (tid < 4 * HG) {  // online softmax: head row tid / 4, keys 4 (tid % 4) .. + 3 of the tile
@@ -166,7 +184,10 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
       float v[4], mx = -INFINITY;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? srow[j] * a.scale : -INFINITY;
+        float sc = srow[j];
+#pragma unroll
+        for (int q = 1; q < KS; ++q) sc += srow[q * HG * AP_SP + j];
+        v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? sc * a.scale : -INFINITY;
         mx = fmaxf(mx, v[j]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -192,7 +213,7 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
     __syncthreads();
     const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
 #pragma unroll
-    for (int n = 0; n < AP_NT_MAX; ++n) {
+    for (int n = 0; n < NT; ++n) {
       acc[n][0] *= r0;
       acc[n][1] *= r0;
       acc[n][2] *= r1;
@@ -208,7 +229,7 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
       split_tf32(p0[8 * AP_SP + i4 + 4], ah[3], al[3]);
       const float* v0 = Ks + (ks + i4) * ds + g;
 #pragma unroll
-      for (int n = 0; n < AP_NT_MAX; ++n) {
+      for (int n = 0; n < NT; ++n) {
         if (n >= ntw) break;
         const int col = (cp * ntw + n) * 8;
         uint32_t bh[2], bl[2];
@@ -230,7 +251,7 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
   const int h0 = h_base + 16 * mt_o + g, h1 = h0 + 8;
   const float f0 = f_s[16 * mt_o + g], f1 = f_s[16 * mt_o + g + 8];
 #pragma unroll
-  for (int n = 0; n < AP_NT_MAX; ++n) {
+  for (int n = 0; n < NT; ++n) {
     if (n >= ntw) break;
     const int col = (cp * ntw + n) * 8 + 2 * i4;
     if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = make_float2(acc[n][0] * f0, acc[n][1] * f0);
@@ -238,16 +259,29 @@ __global__ void __launch_bounds__(AP_THREADS, 1) prefill_attn_kernel(PrefillAttn
   }
 }
 
-template <int MT>
+template <int MT, int NBUF, int MINB>
 void launch_mt(const PrefillAttn& a, cudaStream_t s) {
-  const int HG = 16 * MT, ds = a.d + AP_PAD;
-  const size_t shm = sizeof(float) * ((size_t)(HG + 2 * AP_KT) * ds + (size_t)HG * AP_SP + 3 * HG) + sizeof(int) * 2 * AP_KT;
+  constexpr int HG = 16 * MT, KS = AP_WARPS / (2 * MT);
+  const int ds = a.d + AP_PAD;
+  const size_t shm = sizeof(float) * ((size_t)(HG + NBUF * AP_KT) * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
+                     sizeof(int) * NBUF * AP_KT;
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT, NBUF, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)shm));
     shm_set = shm;
   }
-  prefill_attn_kernel<MT><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_kernel<MT, NBUF, MINB><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
+}
+
+// Heads per CTA for more than 32 heads: 64 (one CTA per query, 8 resident warps per SM) or 32 (two CTAs per query,
+// 16 resident warps per SM, each key tile loaded twice). $DS4_GPU_ATTN_HEADS, read once.
+int heads_per_cta() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_ATTN_HEADS");
+    return e && atoi(e) == 32 ? 32 : 64;
+  }();
+  return v;
 }
 
 }  // namespace
@@ -262,9 +296,9 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s) {
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
   if (a.T == 0) return;
   // heads per CTA: 16, 32 or 64 (d * MT / 64 output tiles of 8 columns per warp)
-  if (a.H <= 16) launch_mt<1>(a, s);
-  else if (a.H <= 32) launch_mt<2>(a, s);
-  else launch_mt<4>(a, s);
+  if (a.H <= 16) launch_mt<1, 2, 2>(a, s);
+  else if (a.H <= 32 || heads_per_cta() == 32) launch_mt<2, 1, 2>(a, s);
+  else launch_mt<4, 2, 1>(a, s);
   DS4_CHECK_LAUNCH("prefill_attn");
 }
 
