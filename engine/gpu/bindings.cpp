@@ -321,6 +321,24 @@ bool matvec(const Tensor& w, const Array& x, Array& y, int groups, uintptr_t nor
   return false;
 }
 
+// Prefill product on the int8 tensor cores (mmq.cu): x quantized into scratch as the decode kernels quantize it, then
+// y = W . x per row of x. False (nothing launched) where the kernel does not take W.
+bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
+  if (!mmq_takes(w.p, groups)) return false;
+  if (x.shape.size() != 2 || y.shape.size() != 2 || x.shape[0] != y.shape[0] || x.shape[1] != w.p.ncols * groups ||
+      y.shape[1] != w.p.nrows)
+    throw std::invalid_argument("mmq '" + w.name + "': x must be [T, " + std::to_string(groups * w.p.ncols) +
+                                "] and y [T, " + std::to_string(w.p.nrows) + "]");
+  const int64_t T = x.shape[0], n = x.shape[1];
+  if (T < 1 || T > (int64_t)65535 * 64) throw std::invalid_argument("mmq: 1 .. 4194240 rows of x");
+  g_scratch.reserve(xq_bytes(T, n));
+  g_scratch.begin();
+  XQ xq = take_xq(T, n);
+  launch_quantize_x(x.f(), (int)T, (int)n, xq, stream());
+  launch_mmq(w.p, xq, (int)T, groups, y.f(), stream());
+  return true;
+}
+
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
          const Array& weights, Array& y, float clamp) {
   if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
@@ -608,6 +626,9 @@ PYBIND11_MODULE(_ext, m) {
         "y[b, r] = W[r] . x[b, r // (rows / groups)]; x is [B, groups * ncols], B <= 8. norm_w (device address, "
         "batch 1): y = W . (rms_norm(x, eps) * norm_w); True when the norm was folded into the matvec launch, False "
         "when it ran as its own launch (or there is none): the same bits.");
+  m.def("mmq", &mmq, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1,
+        "y[t, r] = W[r] . x[t, r // (rows / groups)] for any number of rows of x (prefill), on the int8 tensor cores "
+        "from Q8_0 codes with x quantized as the decode kernels quantize it; False (nothing done) for other weights.");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");

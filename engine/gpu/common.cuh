@@ -203,6 +203,10 @@ struct PrefillAttn {
 };
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
+// mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
+// tensor cores straight from Q8_0 codes (prefill); mmq_takes: Q8_0 with columns a multiple of 128.
+bool mmq_takes(const Packed& w, int groups);
+void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

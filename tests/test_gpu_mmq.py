@@ -1,0 +1,118 @@
+"""The int8 tensor-core prefill product (mmq.cu, DS4_GPU_PREFILL_GEMM=mmq) against a float64 reference of the same
+arithmetic: the activation quantized as the decode kernels quantize it (ops.quantize_hilo, the CPU twin of
+quantize_x_kernel) times the dequantized Q8_0 weight; against the batch-1..8 matvec kernel on the same weight; and in
+the session on `small` against the CPU engine. Skipped without a built extension and a CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ds4.engine import gpu
+from ds4.gguf_tools.constants import QuantType as Q
+
+from test_gpu_kernels import dequant, random_blocks, rel_err, run_matvec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))]
+
+
+def run_mmq(w, x: np.ndarray, groups: int = 1) -> np.ndarray:
+    ext = gpu.load()
+    y = ext.Array.empty([x.shape[0], w.nrows])
+    y.fill(float("nan"))
+    assert ext.mmq(w, ext.Array.from_numpy(np.ascontiguousarray(x)), y, groups)
+    return y.numpy()
+
+
+def quantized(x: np.ndarray) -> np.ndarray:
+    import torch
+
+    from ds4.engine.gpu import ops
+
+    return ops.quantize_hilo(torch.from_numpy(x)).numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("cols,rows,T,groups", [
+    (128, 64, 1, 1),        # one tile, one stage
+    (1024, 200, 100, 1),    # partial tiles in both directions (q_b's width)
+    (4096, 1024, 300, 1),   # q_a
+    (256, 8 * 96, 70, 8),   # grouped, partial tiles per group
+    (4096, 8192, 130, 8),   # the attention output's first projection (8 groups of 1024 rows)
+])
+def test_mmq_matches_the_quantized_reference(cols, rows, T, groups):
+    rng = np.random.default_rng(cols + rows + T)
+    raw = random_blocks(Q.Q8_0, rows, cols, rng)
+    w = gpu.upload(f"mmq.{cols}x{rows}", Q.Q8_0, (cols, rows), raw)
+    x = rng.standard_normal((T, groups * cols)).astype(np.float32)
+    x[:, : cols // 8] *= 20.0  # uneven magnitudes across x blocks
+    y = run_mmq(w, x, groups)
+    wd = dequant(Q.Q8_0, raw, cols).reshape(groups, rows // groups, cols)
+    xq = quantized(x).reshape(T, groups, cols)
+    ref = np.einsum("goc,tgc->tgo", wd, xq).reshape(T, rows)
+    err = rel_err(y, ref)
+    assert err <= 1e-5, f"{cols}x{rows} T={T} groups={groups}: rel err {err:.2e}"
+
+
+def test_mmq_agrees_with_the_matvec_kernel():
+    """Up to 8 rows the matvec kernels take the same activation quantization and block sums: only the order of the
+    float sums differs."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(Q.Q8_0, 512, 4096, rng)
+    w = gpu.upload("mmq.kv", Q.Q8_0, (4096, 512), raw)
+    x = rng.standard_normal((8, 4096)).astype(np.float32)
+    assert rel_err(run_mmq(w, x), run_matvec(w, x)) <= 1e-6
+
+
+def test_mmq_declines_other_weights_and_checks_shapes():
+    ext = gpu.load()
+    rng = np.random.default_rng(6)
+    f16 = gpu.upload("mmq.f16", Q.F16, (256, 64), random_blocks(Q.F16, 64, 256, rng))
+    odd = gpu.upload("mmq.odd", Q.Q8_0, (160, 64), random_blocks(Q.Q8_0, 64, 160, rng))
+    x, y = ext.Array.empty([4, 256]), ext.Array.empty([4, 64])
+    assert not ext.mmq(f16, x, y, 1)
+    assert not ext.mmq(odd, ext.Array.empty([4, 160]), y, 1)
+    w = gpu.upload("mmq.ok", Q.Q8_0, (256, 64), random_blocks(Q.Q8_0, 64, 256, rng))
+    with pytest.raises(ValueError, match="mmq 'mmq.ok': x must be"):
+        ext.mmq(w, ext.Array.empty([4, 128]), y, 1)
+
+
+def test_mmq_prefill_in_the_session(monkeypatch, tmp_path):
+    """small, 600 tokens: the prefill with the Q8_0 products on mmq against the CPU engine (the engine's 1e-3)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import weights
+    from ds4.engine.gpu.session import Session as GpuSession
+    from ds4.engine.model import Model
+    from ds4.engine.session import Session as CpuSession
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(3).integers(2, m.config.vocab_size, 600).tolist()
+    want = CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
+    calls = []
+    monkeypatch.setattr(weights, "MMQ_GEMM", True)
+    g = GpuSession(m, ctx=1024, prefill_chunk=256)
+    g.W.ext = _Counting(g.W.ext, calls)
+    got = g.sync(toks)
+    assert any(calls), "no product went through mmq"
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    print(f"\nmmq prefill against the CPU engine: rel {err:.2e} ({len(calls)} mmq calls)")
+    assert err <= 1e-3
+
+
+class _Counting:
+    """The extension module with its mmq calls counted (everything else passes through)."""
+
+    def __init__(self, ext, calls):
+        self._ext, self._calls = ext, calls
+
+    def mmq(self, *a):
+        took = self._ext.mmq(*a)
+        self._calls.append(took)
+        return took
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
