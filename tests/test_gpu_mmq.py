@@ -1,7 +1,8 @@
-"""The int8 tensor-core prefill product (mmq.cu, DS4_GPU_PREFILL_GEMM=mmq) against a float64 reference of the same
-arithmetic: the activation quantized as the decode kernels quantize it (ops.quantize_hilo, the CPU twin of
-quantize_x_kernel) times the dequantized Q8_0 weight; against the batch-1..8 matvec kernel on the same weight; and in
-the session on `small` against the CPU engine. Skipped without a built extension and a CUDA device."""
+"""The int8 tensor-core prefill products (mmq.cu: DS4_GPU_PREFILL_GEMM=mmq for the dense weights, DS4_GPU_MOE_GEMM=mmq
+for the routed experts) against a float64 reference: the activation quantized as the decode kernels quantize it
+(ops.quantize_hilo, the CPU twin of quantize_x_kernel) times the dequantized weight; against the batch-1..8 matvec
+kernel on the same weight (the same block arithmetic); and in the session on `small` against the CPU engine.
+Skipped without a built extension and a CUDA device."""
 
 from __future__ import annotations
 
@@ -53,14 +54,54 @@ def test_mmq_matches_the_quantized_reference(cols, rows, T, groups):
     assert err <= 1e-5, f"{cols}x{rows} T={T} groups={groups}: rel err {err:.2e}"
 
 
-def test_mmq_agrees_with_the_matvec_kernel():
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K, Q.IQ2_XXS])
+def test_mmq_expert_types_match_the_quantized_reference(qtype):
+    """The K-quants' min terms use the activation's own 16-column sums (as the matvec kernels do), so the reference
+    on the quantized activation is off by the quantization there (~1e-5)."""
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, 200, 2048, rng)
+    w = gpu.upload(f"mmq.{qtype.name}", qtype, (2048, 200), raw)
+    x = rng.standard_normal((90, 2048)).astype(np.float32)
+    ref = quantized(x) @ dequant(qtype, raw, 2048).T
+    err = rel_err(run_mmq(w, x), ref)
+    assert err <= 1e-4, f"{qtype.name}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype,cols,rows", [(Q.Q8_0, 4096, 512), (Q.Q2_K, 2048, 256), (Q.Q4_K, 2048, 256),
+                                             (Q.IQ2_XXS, 4096, 256)])
+def test_mmq_agrees_with_the_matvec_kernel(qtype, cols, rows):
     """Up to 8 rows the matvec kernels take the same activation quantization and block sums: only the order of the
     float sums differs."""
     rng = np.random.default_rng(5)
-    raw = random_blocks(Q.Q8_0, 512, 4096, rng)
-    w = gpu.upload("mmq.kv", Q.Q8_0, (4096, 512), raw)
-    x = rng.standard_normal((8, 4096)).astype(np.float32)
+    raw = random_blocks(qtype, rows, cols, rng)
+    w = gpu.upload(f"mmq.mv.{qtype.name}", qtype, (cols, rows), raw)
+    x = rng.standard_normal((8, cols)).astype(np.float32)
     assert rel_err(run_mmq(w, x), run_matvec(w, x)) <= 1e-6
+
+
+@pytest.mark.parametrize("gate_type", [Q.IQ2_XXS, Q.Q2_K])
+def test_mmq_experts_match_the_reference(gate_type):
+    """Activation rows sorted by expert, tiles of at most 64 rows: an unused expert, experts of one row, one of 150."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(7)
+    n_embd, n_ff, n_expert = 512, 192, 8
+    raw = random_blocks(gate_type, n_ff * n_expert, n_embd, rng)
+    w = gpu.upload(f"blk.0.ffn_gate_exps.mmq{gate_type.name}", gate_type, (n_embd, n_ff, n_expert), raw)
+    counts = [3, 0, 150, 1, 64, 65, 1, 20]
+    x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
+    tiles = torch.tensor(expert_tiles(counts), dtype=torch.int32, device="cuda")
+    y = ext.Array.empty([sum(counts), n_ff])
+    y.fill(float("nan"))
+    assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
+    wd = dequant(gate_type, raw, n_embd).reshape(n_expert, n_ff, n_embd)
+    expert = np.repeat(np.arange(n_expert), counts)
+    ref = np.einsum("rc,roc->ro", quantized(x), wd[expert])
+    err = rel_err(y.numpy(), ref)
+    assert err <= 1e-4, f"rel err {err:.2e}"
 
 
 def test_mmq_declines_other_weights_and_checks_shapes():
@@ -76,14 +117,15 @@ def test_mmq_declines_other_weights_and_checks_shapes():
         ext.mmq(w, ext.Array.empty([4, 128]), y, 1)
 
 
-def test_mmq_prefill_in_the_session(monkeypatch, tmp_path):
-    """small, 600 tokens: the prefill with the Q8_0 products on mmq against the CPU engine (the engine's 1e-3)."""
+@pytest.mark.parametrize("dense,experts", [(True, False), (False, True), (True, True)])
+def test_mmq_prefill_in_the_session(monkeypatch, tmp_path, dense, experts):
+    """small, 600 tokens: the prefill with the products on mmq against the CPU engine (the engine's 1e-3)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
     from conftest import quantize_cli
 
-    from ds4.engine.gpu import weights
+    from ds4.engine.gpu import moe_gemm, weights
     from ds4.engine.gpu.session import Session as GpuSession
     from ds4.engine.model import Model
     from ds4.engine.session import Session as CpuSession
@@ -93,7 +135,9 @@ def test_mmq_prefill_in_the_session(monkeypatch, tmp_path):
     toks = np.random.default_rng(3).integers(2, m.config.vocab_size, 600).tolist()
     want = CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
     calls = []
-    monkeypatch.setattr(weights, "MMQ_GEMM", True)
+    monkeypatch.setattr(weights, "MMQ_GEMM", dense)
+    if experts:
+        monkeypatch.setattr(moe_gemm, "MOE_GEMM", "mmq")
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
     g.W.ext = _Counting(g.W.ext, calls)
     got = g.sync(toks)
@@ -111,6 +155,11 @@ class _Counting:
 
     def mmq(self, *a):
         took = self._ext.mmq(*a)
+        self._calls.append(took)
+        return took
+
+    def mmq_experts(self, *a):
+        took = self._ext.mmq_experts(*a)
         self._calls.append(took)
         return took
 

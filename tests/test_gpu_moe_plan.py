@@ -42,3 +42,13 @@ def test_a_spread_below_one_or_a_zero_rounding_is_refused():
         plan_buckets([3, 4], 0.5)
     with pytest.raises(ValueError, match="ROUND"):
         plan_buckets([3, 4], 1.25, 64, 0)
+
+
+def test_expert_tiles_cover_every_row_once():
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    counts = [0, 64, 65, 1, 0, 200]
+    tiles = expert_tiles(counts, 64)
+    rows = [r for a, n, e, _ in tiles for r in range(a, a + n)]
+    assert rows == list(range(sum(counts))) and all(1 <= n <= 64 for _, n, _, _ in tiles)
+    assert [e for _, _, e, _ in tiles] == [1, 2, 2, 3, 5, 5, 5, 5]

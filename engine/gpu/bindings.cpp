@@ -339,6 +339,28 @@ bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
   return true;
 }
 
+// The routed experts' prefill products (mmq.cu): x [R, cols] activation rows sorted by expert, tiles (device
+// address, int32 [ntiles, 4]) = (first row, rows <= 64, expert, 0); y [R, rows per expert]. False where the kernel
+// does not take the expert tensor.
+bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, Array& y) {
+  if (w.ne.size() != 3) throw std::invalid_argument("mmq_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)w.ne[2];
+  if (!mmq_takes(w.p, n_expert)) return false;
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (x.shape.size() != 2 || y.shape.size() != 2 || x.shape[0] != y.shape[0] || x.shape[1] != w.p.ncols ||
+      y.shape[1] != rows_e)
+    throw std::invalid_argument("mmq_experts '" + w.name + "': x must be [R, " + std::to_string(w.p.ncols) +
+                                "] and y [R, " + std::to_string(rows_e) + "]");
+  const int64_t R = x.shape[0], n = x.shape[1];
+  if (R < 1 || ntiles < 1) return true;
+  g_scratch.reserve(xq_bytes(R, n));
+  g_scratch.begin();
+  XQ xq = take_xq(R, n);
+  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream());
+  launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream());
+  return true;
+}
+
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
          const Array& weights, Array& y, float clamp) {
   if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
@@ -628,7 +650,11 @@ PYBIND11_MODULE(_ext, m) {
         "when it ran as its own launch (or there is none): the same bits.");
   m.def("mmq", &mmq, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1,
         "y[t, r] = W[r] . x[t, r // (rows / groups)] for any number of rows of x (prefill), on the int8 tensor cores "
-        "from Q8_0 codes with x quantized as the decode kernels quantize it; False (nothing done) for other weights.");
+        "from the quantized codes with x quantized as the decode kernels quantize it; False (nothing done) for "
+        "weights it does not take (F16, columns not a multiple of 128).");
+  m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
+        "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
+        "row, rows <= 64, expert e, 0); False where the kernel does not take the expert tensor.");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");

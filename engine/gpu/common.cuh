@@ -204,9 +204,13 @@ struct PrefillAttn {
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
-// tensor cores straight from Q8_0 codes (prefill); mmq_takes: Q8_0 with columns a multiple of 128.
+// tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of
+// 128. launch_mmq_experts: activation rows sorted by expert, tiles[i] = (first row, rows <= 64, expert, 0), y rows
+// [rows of x, rows per expert].
 bool mmq_takes(const Packed& w, int groups);
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
+void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
+                        cudaStream_t stream);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

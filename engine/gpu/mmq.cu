@@ -1,16 +1,22 @@
-// Prefill products straight from Q8_0 codes on the int8 tensor cores (llama.cpp's "mmq" idea): y[t, r] = W[r] . x[t]
-// for T activation rows, with the activations quantized as the decode kernels quantize them (quantize_x_kernel:
-// x ~= s * (254 hi + lo) per 32 columns) and, per 32 columns, the exact int32 sum 254 (codes . hi) + (codes . lo)
-// times d_w s, accumulated in float32: the arithmetic of the batch-1 matvec (mv_stream.cuh), so prefill and decode
-// agree to the order of float sums. What it replaces (weights.py `_gemm`, the default): a dequant pass writing the
-// weight as float16 hi + lo (4 bytes per weight) and three float16 GEMMs (hi.hi + hi.lo + lo.hi) for ~22 bits; here
-// two int8 products per 32-column block (hi and lo) at twice the float16 rate, no weight copy.
+// Prefill products straight from the quantized codes on the int8 tensor cores (llama.cpp's "mmq" idea):
+// y[t, r] = W[r] . x[t] for many activation rows, with the activations quantized as the decode kernels quantize
+// them (quantize_x_kernel: x ~= s (254 hi + lo) per 32 columns) and, per 32 columns of a row, the exact int32 sum
+// 254 (codes . hi) + (codes . lo) turned into a float as the batch-1 kernels do (mv_core.cuh mv_block):
+//   row . x  =  dscale xs T  -  (min0 sum16_0 + min1 sum16_1)        (the min terms: Q2_K and Q4_K)
+// so prefill and decode agree to the order of float sums. Q2_K's 4-bit multipliers of the two 16-column halves are
+// folded into the codes (3 x 15 = 45 fits an int8), so one 32-column mma sum serves every type.
+// What it replaces (weights.py `_gemm`, moe_gemm.py, the default): a dequant pass writing each weight as float16
+// hi + lo (4 bytes per weight) and three float16 GEMMs (hi.hi + hi.lo + lo.hi) for ~22 bits of the activations;
+// here two int8 products per block (hi and lo) at twice the float16 rate, and no weight copy.
 //
-// Tiles: a CTA computes 64 weight rows x 64 activation rows with 4 warps (2 x 2, 32 x 32 each: 2 m16 x 4 n8 tiles of
-// mma.m16n8k32.s8), over stages of 128 columns (4 blocks of 32) double-buffered in shared memory with cp.async.
-// Rows of a stage are padded to 144 bytes, so the fragment loads (row g, bytes 4q..4q+3) hit 32 different banks.
-// Grouped weights (the attention output's first projection: groups block-diagonal matrices) take blockIdx.z as the
-// group: weight rows g rows_g.., activation columns g K.., output columns g rows_g.. .
+// Tiles: a CTA computes 64 weight rows x 64 activation rows with 4 warps (2 x 2; 32 x 32 each: 2 m16 x 4 n8 tiles of
+// mma.m16n8k32.s8) over stages of 128 columns (4 blocks of 32), double-buffered: the activation planes by cp.async,
+// the weights' raw blocks through registers, decoded into shared memory (decode_xb, the batch-1 kernels' decode)
+// while the previous stage is multiplied. Shared rows are padded to 144 bytes, so the fragment loads (row g, bytes
+// 4q..4q+3) hit 32 different banks.
+// Activation tiles: dense (grid.y tiles of T rows, grid.z = group of a block-diagonal weight: weight rows g rows_g..,
+// activation columns g K.., output columns g rows_g..) or a table of (first row, rows, expert) for the routed experts,
+// whose activation rows are sorted by expert (weight rows expert rows_g..).
 // Written without a device (v10): compiled for sm_90a, GPU tests in tests/test_gpu_mmq.py; not yet run.
 #include <cuda_fp16.h>
 
@@ -22,37 +28,39 @@ namespace ds4gpu {
 namespace {
 
 constexpr int MQ_THREADS = 128;
-constexpr int MQ_M = 64;      // weight rows per CTA
-constexpr int MQ_N = 64;      // activation rows per CTA
-constexpr int MQ_KS = 128;    // columns per stage
-constexpr int MQ_LD = MQ_KS + 16;  // padded bytes per shared row
+constexpr int MQ_M = 64;           // weight rows per CTA
+constexpr int MQ_N = 64;           // activation rows per CTA
+constexpr int MQ_KS = 128;         // columns per stage
 constexpr int MQ_NB = MQ_KS / 32;  // 32-column blocks per stage
+constexpr int MQ_LD = MQ_KS + 16;  // padded bytes per shared row
+constexpr int MQ_PAIRS = MQ_M * MQ_NB / MQ_THREADS;  // (row, block) decodes per thread and stage
 
 struct MmqArgs {
-  const uint8_t* qs;  // weight codes, row r at qs + r qs_row
-  const uint8_t* sc;  // f16 block scales, row r at sc + r sc_row
-  int64_t qs_row, sc_row;
-  XQ x;               // T rows of groups K columns
-  float* y;           // [T, groups rows_g]
-  int T, K, rows_g, groups;
+  Packed w;
+  int K, nb;          // columns of one weight matrix; its 256-column super-blocks
+  XQ x;               // activation rows, x.n columns each
+  float* y;
+  int64_t ldy;
+  int T, rows_g;      // dense: activation rows; rows per group (experts: per expert)
+  const int4* tiles;  // experts: (first activation row, rows, expert, 0) per grid.y; null: dense
 };
 
 struct MmqStage {
   int8_t w[MQ_M][MQ_LD];
   int8_t hi[MQ_N][MQ_LD];
   int8_t lo[MQ_N][MQ_LD];
-  uint16_t ws[MQ_M][MQ_NB];  // f16 weight scales
-  float xs[MQ_N][MQ_NB];     // activation scales
+  float ds[MQ_M][MQ_NB];      // dscale per (weight row, block)
+  float mn[MQ_M][2 * MQ_NB];  // min0, min1 per (weight row, block): K-quants
+  float xs[MQ_N][MQ_NB];      // activation scale per (row, block)
+  float s16[MQ_N][2 * MQ_NB]; // activation sums per 16 columns: K-quants
 };
+
+template <int QT>
+__host__ __device__ constexpr bool has_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
 
 __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp8(void* dst, const void* src, bool valid) {
-  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 8 : 0));
 }
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -62,62 +70,130 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Stage `k0` (columns k0 .. k0 + 127 of the group) of this CTA's weight and activation rows into st. Rows past the
-// matrix or past T are zero-filled (their products are 0 and never stored).
-__device__ __forceinline__ void mmq_load(const MmqArgs& a, int r0, int t0, int grp, int k0, MmqStage& st) {
-  const int tid = threadIdx.x;
-  const int64_t xcol = (int64_t)grp * a.K + k0;  // column in the activation rows
-  for (int i = tid; i < MQ_M * (MQ_KS / 16); i += MQ_THREADS) {  // weight codes: 8 pieces of 16 bytes per row
-    const int r = i >> 3, c = (i & 7) * 16;
-    const bool ok = r0 + r < a.rows_g;
-    const int64_t row = (int64_t)grp * a.rows_g + (ok ? r0 + r : 0);
-    cp16(&st.w[r][c], a.qs + row * a.qs_row + k0 + c, ok);
+// This CTA's tile: activation rows a0 .. a0 + an - 1, weight rows wrow0 + r0 .., activation columns xcol0 ..,
+// output columns ycol0 + r0 ..
+struct MmqTile {
+  int64_t a0, wrow0, xcol0, ycol0;
+  int an, r0;
+};
+
+__device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
+  MmqTile t;
+  t.r0 = blockIdx.x * MQ_M;
+  if (a.tiles) {
+    const int4 e = a.tiles[blockIdx.y];
+    t.a0 = e.x;
+    t.an = e.y;
+    t.wrow0 = (int64_t)e.z * a.rows_g;
+    t.xcol0 = 0;
+    t.ycol0 = 0;
+  } else {
+    const int g = blockIdx.z;
+    t.a0 = (int64_t)blockIdx.y * MQ_N;
+    t.an = min(MQ_N, a.T - (int)t.a0);
+    t.wrow0 = (int64_t)g * a.rows_g;
+    t.xcol0 = (int64_t)g * a.K;
+    t.ycol0 = (int64_t)g * a.rows_g;
   }
-  for (int i = tid; i < MQ_N * (MQ_KS / 16); i += MQ_THREADS) {  // activation planes
+  return t;
+}
+
+// Activation planes of stage k0 into st (cp.async; rows past the tile are zero-filled, so they add nothing).
+template <int QT>
+__device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqStage& st) {
+  const int tid = threadIdx.x;
+  const int64_t col = tl.xcol0 + k0;
+  for (int i = tid; i < MQ_N * (MQ_KS / 16); i += MQ_THREADS) {
     const int t = i >> 3, c = (i & 7) * 16;
-    const bool ok = t0 + t < a.T;
-    const int64_t off = (int64_t)(ok ? t0 + t : 0) * a.x.n + xcol + c;
+    const bool ok = t < tl.an;
+    const int64_t off = (tl.a0 + (ok ? t : 0)) * a.x.n + col + c;
     cp16(&st.hi[t][c], a.x.hi + off, ok);
     cp16(&st.lo[t][c], a.x.lo + off, ok);
   }
-  if (tid < MQ_M) {  // 4 f16 scales (8 bytes) per weight row
-    const bool ok = r0 + tid < a.rows_g;
-    const int64_t row = (int64_t)grp * a.rows_g + (ok ? r0 + tid : 0);
-    cp8(&st.ws[tid][0], a.sc + row * a.sc_row + 2 * (k0 / 32), ok);
-  } else {  // 4 float scales (16 bytes) per activation row
-    const int t = tid - MQ_M;
-    const bool ok = t0 + t < a.T;
-    cp16(&st.xs[t][0], a.x.scale + (int64_t)(ok ? t0 + t : 0) * (a.x.n / 32) + xcol / 32, ok);
+  if (tid < MQ_N) {
+    const bool ok = tid < tl.an;
+    const int64_t row = tl.a0 + (ok ? tid : 0);
+    cp16(&st.xs[tid][0], a.x.scale + row * (a.x.n / 32) + col / 32, ok);
+    if constexpr (has_mins<QT>()) {
+      cp16(&st.s16[tid][0], a.x.sum16 + row * (a.x.n / 16) + col / 16, ok);
+      cp16(&st.s16[tid][4], a.x.sum16 + row * (a.x.n / 16) + col / 16 + 4, ok);
+    }
   }
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-__global__ void __launch_bounds__(MQ_THREADS) mmq_q8_kernel(MmqArgs a) {
+// Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + 128 i, row p / 4, block p % 4.
+template <int QT>
+__device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, int k0, RawXb (&raw)[MQ_PAIRS]) {
+#pragma unroll
+  for (int i = 0; i < MQ_PAIRS; ++i) {
+    const int p = threadIdx.x + MQ_THREADS * i, row = p >> 2, b = p & 3;
+    const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed below
+    load_xb<QT>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
+  }
+}
+
+template <int QT>
+__device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[MQ_PAIRS],
+                                             const unsigned long long* grid, MmqStage& st) {
+#pragma unroll
+  for (int i = 0; i < MQ_PAIRS; ++i) {
+    const int p = threadIdx.x + MQ_THREADS * i, row = p >> 2, b = p & 3;
+    XbCodes d;
+    decode_xb<QT>(raw[i], Iq2Tables{grid}, d);
+    const bool ok = tl.r0 + row < a.rows_g;
+    uint32_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t v = d.c[j];
+      if constexpr (QT == QT_Q2_K) v *= (uint32_t)(j < 4 ? d.mul0 : d.mul1);  // bytes <= 3 x 15: no carries
+      c[j] = ok ? v : 0u;
+    }
+    *(uint4*)&st.w[row][32 * b] = make_uint4(c[0], c[1], c[2], c[3]);
+    *(uint4*)&st.w[row][32 * b + 16] = make_uint4(c[4], c[5], c[6], c[7]);
+    st.ds[row][b] = ok ? d.dscale : 0.0f;
+    if constexpr (has_mins<QT>()) {
+      st.mn[row][2 * b] = ok ? d.min0 : 0.0f;
+      st.mn[row][2 * b + 1] = ok ? d.min1 : 0.0f;
+    }
+  }
+}
+
+template <int QT>
+__global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel(MmqArgs a) {  // K-quants: more registers
   extern __shared__ __align__(16) unsigned char mq_smem[];
   MmqStage* st = reinterpret_cast<MmqStage*>(mq_smem);
-  const int r0 = blockIdx.x * MQ_M, t0 = blockIdx.y * MQ_N, grp = blockIdx.z;
+  unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage));
+  const MmqTile tl = mmq_tile(a);
+  if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's rows and activation rows in the tile
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
+  if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
   float acc[2][4][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
     for (int n = 0; n < 4; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
   const int nstages = a.K / MQ_KS;
-  mmq_load(a, r0, t0, grp, 0, st[0]);
+  RawXb raw[MQ_PAIRS];
+  mmq_load_x<QT>(a, tl, 0, st[0]);
+  mmq_load_w<QT>(a, tl, 0, raw);
+  if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
+  mmq_decode_w<QT>(a, tl, raw, grid, st[0]);
   for (int s = 0; s < nstages; ++s) {
-    if (s + 1 < nstages) {
-      mmq_load(a, r0, t0, grp, (s + 1) * MQ_KS, st[(s + 1) & 1]);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
+    const bool next = s + 1 < nstages;
+    if (next) {
+      mmq_load_x<QT>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
+      mmq_load_w<QT>(a, tl, (s + 1) * MQ_KS, raw);
     }
-    __syncthreads();
     const MmqStage& S = st[s & 1];
 #pragma unroll
     for (int b = 0; b < MQ_NB; ++b) {
       const int kc = 32 * b + 4 * q;
       uint32_t af[2][4];
+      float wd[2][2], m0[2][2], m1[2][2];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int r = wm + 16 * m + g;
@@ -125,68 +201,120 @@ __global__ void __launch_bounds__(MQ_THREADS) mmq_q8_kernel(MmqArgs a) {
         af[m][1] = *(const uint32_t*)&S.w[r + 8][kc];
         af[m][2] = *(const uint32_t*)&S.w[r][kc + 16];
         af[m][3] = *(const uint32_t*)&S.w[r + 8][kc + 16];
-      }
-      float wsc[2][2];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        wsc[m][0] = half_bits(S.ws[wm + 16 * m + g][b]);
-        wsc[m][1] = half_bits(S.ws[wm + 16 * m + g + 8][b]);
+        for (int h = 0; h < 2; ++h) {
+          wd[m][h] = S.ds[r + 8 * h][b];
+          if constexpr (has_mins<QT>()) {
+            m0[m][h] = S.mn[r + 8 * h][2 * b];
+            m1[m][h] = S.mn[r + 8 * h][2 * b + 1];
+          }
+        }
       }
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const int t = wn + 8 * n + g;
+        const int t = wn + 8 * n + g, tc = wn + 8 * n + 2 * q;
         const uint32_t h0 = *(const uint32_t*)&S.hi[t][kc], h1 = *(const uint32_t*)&S.hi[t][kc + 16];
         const uint32_t l0 = *(const uint32_t*)&S.lo[t][kc], l1 = *(const uint32_t*)&S.lo[t][kc + 16];
-        const float xs0 = S.xs[wn + 8 * n + 2 * q][b], xs1 = S.xs[wn + 8 * n + 2 * q + 1][b];
+        float xs[2], s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          xs[j] = S.xs[tc + j][b];
+          if constexpr (has_mins<QT>()) {
+            s0[j] = S.s16[tc + j][2 * b];
+            s1[j] = S.s16[tc + j][2 * b + 1];
+          }
+        }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           int ch[4] = {0, 0, 0, 0}, cl[4] = {0, 0, 0, 0};
           mma_s8(ch, af[m], h0, h1);
           mma_s8(cl, af[m], l0, l1);
-          // C: c0 (row g, act 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1); the matvec's FMA per block
-          acc[m][n][0] = fmaf(wsc[m][0] * xs0, (float)(254 * ch[0] + cl[0]), acc[m][n][0]);
-          acc[m][n][1] = fmaf(wsc[m][0] * xs1, (float)(254 * ch[1] + cl[1]), acc[m][n][1]);
-          acc[m][n][2] = fmaf(wsc[m][1] * xs0, (float)(254 * ch[2] + cl[2]), acc[m][n][2]);
-          acc[m][n][3] = fmaf(wsc[m][1] * xs1, (float)(254 * ch[3] + cl[3]), acc[m][n][3]);
+          // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1, j = e & 1;
+            float v = wd[m][h] * xs[j] * (float)(254 * ch[e] + cl[e]);
+            if constexpr (has_mins<QT>()) v -= m0[m][h] * s0[j] + m1[m][h] * s1[j];
+            acc[m][n][e] += v;
+          }
         }
       }
     }
-    __syncthreads();  // the next load overwrites this buffer
+    if (next) mmq_decode_w<QT>(a, tl, raw, grid, st[(s + 1) & 1]);  // its last reader was stage s - 1
   }
-  const int64_t ldy = (int64_t)a.groups * a.rows_g;
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int ra = r0 + wm + 16 * m + g, ta = t0 + wn + 8 * n + 2 * q;
+    for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = ra + (e >> 1) * 8, t = ta + (e & 1);
-        if (r < a.rows_g && t < a.T) a.y[(int64_t)t * ldy + (int64_t)grp * a.rows_g + r] = acc[m][n][e];
+        const int r = tl.r0 + wm + 16 * m + g + 8 * (e >> 1), t = wn + 8 * n + 2 * q + (e & 1);
+        if (r < a.rows_g && t < tl.an) a.y[(tl.a0 + t) * a.ldy + tl.ycol0 + r] = acc[m][n][e];
       }
-    }
+}
+
+template <int QT>
+void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
+  const size_t shm = 2 * sizeof(MmqStage) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
+  static bool shm_set = false;
+  if (!shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    shm_set = true;
+  }
+  mmq_kernel<QT><<<grid, MQ_THREADS, shm, stream>>>(a);
+}
+
+void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
+  switch (qtype) {
+    case QT_Q8_0: launch_as<QT_Q8_0>(a, grid, stream); break;
+    case QT_Q2_K: launch_as<QT_Q2_K>(a, grid, stream); break;
+    case QT_Q4_K: launch_as<QT_Q4_K>(a, grid, stream); break;
+    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS>(a, grid, stream); break;
+    default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
+  }
+  DS4_CHECK_LAUNCH("mmq");
+}
+
+MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, int rows_g) {
+  MmqArgs a;
+  a.w = w;
+  a.K = (int)w.ncols;
+  a.nb = (int)(w.ncols / 256);
+  a.x = x;
+  a.y = y;
+  a.ldy = ldy;
+  a.T = T;
+  a.rows_g = rows_g;
+  a.tiles = nullptr;
+  return a;
 }
 
 }  // namespace
 
 bool mmq_takes(const Packed& w, int groups) {
-  return w.qtype == QT_Q8_0 && groups >= 1 && w.nrows % groups == 0 && w.ncols % MQ_KS == 0 && groups <= 65535;
+  const bool type = w.qtype == QT_Q8_0 || w.qtype == QT_Q2_K || w.qtype == QT_Q4_K || w.qtype == QT_IQ2_XXS;
+  return type && groups >= 1 && groups <= 65535 && w.nrows % groups == 0 && w.ncols % MQ_KS == 0;
 }
 
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream) {
-  if (!mmq_takes(w, groups)) throw std::invalid_argument("mmq: Q8_0 weights with columns a multiple of 128 only");
+  if (!mmq_takes(w, groups)) throw std::invalid_argument("mmq: quantized weights with columns a multiple of 128 only");
   if (x.n != w.ncols * groups) throw std::invalid_argument("mmq: activation width is not groups x weight columns");
   if (T <= 0) return;
-  MmqArgs a{w.qs, w.sc, w.qs_row, w.sc_row, x, y, T, (int)w.ncols, (int)(w.nrows / groups), groups};
-  const size_t shm = 2 * sizeof(MmqStage);
-  static bool shm_set = false;
-  if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-    shm_set = true;
-  }
-  const dim3 grid((a.rows_g + MQ_M - 1) / MQ_M, (T + MQ_N - 1) / MQ_N, groups);
-  mmq_q8_kernel<<<grid, MQ_THREADS, shm, stream>>>(a);
-  DS4_CHECK_LAUNCH("mmq");
+  const int rows_g = (int)(w.nrows / groups);
+  const MmqArgs a = make_args(w, x, y, w.nrows, T, rows_g);
+  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, (T + MQ_N - 1) / MQ_N, groups), stream);
+}
+
+void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
+                        cudaStream_t stream) {
+  if (n_expert < 1 || !mmq_takes(w, n_expert)) throw std::invalid_argument("mmq_experts: unsupported expert tensor");
+  if (x.n != w.ncols) throw std::invalid_argument("mmq_experts: activation width is not the experts' columns");
+  if (ntiles <= 0) return;
+  if (ntiles > 65535) throw std::invalid_argument("mmq_experts: more than 65535 activation tiles");
+  const int rows_g = (int)(w.nrows / n_expert);
+  MmqArgs a = make_args(w, x, y, rows_g, 0, rows_g);
+  a.tiles = tiles;
+  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream);
 }
 
 }  // namespace ds4gpu

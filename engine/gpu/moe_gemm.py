@@ -23,7 +23,9 @@ from typing import NamedTuple
 import torch
 
 F32, F16 = torch.float32, torch.float16
-MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "buckets")  # buckets | padded (the v5..v8 path)
+# buckets | padded (the v5..v8 path) | mmq (v10: int8 tensor cores on the codes, mmq.cu; written without a device)
+MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "buckets")
+MMQ_TILE = 64  # activation rows per mmq tile (mmq.cu MQ_N)
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
 # caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
@@ -143,5 +145,44 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
     hh, hl, hs = W.to_half(h)
     y_sorted = experts(down, padded(hh, asg_of_row), padded(hl, asg_of_row), n_embd, n_ff, hs)
     y = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
+    y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
+    return y.view(T, k, n_embd).sum(dim=1)
+
+
+def expert_tiles(counts: list[int], tile: int = MMQ_TILE) -> list[tuple[int, int, int, int]]:
+    """(first row, rows, expert, 0) per tile of at most `tile` activation rows, for rows sorted by expert."""
+    tiles, off = [], 0
+    for e, n in enumerate(counts):
+        tiles += [(off + j, min(tile, n - j), e, 0) for j in range(0, n, tile)]
+        off += n
+    return tiles
+
+
+def routed_experts_mmq(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float):
+    """routed_experts on the int8 tensor cores straight from the experts' codes (mmq.cu): the assignments sorted by
+    expert, no padding and no weight copies; the activations quantized as decode quantizes them. None where the
+    kernel does not take the expert tensors (the caller falls back)."""
+    dev = b.device
+    T, k = ids.shape
+    n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
+    tiles = torch.tensor(expert_tiles(counts), dtype=torch.int32, device=dev)
+    n_asg = T * k
+    x = b[order // k].contiguous()  # activation rows in expert order
+    g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
+    u = torch.empty_like(g)
+    W._sync_stream()
+    ext, arr, ptr, nt = W.ext, W._arr, tiles.data_ptr(), tiles.shape[0]
+    if not (ext.mmq_experts(gate, arr(x), ptr, nt, arr(g)) and ext.mmq_experts(up, arr(x), ptr, nt, arr(u))):
+        return None
+    h = torch.empty_like(g)
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
+    h *= wts.reshape(-1)[order, None]
+    y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
+    if not ext.mmq_experts(down, arr(h), ptr, nt, arr(y_sorted)):
+        return None
+    y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
     return y.view(T, k, n_embd).sum(dim=1)

@@ -238,7 +238,11 @@ class Weights:
         if not isinstance(gate, torch.Tensor) and not isinstance(down, torch.Tensor):
             if T >= MOE_GEMM_MIN:
                 with torch.profiler.record_function("moe_gemm"):  # a prefill phase (bench_session --gaps)
-                    if moe_gemm.MOE_GEMM == "buckets" and 1 not in (gate.qtype, up.qtype, down.qtype):
+                    if moe_gemm.MOE_GEMM == "mmq":
+                        y = moe_gemm.routed_experts_mmq(self, gate, up, down, b, ids, wts, limit)
+                        if y is not None:
+                            return y
+                    if moe_gemm.MOE_GEMM != "padded" and 1 not in (gate.qtype, up.qtype, down.qtype):
                         return moe_gemm.routed_experts(self, gate, up, down, b, ids, wts, limit)
                     return self._moe_gemm(gate, up, down, b, ids, wts, limit)  # F16 experts take the padded path
             self._sync_stream()
