@@ -1,0 +1,93 @@
+"""`python -m ds4.engine.gpu.bench_mmq`: the int8 tensor-core prefill products (mmq.cu) against their peer, the
+default exact path of weights.py (dequant to float16 hi + lo, the activation split, three float16 GEMMs), on random
+weights at Flash shapes for T activation rows. Prints milliseconds per product (the peer with and without its dequant
+pass), the float32-equivalent TFLOP/s and the ratio. Needs a CUDA device and the built extension."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+from ds4.gguf_tools.constants import BLOCK, QuantType as Q, row_bytes
+
+# (name, type, columns, rows): the Flash matrices each path serves; the expert ones as one expert's matrix
+SHAPES = [("attn_q_b", Q.Q8_0, 1024, 32768), ("attn_output_b", Q.Q8_0, 8192, 4096), ("ffn_gate_shexp", Q.Q8_0, 4096, 2048),
+          ("expert gate (IQ2_XXS)", Q.IQ2_XXS, 4096, 2048), ("expert down (Q2_K)", Q.Q2_K, 2048, 4096)]
+# byte offset and range of each block's f16 scales, so the random blocks decode to finite, realistic weights
+SCALES = {Q.Q8_0: [(0, 1e-3, 2e-3)], Q.IQ2_XXS: [(0, 1e-3, 4e-3)], Q.Q2_K: [(80, 2e-3, 8e-3), (82, 1e-3, 4e-3)]}
+
+
+def random_weight(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    info = BLOCK[qtype]
+    nblk = rows * cols // info.elements
+    raw = rng.integers(0, 256, size=(nblk, info.nbytes), dtype=np.uint8)
+    for off, lo, hi in SCALES[qtype]:
+        raw[:, off:off + 2] = rng.uniform(lo, hi, nblk).astype(np.float16).view(np.uint8).reshape(nblk, 2)
+    return raw.reshape(rows, row_bytes(qtype, cols))
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192, help="activation rows (default 8192)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mmq: needs a CUDA device", file=sys.stderr)
+        return 2
+    from . import load, upload
+    from .weights import W_SCALE, split_product
+
+    ext = load()
+    rng = np.random.default_rng(0)
+    T = args.tokens
+    print(f"{'matrix':<24} {'mmq ms':>8} {'peer ms':>8} {'(GEMMs)':>8} {'mmq TF/s':>9} {'peer / mmq':>11}")
+    for name, qtype, cols, rows in SHAPES:
+        w = upload(f"bench.{name}", int(qtype), (cols, rows), random_weight(qtype, rows, cols, rng))
+        x = torch.randn(T, cols, device="cuda")
+        y = torch.empty(T, rows, device="cuda")
+        arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
+        hi = torch.empty(rows, cols, dtype=torch.float16, device="cuda")
+        lo = torch.empty_like(hi)
+        xh, xl = torch.empty(T, cols, dtype=torch.float16, device="cuda"), torch.empty(T, cols, dtype=torch.float16,
+                                                                                       device="cuda")
+        s = torch.empty(T, 1, device="cuda")
+
+        def mmq():
+            ext.mmq(w, arr(x), arr(y), 1)
+
+        def dequant():
+            ext.dequant(w, hi.data_ptr(), lo.data_ptr(), W_SCALE)
+
+        def gemms():
+            ext.split_half(x.data_ptr(), T, cols, xh.data_ptr(), xl.data_ptr(), s.data_ptr())
+            return split_product(xh, xl, hi.T, lo.T) * (s / W_SCALE)
+
+        ext.set_stream(torch.cuda.current_stream().cuda_stream)
+        t_mmq = _time(mmq, args.reps)
+        t_gemm = _time(gemms, args.reps)
+        t_peer = t_gemm + _time(dequant, args.reps)
+        dequant()
+        err = float((y - gemms()).norm() / gemms().norm())
+        tf = 2.0 * T * rows * cols / t_mmq / 1e9
+        print(f"{name:<24} {t_mmq:8.2f} {t_peer:8.2f} {t_gemm:8.2f} {tf:9.0f} {t_peer / t_mmq:11.2f}   "
+              f"(rel to peer {err:.1e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
