@@ -76,11 +76,10 @@ def test_prefill_attention_kernel_declines_odd_head_dims():
     assert K.prefill_attn(q, win, comp, sel, sinks, 0, 0) is None
 
 
-def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
-    """small, 600 tokens in chunks of 256: past the window, the indexer's top-k and the ratio-128 rows."""
+def _small_f32_prefill(tmp_path):
+    """(model `small` without the rounding simulations, 600 tokens, every position's logits with float32 products)."""
     from conftest import quantize_cli
 
-    from ds4.engine.gpu import prefill
     from ds4.engine.gpu.session import Session as GpuSession
     from ds4.engine.model import Model
 
@@ -89,7 +88,15 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 600).tolist()
     ref = GpuSession(m, ctx=1024, prefill_chunk=256)
     ref.tf32_attn = False
-    want = ref.prefill(toks, all_logits=True)
+    return m, toks, ref.prefill(toks, all_logits=True)
+
+
+def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
+    """small, 600 tokens in chunks of 256: past the window, the indexer's top-k and the ratio-128 rows."""
+    from ds4.engine.gpu import prefill
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m, toks, want = _small_f32_prefill(tmp_path)
     calls = []
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
@@ -105,18 +112,10 @@ def test_tf32_products_stay_near_float32_in_the_session(tmp_path):
     """TF32 attention and indexer products against float32 ones on `small` (600 tokens: the indexer's top-k and the
     ratio-128 rows run): the median position within the engine's 1e-3, and not the same bits (the switch took
     effect). Not every position: a near-tied expert choice may flip (v10: 4.6e-3 over all positions)."""
-    from conftest import quantize_cli
-
     from ds4.engine.gpu import tc
     from ds4.engine.gpu.session import Session as GpuSession
-    from ds4.engine.model import Model
 
-    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
-    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
-    toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 600).tolist()
-    f32 = GpuSession(m, ctx=1024, prefill_chunk=256)
-    f32.tf32_attn = False
-    want = f32.prefill(toks, all_logits=True)
+    m, toks, want = _small_f32_prefill(tmp_path)
     tf = GpuSession(m, ctx=1024, prefill_chunk=256)
     assert tf.tf32_attn == (tc.ATTN_MODE == "tf32")
     tf.tf32_attn = True

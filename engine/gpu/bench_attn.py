@@ -46,7 +46,8 @@ def _torch_attend(q, win_keys, comp, sel, sinks, pos0: int, ratio: int, tf32: bo
     return out
 
 
-def _time(fn, reps: int) -> float:
+def time_ms(fn, reps: int) -> float:
+    """Milliseconds per call of fn on the current CUDA stream (one warm-up call, then reps timed by events)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -58,13 +59,21 @@ def _time(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048, help="queries per chunk (default 2048)")
-    ap.add_argument("--reps", type=int, default=3)
+def bench_args(argv, doc: str, name: str, tokens: int, reps: int, help_tokens: str):
+    """The benchmarks' command line: --tokens, --reps; None (after saying so) without a CUDA device."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=tokens, help=f"{help_tokens} (default {tokens})")
+    ap.add_argument("--reps", type=int, default=reps)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_attn: needs a CUDA device", file=sys.stderr)
+        print(f"{name}: needs a CUDA device", file=sys.stderr)
+        return None
+    return args
+
+
+def main(argv=None) -> int:
+    args = bench_args(argv, __doc__, "bench_attn", 2048, 3, "queries per chunk")
+    if args is None:
         return 2
     from . import load
     from .fused import Fused
@@ -75,9 +84,9 @@ def main(argv=None) -> int:
     print(f"{'layer':<22} {'fused ms':>9} {'torch f32 ms':>13} {'torch tf32 ms':>14} {'f32 / fused':>12}")
     for name, ratio, n_comp, k_sel in (("top-k (ratio 4)", 4, 2048, 512), ("ratio 128", 128, 64, 0)):
         q, win, comp, sel, sinks = _inputs(T, n_comp, k_sel, pos0)
-        fused = _time(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio), args.reps)
-        f32 = _time(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, False), args.reps)
-        tf32 = _time(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, True), args.reps)
+        fused = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio), args.reps)
+        f32 = time_ms(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, False), args.reps)
+        tf32 = time_ms(lambda: _torch_attend(q, win, comp, sel, sinks, pos0, ratio, True), args.reps)
         ref = _torch_attend(q, win, comp, sel, sinks, pos0, ratio, False)
         got = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
         err = float((got - ref).norm() / ref.norm())

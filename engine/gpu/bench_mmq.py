@@ -5,13 +5,14 @@ pass), the float32-equivalent TFLOP/s and the ratio. Needs a CUDA device and the
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 import torch
 
 from ds4.gguf_tools.constants import BLOCK, QuantType as Q, row_bytes
+
+from .bench_attn import bench_args, time_ms
 
 # (name, type, columns, rows): the Flash matrices each path serves; the expert ones as one expert's matrix
 SHAPES = [("attn_q_b", Q.Q8_0, 1024, 32768), ("attn_output_b", Q.Q8_0, 8192, 4096), ("ffn_gate_shexp", Q.Q8_0, 4096, 2048),
@@ -29,25 +30,9 @@ def random_weight(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
     return raw.reshape(rows, row_bytes(qtype, cols))
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=8192, help="activation rows (default 8192)")
-    ap.add_argument("--reps", type=int, default=5)
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_mmq: needs a CUDA device", file=sys.stderr)
+    args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows")
+    if args is None:
         return 2
     from . import load, upload
     from .weights import W_SCALE, split_product
@@ -78,9 +63,9 @@ def main(argv=None) -> int:
             return split_product(xh, xl, hi.T, lo.T) * (s / W_SCALE)
 
         ext.set_stream(torch.cuda.current_stream().cuda_stream)
-        t_mmq = _time(mmq, args.reps)
-        t_gemm = _time(gemms, args.reps)
-        t_peer = t_gemm + _time(dequant, args.reps)
+        t_mmq = time_ms(mmq, args.reps)
+        t_gemm = time_ms(gemms, args.reps)
+        t_peer = t_gemm + time_ms(dequant, args.reps)
         dequant()
         err = float((y - gemms()).norm() / gemms().norm())
         tf = 2.0 * T * rows * cols / t_mmq / 1e9
