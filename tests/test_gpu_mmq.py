@@ -57,14 +57,14 @@ def test_mmq_matches_the_quantized_reference(cols, rows, T, groups):
 @pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K, Q.IQ2_XXS])
 def test_mmq_expert_types_match_the_quantized_reference(qtype):
     """The K-quants' min terms use the activation's own 16-column sums (as the matvec kernels do), so the reference
-    on the quantized activation is off by the quantization there (~1e-5)."""
+    on the quantized activation is off by the quantization there (~1e-5): 1e-4 for them, 1e-5 for IQ2_XXS."""
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, 200, 2048, rng)
     w = gpu.upload(f"mmq.{qtype.name}", qtype, (2048, 200), raw)
     x = rng.standard_normal((90, 2048)).astype(np.float32)
     ref = quantized(x) @ dequant(qtype, raw, 2048).T
     err = rel_err(run_mmq(w, x), ref)
-    assert err <= 1e-4, f"{qtype.name}: rel err {err:.2e}"
+    assert err <= (1e-5 if qtype == Q.IQ2_XXS else 1e-4), f"{qtype.name}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("qtype,cols,rows", [(Q.Q8_0, 4096, 512), (Q.Q2_K, 2048, 256), (Q.Q4_K, 2048, 256),
@@ -79,16 +79,17 @@ def test_mmq_agrees_with_the_matvec_kernel(qtype, cols, rows):
     assert rel_err(run_mmq(w, x), run_matvec(w, x)) <= 1e-6
 
 
-@pytest.mark.parametrize("gate_type", [Q.IQ2_XXS, Q.Q2_K])
+@pytest.mark.parametrize("gate_type", [Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0])
 def test_mmq_experts_match_the_reference(gate_type):
-    """Activation rows sorted by expert, tiles of at most 64 rows: an unused expert, experts of one row, one of 150."""
+    """Activation rows sorted by expert, tiles of at most 64 rows: an unused expert, experts of one row, one of 150;
+    200 rows per expert (a partial tile of weight rows)."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
 
     ext = gpu.load()
     rng = np.random.default_rng(7)
-    n_embd, n_ff, n_expert = 512, 192, 8
+    n_embd, n_ff, n_expert = 512, 200, 8
     raw = random_blocks(gate_type, n_ff * n_expert, n_embd, rng)
     w = gpu.upload(f"blk.0.ffn_gate_exps.mmq{gate_type.name}", gate_type, (n_embd, n_ff, n_expert), raw)
     counts = [3, 0, 150, 1, 64, 65, 1, 20]
@@ -96,12 +97,13 @@ def test_mmq_experts_match_the_reference(gate_type):
     tiles = torch.tensor(expert_tiles(counts), dtype=torch.int32, device="cuda")
     y = ext.Array.empty([sum(counts), n_ff])
     y.fill(float("nan"))
+    assert ext.mmq_takes(w, n_expert)
     assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
     wd = dequant(gate_type, raw, n_embd).reshape(n_expert, n_ff, n_embd)
     expert = np.repeat(np.arange(n_expert), counts)
     ref = np.einsum("rc,roc->ro", quantized(x), wd[expert])
     err = rel_err(y.numpy(), ref)
-    assert err <= 1e-4, f"rel err {err:.2e}"
+    assert err <= (1e-4 if gate_type in (Q.Q2_K, Q.Q4_K) else 1e-5), f"rel err {err:.2e}"
 
 
 def test_mmq_declines_other_weights_and_checks_shapes():

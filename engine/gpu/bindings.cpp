@@ -652,6 +652,8 @@ PYBIND11_MODULE(_ext, m) {
         "y[t, r] = W[r] . x[t, r // (rows / groups)] for any number of rows of x (prefill), on the int8 tensor cores "
         "from the quantized codes with x quantized as the decode kernels quantize it; False (nothing done) for "
         "weights it does not take (F16, columns not a multiple of 128).");
+  m.def("mmq_takes", [](const Tensor& w, int groups) { return mmq_takes(w.p, groups); }, py::arg("w"),
+        py::arg("groups") = 1, "Whether mmq takes W as groups block-diagonal matrices (experts: groups = experts).");
   m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
         "row, rows <= 64, expert e, 0); False where the kernel does not take the expert tensor.");

@@ -165,6 +165,8 @@ def routed_experts_mmq(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wt
     dev = b.device
     T, k = ids.shape
     n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
+    if not all(W.ext.mmq_takes(w, n_expert) for w in (gate, up, down)):
+        return None
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync

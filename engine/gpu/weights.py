@@ -28,9 +28,10 @@ MOE_PIECE = 64  # tokens per routed-MoE launch in prefill (bounds the extension'
 GEMM_MIN = int(os.environ.get("DS4_GPU_GEMM_MIN", "16"))
 MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
 EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
-# DS4_GPU_PREFILL_GEMM=mmq: Q8_0 weights (attention projections, shared expert) on the int8 tensor cores straight from
-# their codes (mmq.cu: the decode kernels' activation quantization and exact block sums, no dequant pass, two int8
-# products instead of three f16 ones); other weights as in exact mode. v10: written without a device, not yet run.
+# DS4_GPU_PREFILL_GEMM=mmq: quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS: in Flash q2 the attention projections and the
+# shared expert) on the int8 tensor cores straight from their codes (mmq.cu: the decode kernels' activation
+# quantization and exact block sums, no dequant pass, two int8 products instead of three f16 ones); F16 weights as in
+# exact mode. v10: written without a device, not yet run.
 MMQ_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "mmq"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
