@@ -119,23 +119,31 @@ def test_mmq_declines_other_weights_and_checks_shapes():
         ext.mmq(w, ext.Array.empty([4, 128]), y, 1)
 
 
-@pytest.mark.parametrize("dense,experts", [(True, False), (False, True), (True, True)])
-def test_mmq_prefill_in_the_session(monkeypatch, tmp_path, dense, experts):
-    """small, 600 tokens: the prefill with the products on mmq against the CPU engine (the engine's 1e-3)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs torch with CUDA")
+@pytest.fixture(scope="module")
+def small_reference(tmp_path_factory):
+    """(`small` without the rounding simulations, 600 tokens, the CPU engine's logits after them)."""
     from conftest import quantize_cli
 
-    from ds4.engine.gpu import moe_gemm, weights
-    from ds4.engine.gpu.session import Session as GpuSession
     from ds4.engine.model import Model
     from ds4.engine.session import Session as CpuSession
 
-    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
-    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
+    path = tmp_path_factory.mktemp("mmq") / "small.gguf"
+    quantize_cli("synth", "--preset", "small", "--gguf", str(path), "--mix", "q2", "--quiet")
+    m = Model.load(path).with_numerics(fp8_kv=False, indexer_qat=False)
     toks = np.random.default_rng(3).integers(2, m.config.vocab_size, 600).tolist()
-    want = CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
+    return m, toks, CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
+
+
+@pytest.mark.parametrize("dense,experts", [(True, False), (False, True), (True, True)])
+def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts):
+    """small, 600 tokens in chunks of 256: the prefill with the products on mmq against the CPU engine (its 1e-3)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from ds4.engine.gpu import moe_gemm, weights
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m, toks, want = small_reference
     calls = []
     monkeypatch.setattr(weights, "MMQ_GEMM", dense)
     if experts:
@@ -145,7 +153,8 @@ def test_mmq_prefill_in_the_session(monkeypatch, tmp_path, dense, experts):
     got = g.sync(toks)
     assert any(calls), "no product went through mmq"
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    print(f"\nmmq prefill against the CPU engine: rel {err:.2e} ({len(calls)} mmq calls)")
+    print(f"\nmmq prefill (dense {dense}, experts {experts}) against the CPU engine: rel {err:.2e} "
+          f"({len(calls)} mmq calls)")
     assert err <= 1e-3
 
 
