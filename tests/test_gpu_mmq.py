@@ -81,20 +81,20 @@ def test_mmq_agrees_with_the_matvec_kernel(qtype, cols, rows):
 
 @pytest.mark.parametrize("gate_type", [Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0])
 def test_mmq_experts_match_the_reference(gate_type):
-    """Activation rows sorted by expert, tiles of at most 64 rows: an unused expert, experts of one row, one of 150;
-    200 rows per expert (a partial tile of weight rows)."""
+    """Activation rows sorted by expert, tiles of at most mmq_tile_rows() rows (64, or 128 under DS4_GPU_MMQ_ROWS):
+    an unused expert, experts of one row, one of 150; 200 rows per expert (a partial tile of weight rows)."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
 
     ext = gpu.load()
     rng = np.random.default_rng(7)
-    n_embd, n_ff, n_expert = 512, 200, 8
+    n_embd, n_ff, n_expert = 512, 200, 10
     raw = random_blocks(gate_type, n_ff * n_expert, n_embd, rng)
     w = gpu.upload(f"blk.0.ffn_gate_exps.mmq{gate_type.name}", gate_type, (n_embd, n_ff, n_expert), raw)
-    counts = [3, 0, 150, 1, 64, 65, 1, 20]
+    counts = [3, 0, 150, 1, 64, 65, 1, 20, 128, 129]
     x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
-    tiles = torch.tensor(expert_tiles(counts), dtype=torch.int32, device="cuda")
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
     y = ext.Array.empty([sum(counts), n_ff])
     y.fill(float("nan"))
     assert ext.mmq_takes(w, n_expert)

@@ -205,9 +205,10 @@ bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
 // tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of
-// 128. launch_mmq_experts: activation rows sorted by expert, tiles[i] = (first row, rows <= 64, expert, 0), y rows
+// 128. launch_mmq_experts: activation rows sorted by expert, tiles[i] = (first row, rows <= mmq_tile_rows(), expert, 0), y rows
 // [rows of x, rows per expert].
 bool mmq_takes(const Packed& w, int groups);
+int mmq_tile_rows();  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
                         cudaStream_t stream);

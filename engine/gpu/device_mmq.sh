@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call for the int8 prefill products (mmq.cu) and the one-kernel prefill attention: build, the mmq GPU
-# tests, the kernel benchmarks against their peers (bench_mmq: dequant + three float16 GEMMs; bench_attn: the torch
-# products), then prefill of 2048 and 8192 tokens on the synthetic Flash q2 GGUF under each switch set. Logs to $OUT.
+# tests and bench_mmq (peer: dequant + three float16 GEMMs) at each tile size, Nsight Compute sections of one mmq
+# launch, the session tests under a switch set, then prefill of 2048 and 8192 tokens on the synthetic Flash q2 GGUF
+# under each switch set. Logs to $OUT.
 # Usage: bash engine/gpu/device_mmq.sh
-# Env: MMQ_TESTS (pytest -k expression; default all), AB (switch sets, "VAR=v[,VAR2=w]" per run; default: the
-#      current defaults, mmq dense, mmq experts, both, fused attention, all three), SESSION=0 (kernels only),
-#      *_TIMEOUT.
+# Env: MMQ_TESTS (pytest -k expression; default all), ROWS (DS4_GPU_MMQ_ROWS values; default "64 128"; the first runs
+#      every test, the others the kernel tests), NCU ("bench_mmq launch indices" to profile, 2 per shape in SHAPES
+#      order; default "6": the IQ2_XXS expert gate; "" for none), SESSION_ENV ("VAR=v,..." for the session tests;
+#      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run), SESSION=0 (kernels only),
+#      BENCH_ATTN=1 (bench_attn too), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -20,15 +23,33 @@ if [ "${SESSION:-1}" != 0 ]; then
   fi
 fi
 stamp build; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-stamp "mmq tests"
-timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -s -p no:cacheprovider -W ignore tests/test_gpu_mmq.py ${MMQ_TESTS:+-k "$MMQ_TESTS"} \
-  2>&1 | tee "$OUT/tests_mmq.log" | grep -E "passed|failed|rel err|mmq prefill|Error|assert" | head -20
-stamp bench_mmq; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_mmq 2>&1 | grep -v -i warn | tee "$OUT/bench_mmq.log"
-stamp bench_attn; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_attn 2>&1 | grep -v -i warn | tee "$OUT/bench_attn.log"
+first=1
+for rows in ${ROWS:-64 128}; do
+  stamp "mmq tests rows=$rows"
+  k=${MMQ_TESTS:-}; [ $first = 1 ] || k=${k:-"not session"}
+  DS4_GPU_MMQ_ROWS=$rows timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -s -p no:cacheprovider -W ignore tests/test_gpu_mmq.py ${k:+-k "$k"} \
+    2>&1 | tee "$OUT/tests_mmq_$rows.log" | grep -E "passed|failed|rel err|mmq prefill|Error|assert" | head -20
+  stamp "bench_mmq rows=$rows"
+  DS4_GPU_MMQ_ROWS=$rows timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_mmq 2>&1 | grep -v -i warn | tee "$OUT/bench_mmq_$rows.log"
+  first=0
+done
+[ "${BENCH_ATTN:-0}" = 1 ] && { stamp bench_attn; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_attn 2>&1 | grep -v -i warn | tee "$OUT/bench_attn.log"; }
+SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section InstructionStats --section LaunchStats"
+for skip in ${NCU-6}; do
+  stamp "ncu mmq launch $skip"
+  timeout ${NCU_TIMEOUT:-100} ncu --clock-control none --kernel-name regex:mmq_kernel --launch-skip $skip --launch-count 1 $SECTIONS \
+    python3 -m ds4.engine.gpu.bench_mmq --reps 1 > "$OUT/ncu_mmq_$skip.log" 2>&1
+  grep -E "mmq_kernel|Duration|Compute \(SM\)|Issue Slots|Issued Ipc|No Eligible|Eligible Warps|Active Warps|Warp Cycles Per Issued|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Executed Instructions  " "$OUT/ncu_mmq_$skip.log" | head -24
+done
 [ "${SESSION:-1}" = 0 ] && { stamp "done (SESSION=0)"; exit 0; }
+if [ -n "${SESSION_ENV:-}" ]; then
+  stamp "session tests $SESSION_ENV"
+  env ${SESSION_ENV//,/ } timeout ${SESSION_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/test_gpu_session_cuda.py \
+    2>&1 | tee "$OUT/tests_session.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
+fi
 [ -z "$SYN" ] || wait $SYN; cat "$OUT/synth.log"
-AB_DEFAULT="DS4_GPU_PREFILL_ATTN=f32 DS4_GPU_PREFILL_GEMM=mmq DS4_GPU_MOE_GEMM=mmq DS4_GPU_PREFILL_GEMM=mmq,DS4_GPU_MOE_GEMM=mmq \
-DS4_GPU_PREFILL_ATTN=fused DS4_GPU_PREFILL_GEMM=mmq,DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused"
+AB_DEFAULT="DS4_GPU_PREFILL_ATTN=f32 DS4_GPU_MOE_GEMM=mmq DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused \
+DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused,DS4_GPU_MMQ_ROWS=128 DS4_GPU_PREFILL_GEMM=mmq,DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused"
 for envs in ${AB:-$AB_DEFAULT}; do
   stamp "prefill $envs"; echo "== $envs" >> "$OUT/prefill_ab.log"
   env ${envs//,/ } timeout ${BENCH_TIMEOUT:-90} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx \

@@ -27,13 +27,14 @@ namespace ds4gpu {
 
 namespace {
 
-constexpr int MQ_THREADS = 128;
-constexpr int MQ_M = 64;           // weight rows per CTA
-constexpr int MQ_N = 64;           // activation rows per CTA
+constexpr int MQ_M = 64;           // weight rows per CTA; NT (64 or 128) activation rows, 2 NT threads
 constexpr int MQ_KS = 128;         // columns per stage
 constexpr int MQ_NB = MQ_KS / 32;  // 32-column blocks per stage
 constexpr int MQ_LD = MQ_KS + 16;  // padded bytes per shared row
-constexpr int MQ_PAIRS = MQ_M * MQ_NB / MQ_THREADS;  // (row, block) decodes per thread and stage
+template <int NT>
+__host__ __device__ constexpr int mq_threads() { return 2 * NT; }  // warps of 32 weight rows x 32 activation rows
+template <int NT>
+__host__ __device__ constexpr int mq_pairs() { return MQ_M * MQ_NB / mq_threads<NT>(); }  // (row, block) decodes per thread and stage
 
 struct MmqArgs {
   Packed w;
@@ -45,14 +46,15 @@ struct MmqArgs {
   const int4* tiles;  // experts: (first activation row, rows, expert, 0) per grid.y; null: dense
 };
 
+template <int NT>
 struct MmqStage {
   int8_t w[MQ_M][MQ_LD];
-  int8_t hi[MQ_N][MQ_LD];
-  int8_t lo[MQ_N][MQ_LD];
+  int8_t hi[NT][MQ_LD];
+  int8_t lo[NT][MQ_LD];
   float ds[MQ_M][MQ_NB];      // dscale per (weight row, block)
   float mn[MQ_M][2 * MQ_NB];  // min0, min1 per (weight row, block): K-quants
-  float xs[MQ_N][MQ_NB];      // activation scale per (row, block)
-  float s16[MQ_N][2 * MQ_NB]; // activation sums per 16 columns: K-quants
+  float xs[NT][MQ_NB];        // activation scale per (row, block)
+  float s16[NT][2 * MQ_NB];   // activation sums per 16 columns: K-quants
 };
 
 template <int QT>
@@ -62,6 +64,18 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
   const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
+
+// Four 8x8 matrices of 16-bit elements (here: 8 rows x 16 bytes of int8) from shared memory; lanes 8i .. 8i + 7 give
+// the row addresses of matrix i, and matrix i lands in register i: the m16n8k32 fragments' layout.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+constexpr int MQ_BIAS = 0x4B400000;      // the bits of 1.5 2^23: integers added to it stay exact floats
+constexpr float MQ_BIAS_F = 12582912.0f;
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -77,20 +91,21 @@ struct MmqTile {
   int an, r0;
 };
 
+template <int NT>
 __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
   MmqTile t;
   t.r0 = blockIdx.x * MQ_M;
   if (a.tiles) {
     const int4 e = a.tiles[blockIdx.y];
     t.a0 = e.x;
-    t.an = e.y;
+    t.an = min(e.y, NT);  // a longer tile would overrun the shared planes: its extra rows are not computed
     t.wrow0 = (int64_t)e.z * a.rows_g;
     t.xcol0 = 0;
     t.ycol0 = 0;
   } else {
     const int g = blockIdx.z;
-    t.a0 = (int64_t)blockIdx.y * MQ_N;
-    t.an = min(MQ_N, a.T - (int)t.a0);
+    t.a0 = (int64_t)blockIdx.y * NT;
+    t.an = min(NT, a.T - (int)t.a0);
     t.wrow0 = (int64_t)g * a.rows_g;
     t.xcol0 = (int64_t)g * a.K;
     t.ycol0 = (int64_t)g * a.rows_g;
@@ -99,18 +114,18 @@ __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
 }
 
 // Activation planes of stage k0 into st (cp.async; rows past the tile are zero-filled, so they add nothing).
-template <int QT>
-__device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqStage& st) {
+template <int QT, int NT>
+__device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqStage<NT>& st) {
   const int tid = threadIdx.x;
   const int64_t col = tl.xcol0 + k0;
-  for (int i = tid; i < MQ_N * (MQ_KS / 16); i += MQ_THREADS) {
+  for (int i = tid; i < NT * (MQ_KS / 16); i += mq_threads<NT>()) {
     const int t = i >> 3, c = (i & 7) * 16;
     const bool ok = t < tl.an;
     const int64_t off = (tl.a0 + (ok ? t : 0)) * a.x.n + col + c;
     cp16(&st.hi[t][c], a.x.hi + off, ok);
     cp16(&st.lo[t][c], a.x.lo + off, ok);
   }
-  if (tid < MQ_N) {
+  if (tid < NT) {
     const bool ok = tid < tl.an;
     const int64_t row = tl.a0 + (ok ? tid : 0);
     cp16(&st.xs[tid][0], a.x.scale + row * (a.x.n / 32) + col / 32, ok);
@@ -122,23 +137,23 @@ __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, 
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + 128 i, row p / 4, block p % 4.
-template <int QT>
-__device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, int k0, RawXb (&raw)[MQ_PAIRS]) {
+// Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + threads i, row p / 4, block p % 4.
+template <int QT, int NT>
+__device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, int k0, RawXb (&raw)[mq_pairs<NT>()]) {
 #pragma unroll
-  for (int i = 0; i < MQ_PAIRS; ++i) {
-    const int p = threadIdx.x + MQ_THREADS * i, row = p >> 2, b = p & 3;
+  for (int i = 0; i < mq_pairs<NT>(); ++i) {
+    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
     const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed below
     load_xb<QT>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
   }
 }
 
-template <int QT>
-__device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[MQ_PAIRS],
-                                             const unsigned long long* grid, MmqStage& st) {
+template <int QT, int NT>
+__device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
+                                             const unsigned long long* grid, MmqStage<NT>& st) {
 #pragma unroll
-  for (int i = 0; i < MQ_PAIRS; ++i) {
-    const int p = threadIdx.x + MQ_THREADS * i, row = p >> 2, b = p & 3;
+  for (int i = 0; i < mq_pairs<NT>(); ++i) {
+    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
     XbCodes d;
     decode_xb<QT>(raw[i], Iq2Tables{grid}, d);
     const bool ok = tl.r0 + row < a.rows_g;
@@ -159,12 +174,16 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
   }
 }
 
-template <int QT>
-__global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel(MmqArgs a) {  // K-quants: more registers
+// CTAs per SM: K-quants need more registers; 128-row tiles are capped at 128 registers for two CTAs.
+template <int QT, int NT>
+__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 ? 2 : (has_mins<QT>() ? 2 : 3); }
+
+template <int QT, int NT>
+__global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
   extern __shared__ __align__(16) unsigned char mq_smem[];
-  MmqStage* st = reinterpret_cast<MmqStage*>(mq_smem);
-  unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage));
-  const MmqTile tl = mmq_tile(a);
+  MmqStage<NT>* st = reinterpret_cast<MmqStage<NT>*>(mq_smem);
+  unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage<NT>));
+  const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
@@ -175,32 +194,28 @@ __global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel
 #pragma unroll
     for (int n = 0; n < 4; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
   const int nstages = a.K / MQ_KS;
-  RawXb raw[MQ_PAIRS];
-  mmq_load_x<QT>(a, tl, 0, st[0]);
-  mmq_load_w<QT>(a, tl, 0, raw);
+  RawXb raw[mq_pairs<NT>()];
+  mmq_load_x<QT, NT>(a, tl, 0, st[0]);
+  mmq_load_w<QT, NT>(a, tl, 0, raw);
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
-  mmq_decode_w<QT>(a, tl, raw, grid, st[0]);
+  mmq_decode_w<QT, NT>(a, tl, raw, grid, st[0]);
   for (int s = 0; s < nstages; ++s) {
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
     const bool next = s + 1 < nstages;
     if (next) {
-      mmq_load_x<QT>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
-      mmq_load_w<QT>(a, tl, (s + 1) * MQ_KS, raw);
+      mmq_load_x<QT, NT>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
+      mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
     }
-    const MmqStage& S = st[s & 1];
+    const MmqStage<NT>& S = st[s & 1];
 #pragma unroll
     for (int b = 0; b < MQ_NB; ++b) {
-      const int kc = 32 * b + 4 * q;
       uint32_t af[2][4];
       float wd[2][2], m0[2][2], m1[2][2];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int r = wm + 16 * m + g;
-        af[m][0] = *(const uint32_t*)&S.w[r][kc];
-        af[m][1] = *(const uint32_t*)&S.w[r + 8][kc];
-        af[m][2] = *(const uint32_t*)&S.w[r][kc + 16];
-        af[m][3] = *(const uint32_t*)&S.w[r + 8][kc + 16];
+        ldsm_x4(af[m], &S.w[wm + 16 * m + (lane & 15)][32 * b + 16 * (lane >> 4)]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           wd[m][h] = S.ds[r + 8 * h][b];
@@ -212,9 +227,11 @@ __global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel
       }
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const int t = wn + 8 * n + g, tc = wn + 8 * n + 2 * q;
-        const uint32_t h0 = *(const uint32_t*)&S.hi[t][kc], h1 = *(const uint32_t*)&S.hi[t][kc + 16];
-        const uint32_t l0 = *(const uint32_t*)&S.lo[t][kc], l1 = *(const uint32_t*)&S.lo[t][kc + 16];
+        const int tc = wn + 8 * n + 2 * q;
+        // hi k 0-15, hi k 16-31, lo k 0-15, lo k 16-31 of activation rows wn + 8n .. + 7
+        uint32_t bf[4];
+        const int tl = wn + 8 * n + (lane & 7), kb = 32 * b + 16 * ((lane >> 3) & 1);
+        ldsm_x4(bf, (lane & 16) ? &S.lo[tl][kb] : &S.hi[tl][kb]);
         float xs[2], s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -226,21 +243,26 @@ __global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          int ch[4] = {0, 0, 0, 0}, cl[4] = {0, 0, 0, 0};
-          mma_s8(ch, af[m], h0, h1);
-          mma_s8(cl, af[m], l0, l1);
+          // The int32 sums start at MQ_BIAS, so each result read as a float is 1.5 2^23 + sum exactly (|sum| < 2^22:
+          // 32 x 128 x 127 at most): two float subtractions instead of the quarter-rate int-to-float conversion.
+          int ch[4] = {MQ_BIAS, MQ_BIAS, MQ_BIAS, MQ_BIAS}, cl[4] = {MQ_BIAS, MQ_BIAS, MQ_BIAS, MQ_BIAS};
+          mma_s8(ch, af[m], bf[0], bf[1]);
+          mma_s8(cl, af[m], bf[2], bf[3]);
           // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int h = e >> 1, j = e & 1;
-            float v = wd[m][h] * xs[j] * (float)(254 * ch[e] + cl[e]);
+            const float hi = __int_as_float(ch[e]) - MQ_BIAS_F, lo = __int_as_float(cl[e]) - MQ_BIAS_F;
+            // one rounding of the exact integer 254 hi + lo, as the batch-1 kernels' int-to-float conversion
+            const float t = fmaf(254.0f, hi, lo);
+            float v = wd[m][h] * xs[j] * t;
             if constexpr (has_mins<QT>()) v -= m0[m][h] * s0[j] + m1[m][h] * s1[j];
             acc[m][n][e] += v;
           }
         }
       }
     }
-    if (next) mmq_decode_w<QT>(a, tl, raw, grid, st[(s + 1) & 1]);  // its last reader was stage s - 1
+    if (next) mmq_decode_w<QT, NT>(a, tl, raw, grid, st[(s + 1) & 1]);  // its last reader was stage s - 1
   }
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -253,25 +275,31 @@ __global__ void __launch_bounds__(MQ_THREADS, has_mins<QT>() ? 2 : 3) mmq_kernel
       }
 }
 
-template <int QT>
+template <int QT, int NT>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
-  const size_t shm = 2 * sizeof(MmqStage) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
+  const size_t shm = 2 * sizeof(MmqStage<NT>) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT><<<grid, MQ_THREADS, shm, stream>>>(a);
+  mmq_kernel<QT, NT><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+}
+
+template <int NT>
+void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
+  switch (qtype) {
+    case QT_Q8_0: launch_as<QT_Q8_0, NT>(a, grid, stream); break;
+    case QT_Q2_K: launch_as<QT_Q2_K, NT>(a, grid, stream); break;
+    case QT_Q4_K: launch_as<QT_Q4_K, NT>(a, grid, stream); break;
+    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT>(a, grid, stream); break;
+    default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
+  }
 }
 
 void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
-  switch (qtype) {
-    case QT_Q8_0: launch_as<QT_Q8_0>(a, grid, stream); break;
-    case QT_Q2_K: launch_as<QT_Q2_K>(a, grid, stream); break;
-    case QT_Q4_K: launch_as<QT_Q4_K>(a, grid, stream); break;
-    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS>(a, grid, stream); break;
-    default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
-  }
+  if (mmq_tile_rows() == 128) launch_nt<128>(a, qtype, grid, stream);
+  else launch_nt<64>(a, qtype, grid, stream);
   DS4_CHECK_LAUNCH("mmq");
 }
 
@@ -291,6 +319,17 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
 
 }  // namespace
 
+int mmq_tile_rows() {
+  static const int rows = [] {
+    const char* v = std::getenv("DS4_GPU_MMQ_ROWS");
+    if (!v || !*v) return 64;
+    const int r = std::atoi(v);
+    if (r != 64 && r != 128) throw std::invalid_argument("DS4_GPU_MMQ_ROWS must be 64 or 128");
+    return r;
+  }();
+  return rows;
+}
+
 bool mmq_takes(const Packed& w, int groups) {
   const bool type = w.qtype == QT_Q8_0 || w.qtype == QT_Q2_K || w.qtype == QT_Q4_K || w.qtype == QT_IQ2_XXS;
   return type && groups >= 1 && groups <= 65535 && w.nrows % groups == 0 && w.ncols % MQ_KS == 0;
@@ -302,7 +341,8 @@ void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaS
   if (T <= 0) return;
   const int rows_g = (int)(w.nrows / groups);
   const MmqArgs a = make_args(w, x, y, w.nrows, T, rows_g);
-  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, (T + MQ_N - 1) / MQ_N, groups), stream);
+  const int nt = mmq_tile_rows();
+  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, (T + nt - 1) / nt, groups), stream);
 }
 
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,

@@ -25,7 +25,6 @@ import torch
 F32, F16 = torch.float32, torch.float16
 # buckets | padded (the v5..v8 path) | mmq (v10: int8 tensor cores on the codes, mmq.cu; written without a device)
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "buckets")
-MMQ_TILE = 64  # activation rows per mmq tile (mmq.cu MQ_N)
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
 # caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
@@ -149,7 +148,7 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
     return y.view(T, k, n_embd).sum(dim=1)
 
 
-def expert_tiles(counts: list[int], tile: int = MMQ_TILE) -> list[tuple[int, int, int, int]]:
+def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]]:
     """(first row, rows, expert, 0) per tile of at most `tile` activation rows, for rows sorted by expert."""
     tiles, off = [], 0
     for e, n in enumerate(counts):
@@ -170,7 +169,7 @@ def routed_experts_mmq(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wt
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
-    tiles = torch.tensor(expert_tiles(counts), dtype=torch.int32, device=dev)
+    tiles = torch.tensor(expert_tiles(counts, W.ext.mmq_tile_rows()), dtype=torch.int32, device=dev)
     n_asg = T * k
     x = b[order // k].contiguous()  # activation rows in expert order
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
