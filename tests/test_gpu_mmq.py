@@ -146,8 +146,7 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
     m, toks, want = small_reference
     calls = []
     monkeypatch.setattr(weights, "MMQ_GEMM", dense)
-    if experts:
-        monkeypatch.setattr(moe_gemm, "MOE_GEMM", "mmq")
+    monkeypatch.setattr(moe_gemm, "MOE_GEMM", "mmq" if experts else "buckets")
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
     g.W.ext = _Counting(g.W.ext, calls)
     got = g.sync(toks)

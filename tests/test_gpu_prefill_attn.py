@@ -76,11 +76,15 @@ def test_prefill_attention_kernel_declines_odd_head_dims():
     assert K.prefill_attn(q, win, comp, sel, sinks, 0, 0) is None
 
 
-def _small_f32_prefill(tmp_path):
-    """(model `small` without the rounding simulations, 600 tokens, every position's logits with float32 products)."""
+def _small_f32_prefill(tmp_path, monkeypatch):
+    """(model `small` without the rounding simulations, 600 tokens, every position's logits with the torch float32
+    products). The torch form stays on for the rest of the test (the fused kernel is the default form)."""
     from conftest import quantize_cli
 
+    from ds4.engine.gpu import prefill
     from ds4.engine.gpu.session import Session as GpuSession
+
+    monkeypatch.setattr(prefill, "FUSED_ATTN", False)
     from ds4.engine.model import Model
 
     quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
@@ -96,7 +100,7 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     from ds4.engine.gpu import prefill
     from ds4.engine.gpu.session import Session as GpuSession
 
-    m, toks, want = _small_f32_prefill(tmp_path)
+    m, toks, want = _small_f32_prefill(tmp_path, monkeypatch)
     calls = []
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
@@ -108,14 +112,14 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     assert err < 1e-3, f"rel err {err:.2e}"
 
 
-def test_tf32_products_stay_near_float32_in_the_session(tmp_path):
+def test_tf32_products_stay_near_float32_in_the_session(tmp_path, monkeypatch):
     """TF32 attention and indexer products against float32 ones on `small` (600 tokens: the indexer's top-k and the
     ratio-128 rows run): the median position within the engine's 1e-3, and not the same bits (the switch took
     effect). Not every position: a near-tied expert choice may flip (v10: 4.6e-3 over all positions)."""
     from ds4.engine.gpu import tc
     from ds4.engine.gpu.session import Session as GpuSession
 
-    m, toks, want = _small_f32_prefill(tmp_path)
+    m, toks, want = _small_f32_prefill(tmp_path, monkeypatch)
     tf = GpuSession(m, ctx=1024, prefill_chunk=256)
     assert tf.tf32_attn == (tc.ATTN_MODE == "tf32")
     tf.tf32_attn = True

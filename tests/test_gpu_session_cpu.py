@@ -225,6 +225,6 @@ def test_split_of_no_rows_is_empty():
 def test_prefill_attention_modes_are_checked():
     from ds4.engine.gpu import tc
 
-    assert tc.parse_attn_mode("") == "f32" and tc.parse_attn_mode(" TF32 ") == "tf32"
+    assert tc.parse_attn_mode("") == "fused" and tc.parse_attn_mode(" TF32 ") == "tf32"
     with pytest.raises(ValueError, match="unknown mode.*f32, tf32, tc, fused"):
         tc.parse_attn_mode("fp16")

@@ -8,7 +8,8 @@
 #      every test, the others the kernel tests), NCU ("bench_mmq launch indices" to profile, 2 per shape in SHAPES
 #      order; default "6": the IQ2_XXS expert gate; "" for none), SESSION_ENV ("VAR=v,..." for the session tests;
 #      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run), SESSION=0 (kernels only),
-#      BENCH_ATTN=1 (bench_attn too), *_TIMEOUT.
+#      BENCH_ATTN=1 (bench_attn too), TESTS (more GPU test files, run once under the defaults), RECORD (bench_session
+#      arguments of one last run under the defaults, e.g. "--ctx 2048 --decode 64 --prefill 32768"), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -33,6 +34,11 @@ for rows in ${ROWS:-64 128}; do
   DS4_GPU_MMQ_ROWS=$rows timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_mmq 2>&1 | grep -v -i warn | tee "$OUT/bench_mmq_$rows.log"
   first=0
 done
+if [ -n "${TESTS:-}" ]; then
+  stamp "tests $TESTS"
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests_more.log" \
+    | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
+fi
 [ "${BENCH_ATTN:-0}" = 1 ] && { stamp bench_attn; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_attn 2>&1 | grep -v -i warn | tee "$OUT/bench_attn.log"; }
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section InstructionStats --section LaunchStats"
 for skip in ${NCU-6}; do
@@ -48,11 +54,17 @@ if [ -n "${SESSION_ENV:-}" ]; then
     2>&1 | tee "$OUT/tests_session.log" | grep -E "rel|greedy|chunked|passed|failed|Error|error" | head -30
 fi
 [ -z "$SYN" ] || wait $SYN; cat "$OUT/synth.log"
-AB_DEFAULT="DS4_GPU_PREFILL_ATTN=f32 DS4_GPU_MOE_GEMM=mmq DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused \
-DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused,DS4_GPU_MMQ_ROWS=128 DS4_GPU_PREFILL_GEMM=mmq,DS4_GPU_MOE_GEMM=mmq,DS4_GPU_PREFILL_ATTN=fused"
+AB_DEFAULT="DS4_GPU_PREFILL_GEMM=exact DS4_GPU_MOE_GEMM=buckets,DS4_GPU_PREFILL_ATTN=f32 DS4_GPU_MMQ_ROWS=128 \
+DS4_GPU_PREFILL_GEMM=mmq"
 for envs in ${AB:-$AB_DEFAULT}; do
   stamp "prefill $envs"; echo "== $envs" >> "$OUT/prefill_ab.log"
   env ${envs//,/ } timeout ${BENCH_TIMEOUT:-90} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx \
     --prefill 2048 8192 --prefill-runs ${PREFILL_RUNS:-2} 2>&1 | tee -a "$OUT/prefill_ab.log" | grep -E "^prefill"
 done
+if [ -n "${RECORD:-}" ]; then
+  stamp "record $RECORD"
+  timeout ${BENCH_TIMEOUT:-150} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf $RECORD --json "$OUT/record.json" 2>&1 \
+    | tee "$OUT/record.log" | grep -E "^prefill|^decode|floor|copy"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/record.log" 2>&1
+fi
 stamp done

@@ -74,14 +74,12 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
                : "r"(a));
 }
 
-constexpr int MQ_BIAS = 0x4B400000;      // the bits of 1.5 2^23: integers added to it stay exact floats
-constexpr float MQ_BIAS_F = 12582912.0f;
-
-__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// d = a . b over 32 columns, from a zero accumulator: separate output registers, so no per-mma zeroing moves
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};\n"
-               : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+               "{%10, %10, %10, %10};\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
 // This CTA's tile: activation rows a0 .. a0 + an - 1, weight rows wrow0 + r0 .., activation columns xcol0 ..,
@@ -243,21 +241,17 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          // The int32 sums start at MQ_BIAS, so each result read as a float is 1.5 2^23 + sum exactly (|sum| < 2^22:
-          // 32 x 128 x 127 at most): two float subtractions instead of the quarter-rate int-to-float conversion.
-          int ch[4] = {MQ_BIAS, MQ_BIAS, MQ_BIAS, MQ_BIAS}, cl[4] = {MQ_BIAS, MQ_BIAS, MQ_BIAS, MQ_BIAS};
+          int ch[4], cl[4];
           mma_s8(ch, af[m], bf[0], bf[1]);
           mma_s8(cl, af[m], bf[2], bf[3]);
           // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int h = e >> 1, j = e & 1;
-            const float hi = __int_as_float(ch[e]) - MQ_BIAS_F, lo = __int_as_float(cl[e]) - MQ_BIAS_F;
-            // one rounding of the exact integer 254 hi + lo, as the batch-1 kernels' int-to-float conversion
-            const float t = fmaf(254.0f, hi, lo);
-            float v = wd[m][h] * xs[j] * t;
-            if constexpr (has_mins<QT>()) v -= m0[m][h] * s0[j] + m1[m][h] * s1[j];
-            acc[m][n][e] += v;
+            // the batch-1 kernels' arithmetic: the exact int32 254 hi + lo, one rounding to float (I2FP: full rate)
+            float& y = acc[m][n][e];
+            y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
+            if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
           }
         }
       }
