@@ -27,12 +27,12 @@ namespace ds4gpu {
 
 namespace {
 
-constexpr int MQ_M = 64;           // weight rows per CTA; NT (64 or 128) activation rows, 2 NT threads
+constexpr int MQ_M = 64;           // weight rows per CTA; NT (64 or 128) activation rows, 4 warps
 constexpr int MQ_KS = 128;         // columns per stage
 constexpr int MQ_NB = MQ_KS / 32;  // 32-column blocks per stage
 constexpr int MQ_LD = MQ_KS + 16;  // padded bytes per shared row
 template <int NT>
-__host__ __device__ constexpr int mq_threads() { return 2 * NT; }  // warps of 32 weight rows x 32 activation rows
+__host__ __device__ constexpr int mq_threads() { return 128; }  // 2 x 2 warps of 32 weight rows x NT / 2 activation rows
 template <int NT>
 __host__ __device__ constexpr int mq_pairs() { return MQ_M * MQ_NB / mq_threads<NT>(); }  // (row, block) decodes per thread and stage
 
@@ -172,9 +172,9 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
   }
 }
 
-// CTAs per SM: K-quants need more registers; 128-row tiles are capped at 128 registers for two CTAs.
+// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers.
 template <int QT, int NT>
-__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 ? 2 : (has_mins<QT>() ? 2 : 3); }
+__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
 
 template <int QT, int NT>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
@@ -184,13 +184,14 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
   const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
+  constexpr int NN = NT / 16;  // n8 fragments per warp: a warp's activation rows over 8
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * (NT / 2);  // this warp's weight rows and activation rows in the tile
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
-  float acc[2][4][4];
+  float acc[2][NN][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < 4; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+    for (int n = 0; n < NN; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
   const int nstages = a.K / MQ_KS;
   RawXb raw[mq_pairs<NT>()];
   mmq_load_x<QT, NT>(a, tl, 0, st[0]);
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         }
       }
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
+      for (int n = 0; n < NN; ++n) {
         const int tc = wn + 8 * n + 2 * q;
         // hi k 0-15, hi k 16-31, lo k 0-15, lo k 16-31 of activation rows wn + 8n .. + 7
         uint32_t bf[4];
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < NN; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = tl.r0 + wm + 16 * m + g + 8 * (e >> 1), t = wn + 8 * n + 2 * q + (e & 1);
