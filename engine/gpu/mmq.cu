@@ -9,15 +9,18 @@
 // hi + lo (4 bytes per weight) and three float16 GEMMs (hi.hi + hi.lo + lo.hi) for ~22 bits of the activations;
 // here two int8 products per block (hi and lo) at twice the float16 rate, and no weight copy.
 //
-// Tiles: a CTA computes 64 weight rows x 64 activation rows with 4 warps (2 x 2; 32 x 32 each: 2 m16 x 4 n8 tiles of
-// mma.m16n8k32.s8) over stages of 128 columns (4 blocks of 32), double-buffered: the activation planes by cp.async,
+// Tiles: a CTA computes 64 weight rows x NT = 64 (or 128) activation rows with 4 warps (2 x 2; 32 x NT / 2 each:
+// 2 m16 x NT / 16 n8 tiles of mma.m16n8k32.s8) over stages of 128 columns (4 blocks of 32), double-buffered: the activation planes by cp.async,
 // the weights' raw blocks through registers, decoded into shared memory (decode_xb, the batch-1 kernels' decode)
-// while the previous stage is multiplied. Shared rows are padded to 144 bytes, so the fragment loads (row g, bytes
-// 4q..4q+3) hit 32 different banks.
+// while the previous stage is multiplied. Shared rows are padded to 144 bytes, so the ldmatrix phases (8 rows x 16
+// bytes) hit 32 different banks.
 // Activation tiles: dense (grid.y tiles of T rows, grid.z = group of a block-diagonal weight: weight rows g rows_g..,
 // activation columns g K.., output columns g rows_g..) or a table of (first row, rows, expert) for the routed experts,
 // whose activation rows are sorted by expert (weight rows expert rows_g..).
-// Written without a device (v10): compiled for sm_90a, GPU tests in tests/test_gpu_mmq.py; not yet run.
+// Measured (NOTES.md v11): issue-bound at ~18 instructions per mma (the per-32-column epilogue and the weights'
+// decode), ~120 T float32-equivalent products/s; slower than the dequant + f16 GEMM path for large dense matrices,
+// faster end to end for the routed experts (the default there: no dequant pass, no padding). Tests:
+// tests/test_gpu_mmq.py; benchmark against the f16 GEMM path: python -m ds4.engine.gpu.bench_mmq.
 #include <cuda_fp16.h>
 
 #include "common.cuh"
