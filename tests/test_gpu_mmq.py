@@ -173,5 +173,10 @@ class _Counting:
         self._calls.append(took)
         return took
 
+    def mmf_experts(self, *a):
+        took = self._ext.mmf_experts(*a)
+        self._calls.append(took)
+        return took
+
     def __getattr__(self, name):
         return getattr(self._ext, name)

@@ -1,6 +1,6 @@
-"""The bucket plan of prefill's routed experts (moe_gemm.plan_buckets): pure host code, checked by the
-properties the grouped GEMMs rely on, on counts shaped like a real chunk's (one very busy expert, a bulk
-near the mean, a tail of rarely used ones, unused ones)."""
+"""The bucket plan of prefill's routed experts (moe_gemm.plan_buckets) and mmf's activation layout: host code. The
+plan is checked by the properties the grouped GEMMs rely on, on counts shaped like a real chunk's (one very busy
+expert, a bulk near the mean, a tail of rarely used ones, unused ones)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ds4.engine.gpu.moe_gemm import plan_buckets
+from ds4.gguf_tools.constants import QuantType as Q
 
 
 def _counts(seed: int) -> list[int]:
@@ -52,3 +53,27 @@ def test_expert_tiles_cover_every_row_once():
     rows = [r for a, n, e, _ in tiles for r in range(a, a + n)]
     assert rows == list(range(sum(counts))) and all(1 <= n <= 64 for _, n, _, _ in tiles)
     assert [e for _, _, e, _ in tiles] == [1, 2, 2, 3, 5, 5, 5, 5]
+
+
+@pytest.mark.parametrize("qtype,group", [(Q.Q2_K, 16), (Q.Q4_K, 32), (Q.IQ2_XXS, None)])
+def test_mmf_activations_layout(qtype, group):
+    """The activations as mmf.cu takes them (CPU): x / s split to float16 hi + lo, and for the K-quants 16 group sums
+    of x / s per 256 columns (Q4_K: 8 sums of 32 columns, then 8 zeros), split alike."""
+    import torch
+
+    from ds4.engine.gpu import weights
+    from ds4.engine.gpu.moe_gemm import mmf_activations
+
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((5, 512)).astype(np.float32))
+    xa = mmf_activations(lambda t: weights.to_half(t, True), x, int(qtype))
+    xn = xa.hi.double() + xa.lo.double()
+    assert torch.allclose(xn * xa.s.double(), x.double(), rtol=0, atol=1e-6 * float(x.abs().max()))
+    if group is None:
+        assert xa.sum_hi is None and xa.sum_lo is None
+        return
+    assert xa.sum_hi.shape == (5, 2, 16) and xa.sum_hi.dtype == torch.float16
+    sums = xa.sum_hi.double() + xa.sum_lo.double()
+    n = 256 // group
+    want = (xa.hi.float() + xa.lo.float()).view(5, 2, n, group).sum(-1).double()
+    assert torch.allclose(sums[..., :n], want, rtol=1e-6, atol=1e-6)
+    assert (sums[..., n:] == 0).all()

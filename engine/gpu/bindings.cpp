@@ -361,6 +361,33 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   return true;
 }
 
+// The routed experts' prefill products on the float16 tensor cores (mmf.cu): activation rows sorted by expert, split
+// by split_half (hi, lo: device addresses of [R, cols] float16; s: [R] float32), K-quants also the split group sums
+// (sum_hi, sum_lo: [R, cols / 256, 16] float16; 0 for IQ2_XXS); tiles as mmq_experts' with rows <= mmf_tile_rows().
+// False where the kernel does not take the expert tensor.
+bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, uintptr_t sum_lo, uintptr_t s,
+                 uintptr_t tiles, int ntiles, Array& y) {
+  if (w.ne.size() != 3) throw std::invalid_argument("mmf_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)w.ne[2];
+  if (!mmf_takes(w.p, n_expert)) return false;
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (y.shape.size() != 2 || y.shape[1] != rows_e)
+    throw std::invalid_argument("mmf_experts '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+  const bool mins = w.p.qtype != QT_IQ2_XXS;
+  if (!hi || !lo || !s || (mins && (!sum_hi || !sum_lo)))
+    throw std::invalid_argument("mmf_experts '" + w.name + "': missing activation planes" +
+                                (mins ? std::string(" (K-quants need the group sums)") : std::string()));
+  if (y.shape[0] < 1 || ntiles < 1) return true;
+  MmfActivations x;
+  x.hi = (const __half*)hi;
+  x.lo = (const __half*)lo;
+  x.sum_hi = (const __half*)sum_hi;
+  x.sum_lo = (const __half*)sum_lo;
+  x.scale = (const float*)s;
+  launch_mmf_experts(w.p, n_expert, x, (const int4*)tiles, ntiles, y.f(), stream());
+  return true;
+}
+
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
          const Array& weights, Array& y, float clamp) {
   if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
@@ -657,6 +684,14 @@ PYBIND11_MODULE(_ext, m) {
   m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
         "row, rows <= mmq_tile_rows(), expert e, 0); False where the kernel does not take the expert tensor.");
+  m.def("mmf_experts", &mmf_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("sum_hi"), py::arg("sum_lo"),
+        py::arg("s"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
+        "y[i] = W_e . x[i] for activation rows sorted by expert on the float16 tensor cores, the codes as exact float16 "
+        "integers: x / s = hi + lo (split_half), K-quants' group sums of x / s split alike ([R, cols / 256, 16]); "
+        "tiles as mmq_experts' with rows <= mmf_tile_rows(). False where the kernel does not take the expert tensor.");
+  m.def("mmf_takes", [](const Tensor& w, int n_expert) { return mmf_takes(w.p, n_expert); }, py::arg("w"),
+        py::arg("n_expert"), "Whether mmf_experts takes the expert tensor W (IQ2_XXS, Q2_K, Q4_K; columns % 256 == 0).");
+  m.def("mmf_tile_rows", &mmf_tile_rows, "Activation rows per mmf tile.");
   m.def("mmq_tile_rows", &mmq_tile_rows, "Activation rows per mmq tile (DS4_GPU_MMQ_ROWS: 64 or 128).");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,

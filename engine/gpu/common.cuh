@@ -212,6 +212,19 @@ int mmq_tile_rows();  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (def
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
                         cudaStream_t stream);
+// mmf.cu: the routed experts' prefill products on the float16 tensor cores, the codes as exact float16 integers
+// (IQ2_XXS, Q2_K, Q4_K; columns a multiple of 256). Activation rows sorted by expert, split as split_half splits them
+// (x / scale = hi + lo, [R, cols]); K-quants also the group sums of x / scale per 256 columns, split alike
+// ([R, cols / 256, 16]: 16 sums of 16 columns for Q2_K, 8 of 32 and 8 zeros for Q4_K). tiles as launch_mmq_experts'
+// with rows <= mmf_tile_rows(); y [R, rows per expert].
+struct MmfActivations {
+  const __half *hi = nullptr, *lo = nullptr, *sum_hi = nullptr, *sum_lo = nullptr;
+  const float* scale = nullptr;
+};
+bool mmf_takes(const Packed& w, int n_expert);
+int mmf_tile_rows();
+void launch_mmf_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
+                        float* y, cudaStream_t stream);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

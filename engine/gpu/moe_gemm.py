@@ -22,9 +22,12 @@ from typing import NamedTuple
 
 import torch
 
+from ds4.gguf_tools.constants import QuantType as Q
+
 F32, F16 = torch.float32, torch.float16
 # mmq (default since v11: int8 tensor cores on the codes, mmq.cu; no dequant pass, no padding, no new GEMM shapes per
 # prompt: first 2048-token prefill of a process 2396 against 1172 t/s, 8192 tokens 2655 / 2673 against 2600 / 2636)
+# | mmf (v11, written without a device: float16 tensor cores, the codes as exact float16 integers, mmf.cu)
 # | buckets (v9: dequant to float16 hi/lo, three GEMMs per bucket) | padded (the v5..v8 path)
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "mmq")
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
@@ -159,33 +162,83 @@ def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]
     return tiles
 
 
-def routed_experts_mmq(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float):
-    """routed_experts on the int8 tensor cores straight from the experts' codes (mmq.cu): the assignments sorted by
-    expert, no padding and no weight copies; the activations quantized as decode quantizes them. None where the
-    kernel does not take the expert tensors (the caller falls back)."""
-    dev = b.device
+def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
+                         kernel: str):
+    """routed_experts straight from the experts' codes, the assignments sorted by expert: no padding, no weight
+    copies. kernel `mmq` (mmq.cu: int8 tensor cores, the activations rounded as decode rounds them) or `mmf` (mmf.cu:
+    float16 tensor cores, the codes as exact float16 integers, the activations split to ~22 bits as the hi/lo GEMMs
+    split them). None where the kernel does not take the expert tensors (the caller falls back)."""
+    dev, ext = b.device, W.ext
     T, k = ids.shape
     n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
-    if not all(W.ext.mmq_takes(w, n_expert) for w in (gate, up, down)):
+    takes, tile_rows = (ext.mmq_takes, ext.mmq_tile_rows) if kernel == "mmq" else (ext.mmf_takes, ext.mmf_tile_rows)
+    if not all(takes(w, n_expert) for w in (gate, up, down)):
         return None
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
-    tiles = torch.tensor(expert_tiles(counts, W.ext.mmq_tile_rows()), dtype=torch.int32, device=dev)
+    tiles = torch.tensor(expert_tiles(counts, tile_rows()), dtype=torch.int32, device=dev)
     n_asg = T * k
     x = b[order // k].contiguous()  # activation rows in expert order
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
     u = torch.empty_like(g)
     W._sync_stream()
-    ext, arr, ptr, nt = W.ext, W._arr, tiles.data_ptr(), tiles.shape[0]
-    if not (ext.mmq_experts(gate, arr(x), ptr, nt, arr(g)) and ext.mmq_experts(up, arr(x), ptr, nt, arr(u))):
+    product = _mmq_product if kernel == "mmq" else _mmf_product
+    xa = _activations(W, x, gate.qtype, kernel)
+    if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
         return None
     h = torch.empty_like(g)
     ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
     h *= wts.reshape(-1)[order, None]
     y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
-    if not ext.mmq_experts(down, arr(h), ptr, nt, arr(y_sorted)):
+    if not product(W, down, _activations(W, h, down.qtype, kernel), tiles, y_sorted):
         return None
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
     return y.view(T, k, n_embd).sum(dim=1)
+
+
+class MmfActivations(NamedTuple):
+    """Activation rows as mmf.cu takes them: x / s = hi + lo (float16), s [R, 1]; the K-quants' group sums of x / s
+    split alike ([R, cols / 256, 16]), None for IQ2_XXS."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+    s: torch.Tensor
+    sum_hi: torch.Tensor | None
+    sum_lo: torch.Tensor | None
+
+
+# columns per min group of the K-quants (Q2_K: 16, Q4_K: 32); mmf.cu takes 16 sums per 256 columns
+MIN_GROUP = {int(Q.Q2_K): 16, int(Q.Q4_K): 32}
+
+
+def mmf_activations(to_half, x: torch.Tensor, qtype: int) -> MmfActivations:
+    """x [R, cols] float32 as mmf.cu takes it for experts of qtype; to_half(x) -> (hi, lo or None, s) is the split
+    (Weights.to_half: the split_half kernel)."""
+    hi, lo, s = to_half(x)
+    if lo is None:  # DS4_GPU_PREFILL_GEMM=f16: one float16 pass
+        lo = torch.zeros_like(hi)
+    group = MIN_GROUP.get(int(qtype))
+    if group is None:
+        return MmfActivations(hi, lo, s, None, None)
+    R, K = x.shape
+    sums = (hi.float() + lo.float()).view(R, K // 256, 256 // group, group).sum(dim=-1)
+    if sums.shape[-1] < 16:
+        sums = torch.nn.functional.pad(sums, (0, 16 - sums.shape[-1]))
+    sum_hi = sums.to(F16)
+    return MmfActivations(hi, lo, s, sum_hi.contiguous(), (sums - sum_hi.float()).to(F16).contiguous())
+
+
+def _activations(W, x: torch.Tensor, qtype: int, kernel: str):
+    return x if kernel == "mmq" else mmf_activations(W.to_half, x, qtype)
+
+
+def _mmq_product(W, w, x: torch.Tensor, tiles: torch.Tensor, y: torch.Tensor) -> bool:
+    return W.ext.mmq_experts(w, W._arr(x), tiles.data_ptr(), tiles.shape[0], W._arr(y))
+
+
+def _mmf_product(W, w, xa: MmfActivations, tiles: torch.Tensor, y: torch.Tensor) -> bool:
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    return W.ext.mmf_experts(w, ptr(xa.hi), ptr(xa.lo), ptr(xa.sum_hi), ptr(xa.sum_lo), ptr(xa.s), tiles.data_ptr(),
+                             tiles.shape[0], W._arr(y))

@@ -239,8 +239,8 @@ class Weights:
         if not isinstance(gate, torch.Tensor) and not isinstance(down, torch.Tensor):
             if T >= MOE_GEMM_MIN:
                 with torch.profiler.record_function("moe_gemm"):  # a prefill phase (bench_session --gaps)
-                    if moe_gemm.MOE_GEMM == "mmq":
-                        y = moe_gemm.routed_experts_mmq(self, gate, up, down, b, ids, wts, limit)
+                    if moe_gemm.MOE_GEMM in ("mmq", "mmf"):
+                        y = moe_gemm.routed_experts_codes(self, gate, up, down, b, ids, wts, limit, moe_gemm.MOE_GEMM)
                         if y is not None:
                             return y
                     if moe_gemm.MOE_GEMM != "padded" and 1 not in (gate.qtype, up.qtype, down.qtype):
