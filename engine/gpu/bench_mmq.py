@@ -1,7 +1,9 @@
 """`python -m ds4.engine.gpu.bench_mmq`: the int8 tensor-core prefill products (mmq.cu) against their peer, the
 default exact path of weights.py (dequant to float16 hi + lo, the activation split, three float16 GEMMs), on random
 weights at Flash shapes for T activation rows. Prints milliseconds per product (the peer with and without its dequant
-pass), the float32-equivalent TFLOP/s and the ratio. Needs a CUDA device and the built extension."""
+pass), the float32-equivalent TFLOP/s and the ratio; for the expert types also the float16 tensor-core kernel on the
+codes as exact integers (mmf.cu, one expert of T rows, its activation split included). Needs a CUDA device and the
+built extension."""
 
 from __future__ import annotations
 
@@ -40,9 +42,13 @@ def main(argv=None) -> int:
     ext = load()
     rng = np.random.default_rng(0)
     T = args.tokens
-    print(f"{'matrix':<24} {'mmq ms':>8} {'peer ms':>8} {'(GEMMs)':>8} {'mmq TF/s':>9} {'peer / mmq':>11}")
+    from .moe_gemm import expert_tiles, mmf_activations
+
+    print(f"{'matrix':<24} {'mmq ms':>8} {'peer ms':>8} {'(GEMMs)':>8} {'mmq TF/s':>9} {'peer / mmq':>11} {'mmf ms':>7} "
+          f"{'peer / mmf':>11}")
     for name, qtype, cols, rows in SHAPES:
-        w = upload(f"bench.{name}", int(qtype), (cols, rows), random_weight(qtype, rows, cols, rng))
+        raw = random_weight(qtype, rows, cols, rng)
+        w = upload(f"bench.{name}", int(qtype), (cols, rows), raw)
         x = torch.randn(T, cols, device="cuda")
         y = torch.empty(T, rows, device="cuda")
         arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
@@ -69,9 +75,42 @@ def main(argv=None) -> int:
         dequant()
         err = float((y - gemms()).norm() / gemms().norm())
         tf = 2.0 * T * rows * cols / t_mmq / 1e9
-        print(f"{name:<24} {t_mmq:8.2f} {t_peer:8.2f} {t_gemm:8.2f} {tf:9.0f} {t_peer / t_mmq:11.2f}   "
-              f"(rel to peer {err:.1e})")
+        mmf = _mmf_column(ext, name, qtype, raw, rows, x, args.reps, t_peer, gemms(), expert_tiles, mmf_activations)
+        print(f"{name:<24} {t_mmq:8.2f} {t_peer:8.2f} {t_gemm:8.2f} {tf:9.0f} {t_peer / t_mmq:11.2f} {mmf}  "
+              f"(mmq rel to peer {err:.1e})")
     return 0
+
+
+def _mmf_column(ext, name, qtype, raw, rows, x, reps, t_peer, want, expert_tiles, mmf_activations) -> str:
+    """'ms ratio (rel err)' of mmf.cu on this matrix as one expert of T rows, or dashes where it does not apply."""
+    from . import upload
+
+    T, cols = x.shape
+    ew = upload(f"bench.{name}.exps", int(qtype), (cols, rows, 1), raw)
+    if not ext.mmf_takes(ew, 1):
+        return f"{'-':>7} {'-':>11}"
+    tiles = torch.tensor(expert_tiles([T], ext.mmf_tile_rows()), dtype=torch.int32, device="cuda")
+    y = torch.empty(T, rows, device="cuda")
+    arr = ext.Array.view(y.data_ptr(), [T, rows], False)
+
+    def split(t):
+        hi, lo = torch.empty(t.shape, dtype=torch.float16, device="cuda"), torch.empty(t.shape, dtype=torch.float16,
+                                                                                         device="cuda")
+        s = torch.empty(t.shape[0], 1, device="cuda")
+        ext.split_half(t.data_ptr(), t.shape[0], t.shape[1], hi.data_ptr(), lo.data_ptr(), s.data_ptr())
+        return hi, lo, s
+
+    def mmf():
+        xa = mmf_activations(split, x, int(qtype))
+        p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        ext.mmf_experts(ew, p(xa.hi), p(xa.lo), p(xa.sum_hi), p(xa.sum_lo), p(xa.s), tiles.data_ptr(), tiles.shape[0],
+                        arr)
+
+    t = time_ms(mmf, reps)
+    mmf()
+    torch.cuda.synchronize()
+    err = float((y - want).norm() / want.norm())
+    return f"{t:7.2f} {t_peer / t:11.2f}  (mmf rel to peer {err:.1e})"
 
 
 if __name__ == "__main__":
