@@ -22,7 +22,9 @@
 // rows and 64-column stages the SASS loop had ~10 per mma). Shared rows are padded to 272 bytes, so every ldmatrix
 // phase (8 rows x 16 bytes) hits 32 different banks. Per super-block (double-buffered too): d (and dmin), the min
 // tile and the activation sums' tile.
-// Written without a device (v11): compiled for sm_90a, GPU tests in tests/test_gpu_mmf.py; not yet run.
+// v11 on the H200: every kernel test passed (4e-6 from the f16 GEMM path, against mmq's 2e-5), but 1.34 ms for the
+// 8192-row IQ2_XXS expert gate (mmq 1.12): the next stage's decode ran after the products, in every warp at once.
+// v12 (written without a device): the decode halfway through the products.
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -237,6 +239,13 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
     const MfStage& S = st[s & 1];
 #pragma unroll
     for (int kk = 0; kk < MF_KS / 16; ++kk) {
+      // The next stage's decode halfway through this one's products, so its instructions issue while the mma are in
+      // flight (v11: after them, every warp decoded at once and the tensor cores idled: 1.34 ms against mmq's 1.12).
+      // Its buffer was last read in stage s - 1; its super-block's tiles by the epilogue two super-blocks ago. After
+      // the last stage it decodes that stage's blocks again into buffers nobody reads: no branch, so the compiler
+      // can interleave the decode with the mma.
+      if (kk == MF_KS / 32)
+        mf_decode_w<QT>(a, tl, (s + 1) * MF_KS, raw, grid, st[(s + 1) & 1], sup[((s + 1) / MF_SPS) & 1]);
       uint32_t af[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m) ldsm_x4(af[m], &S.w[wm + 16 * m + (lane & 15)][16 * kk + 8 * (lane >> 4)]);
@@ -286,8 +295,6 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
         }
       }
     }
-    // stage s + 1's buffer was last read in stage s - 1; its super-block's tiles, by the epilogue two super-blocks ago
-    if (next) mf_decode_w<QT>(a, tl, (s + 1) * MF_KS, raw, grid, st[(s + 1) & 1], sup[((s + 1) / MF_SPS) & 1]);
   }
 #pragma unroll
   for (int n = 0; n < 4; ++n)
