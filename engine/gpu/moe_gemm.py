@@ -223,7 +223,8 @@ def mmf_activations(to_half, x: torch.Tensor, qtype: int) -> MmfActivations:
     if group is None:
         return MmfActivations(hi, lo, s, None, None)
     R, K = x.shape
-    sums = (hi.float() + lo.float()).view(R, K // 256, 256 // group, group).sum(dim=-1)
+    # sums of x itself, then / s: no [R, K] temporary (the split's hi + lo is x / s to ~22 bits; the sums need no more)
+    sums = x.view(R, K // 256, 256 // group, group).sum(dim=-1) / s.view(R, 1, 1)
     if sums.shape[-1] < 16:
         sums = torch.nn.functional.pad(sums, (0, 16 - sums.shape[-1]))
     sum_hi = sums.to(F16)
