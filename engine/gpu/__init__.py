@@ -80,7 +80,7 @@ def __getattr__(name: str) -> Any:  # gpu.matvec, gpu.Array, ... forward to the 
 
 
 _SUBMODULES = {"branches", "moe_gemm", "ops", "prefill", "session", "bench_session", "smoke", "bench", "routing",
-               "fused", "tc", "trace_gaps", "weights", "bench_attn", "bench_mmq"}
+               "fused", "tc", "trace_gaps", "weights", "bench_attn", "bench_mmq", "bench_barrier"}
 
 
 def upload(name: str, qtype: int, ne: tuple[int, ...], raw: np.ndarray) -> Any:

@@ -1,0 +1,127 @@
+// Grid-wide barriers inside one resident grid: the brick a persistent decode kernel stands on (NOTES.md v8: one
+// resident grid that runs a layer's ops in order, a barrier between dependent ops instead of a kernel launch).
+// What it costs decides whether that plan can beat ~1 us of launch gap plus ramp per op, so barrier_check runs
+// `iters` barriers back to back in one of three forms and checks them:
+//   0  the chain kernel's barrier (matvec_chain.cu): fence, atomicAdd, spin on a generation word with __nanosleep
+//   1  the same with acquire/release atomics (red.release / ld.acquire) instead of the fences, and no sleep
+//   2  cooperative groups' grid.sync() (cooperative launch): the library's barrier, the named peer
+// Before barrier i every CTA adds 1 to slot i of a counter array; after it, every CTA reads slot i and counts a
+// violation unless it sees all gridDim.x arrivals. violations[0] must stay 0.
+#include <cooperative_groups.h>
+
+#include "common.cuh"
+
+namespace ds4gpu {
+
+namespace {
+
+__device__ unsigned int g_bar_count = 0;
+__device__ unsigned int g_bar_gen = 0;
+
+__device__ __forceinline__ void barrier_fenced(unsigned nctas) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned gen = *(volatile unsigned*)&g_bar_gen;
+    __threadfence();
+    if (atomicAdd(&g_bar_count, 1u) == nctas - 1) {
+      g_bar_count = 0;
+      __threadfence();
+      atomicAdd(&g_bar_gen, 1u);
+    } else {
+      while (*(volatile unsigned*)&g_bar_gen == gen) __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned atom_add_acq_rel(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The arrival's acq_rel atomic publishes this CTA's writes (ordered before it by __syncthreads) and the last
+// arrival's release of the generation word hands everything to the spinning CTAs' acquire loads.
+__device__ __forceinline__ void barrier_acq_rel(unsigned nctas) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned gen = ld_acquire(&g_bar_gen);
+    if (atom_add_acq_rel(&g_bar_count, 1u) == nctas - 1) {
+      g_bar_count = 0;  // no CTA touches the count again before the generation moves
+      red_release(&g_bar_gen, 1u);
+    } else {
+      while (ld_acquire(&g_bar_gen) == gen) {
+      }
+    }
+  }
+  __syncthreads();
+}
+
+template <int MODE>
+__global__ void barrier_check_kernel(unsigned* slots, int iters, unsigned* violations) {
+  for (int i = 0; i < iters; ++i) {
+    if (threadIdx.x == 0) atomicAdd(&slots[i], 1u);
+    if constexpr (MODE == 0) barrier_fenced(gridDim.x);
+    else if constexpr (MODE == 1) barrier_acq_rel(gridDim.x);
+    else cooperative_groups::this_grid().sync();
+    if (threadIdx.x == 0 && *(volatile unsigned*)&slots[i] != gridDim.x) atomicAdd(violations, 1u);
+  }
+}
+
+template <int MODE>
+void launch_as(int ctas, int threads, unsigned* slots, int iters, unsigned* violations, cudaStream_t stream) {
+  if constexpr (MODE == 2) {
+    void* args[] = {&slots, &iters, &violations};
+    DS4_CHECK(cudaLaunchCooperativeKernel((const void*)barrier_check_kernel<2>, dim3(ctas), dim3(threads), args, 0,
+                                          stream));
+  } else {
+    barrier_check_kernel<MODE><<<ctas, threads, 0, stream>>>(slots, iters, violations);
+  }
+  DS4_CHECK_LAUNCH("barrier_check");
+}
+
+__global__ void empty_kernel() {}
+
+}  // namespace
+
+int barrier_max_ctas(int threads) {
+  int per_sm = 0, sms = 0, dev = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  DS4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, barrier_check_kernel<2>, threads, 0));
+  return per_sm * sms;
+}
+
+void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, int iters, unsigned* violations,
+                          cudaStream_t stream) {
+  if (threads < 32 || threads > 1024 || threads % 32) throw std::invalid_argument("barrier_check: 32..1024 threads");
+  if (ctas < 1 || ctas > barrier_max_ctas(threads))
+    throw std::invalid_argument("barrier_check: every CTA must be resident at once (1.." +
+                                std::to_string(barrier_max_ctas(threads)) + " CTAs of " + std::to_string(threads) +
+                                " threads)");
+  if (iters < 0) throw std::invalid_argument("barrier_check: iters >= 0");
+  switch (mode) {
+    case 0: launch_as<0>(ctas, threads, slots, iters, violations, stream); break;
+    case 1: launch_as<1>(ctas, threads, slots, iters, violations, stream); break;
+    case 2: launch_as<2>(ctas, threads, slots, iters, violations, stream); break;
+    default: throw std::invalid_argument("barrier_check: mode 0 (fenced), 1 (acquire/release) or 2 (grid.sync)");
+  }
+}
+
+void launch_empty(int n, cudaStream_t stream) {
+  for (int i = 0; i < n; ++i) empty_kernel<<<1, 32, 0, stream>>>();
+  DS4_CHECK_LAUNCH("empty_kernel");
+}
+
+}  // namespace ds4gpu

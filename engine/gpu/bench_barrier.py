@@ -1,0 +1,77 @@
+"""`python -m ds4.engine.gpu.bench_barrier`: what a grid-wide barrier costs inside one resident grid (barrier.cu), the
+brick of a persistent decode kernel, against what it would replace: a kernel launch inside a CUDA graph (empty
+kernels, so pure launch gap). Prints microseconds per barrier for each form at one and two CTAs per SM, and per
+graph-launched kernel. Needs a CUDA device and the built extension."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+FORMS = {0: "fenced + sleep (matvec_chain)", 1: "acquire/release", 2: "grid.sync (cooperative groups)"}
+
+
+def barrier_us(ext, mode: int, ctas: int, threads: int, iters: int) -> float:
+    slots = torch.zeros(iters, dtype=torch.int32, device="cuda")
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), 8, bad.data_ptr())  # warm-up (its own slots 0..7)
+    slots.zero_()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), iters, bad.data_ptr())
+    end.record()
+    torch.cuda.synchronize()
+    if int(bad.item()):
+        raise RuntimeError(f"barrier form {mode}: {int(bad.item())} CTAs passed a barrier early")
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def graph_launch_us(ext, n: int) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ext.set_stream(stream.cuda_stream)
+        ext.launch_empty(8)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ext.set_stream(torch.cuda.current_stream().cuda_stream)
+            ext.launch_empty(n)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    ext.set_stream(torch.cuda.current_stream().cuda_stream)
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=2000, help="barriers (and graph launches) per timing (default 2000)")
+    ap.add_argument("--threads", type=int, default=256, help="threads per CTA (default 256)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_barrier: needs a CUDA device", file=sys.stderr)
+        return 2
+    from . import load
+
+    ext = load()
+    ext.set_stream(torch.cuda.current_stream().cuda_stream)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    most = ext.barrier_max_ctas(args.threads)
+    peer = graph_launch_us(ext, args.iters)
+    print(f"peer: one empty kernel launched from a CUDA graph: {peer:.2f} us")
+    print(f"{'barrier form':<34} {'CTAs':>5} {'us / barrier':>13} {'peer / barrier':>15}")
+    for mode, name in FORMS.items():
+        for ctas in sorted({sms, min(2 * sms, most)}):
+            us = barrier_us(ext, mode, ctas, args.threads, args.iters)
+            print(f"{name:<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
