@@ -9,7 +9,8 @@
 #      order; default "6": the IQ2_XXS expert gate; "" for none), SESSION_ENV ("VAR=v,..." for the session tests;
 #      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run), SESSION=0 (kernels only),
 #      BENCH_ATTN=1 (bench_attn too), TESTS (more GPU test files, run once under the defaults), RECORD (bench_session
-#      arguments of one last run under the defaults, e.g. "--ctx 2048 --decode 64 --prefill 32768"), *_TIMEOUT.
+#      arguments of one last run under the defaults, e.g. "--ctx 2048 --decode 64 --prefill 32768"), BENCH_BARRIER=1
+#      (bench_barrier: grid-wide barriers against a graph-launched kernel), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
@@ -39,6 +40,7 @@ if [ -n "${TESTS:-}" ]; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -s -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests_more.log" \
     | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
 fi
+[ "${BENCH_BARRIER:-0}" = 1 ] && { stamp bench_barrier; timeout 60 python3 -m ds4.engine.gpu.bench_barrier 2>&1 | grep -v -i warn | tee "$OUT/bench_barrier.log"; }
 [ "${BENCH_ATTN:-0}" = 1 ] && { stamp bench_attn; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_attn 2>&1 | grep -v -i warn | tee "$OUT/bench_attn.log"; }
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section InstructionStats --section LaunchStats"
 for skip in ${NCU-6}; do
