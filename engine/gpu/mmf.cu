@@ -24,7 +24,8 @@
 // tile and the activation sums' tile.
 // v11 on the H200: every kernel test passed (4e-6 from the f16 GEMM path, against mmq's 2e-5), but 1.34 ms for the
 // 8192-row IQ2_XXS expert gate (mmq 1.12): the next stage's decode ran after the products, in every warp at once.
-// v12 (written without a device): the decode halfway through the products.
+// v12 (written without a device): the decode halfway through the products; the hi and lo products in separate
+// accumulators (twice the independent mma per warp).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -214,13 +215,14 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
-  float acc[2][4][4], blk[2][4][4];
+  // the super-block's sums of the hi and the lo products apart: 16 independent mma chains per warp, not 8 pairs
+  float acc[2][4][4], blk[2][4][4], blo[2][4][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
     for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][n][e] = blk[m][n][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc[m][n][e] = blk[m][n][e] = blo[m][n][e] = 0.0f;
   const int nstages = a.K / MF_KS;
   RawXb raw[MF_PAIRS];
   mf_load_x<QT>(a, tl, 0, st[0], sup[0]);
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           mma_f16(blk[m][n], af[m], bf[0], bf[1]);
-          mma_f16(blk[m][n], af[m], bf[2], bf[3]);
+          mma_f16(blo[m][n], af[m], bf[2], bf[3]);
         }
       }
     }
@@ -287,10 +289,10 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = wm + 16 * m + g + 8 * (e >> 1);
-            float v = fmaf(U.d[r], blk[m][n][e], acc[m][n][e]);
+            float v = fmaf(U.d[r], blk[m][n][e] + blo[m][n][e], acc[m][n][e]);
             if constexpr (mf_mins<QT>()) v = fmaf(-U.dmin[r], mins[e], v);
             acc[m][n][e] = v;
-            blk[m][n][e] = 0.0f;
+            blk[m][n][e] = blo[m][n][e] = 0.0f;
           }
         }
       }
