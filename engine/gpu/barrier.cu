@@ -5,8 +5,13 @@
 //   0  the chain kernel's barrier (matvec_chain.cu): fence, atomicAdd, spin on a generation word with __nanosleep
 //   1  the same with acquire/release atomics (red.release / ld.acquire) instead of the fences, and no sleep
 //   2  cooperative groups' grid.sync() (cooperative launch): the library's barrier, the named peer
-// Before barrier i every CTA adds 1 to slot i of a counter array; after it, every CTA reads slot i and counts a
-// violation unless it sees all gridDim.x arrivals. violations[0] must stay 0.
+// Before barrier i every CTA adds 1 to slot i of a counter array, and its last thread stores i + 1 to its entry of row i
+// of a data array with a plain store; after it, thread 0 reads slot i and another thread the next CTA's data entry
+// with a plain (L1-cacheable) load, warmed before the barrier: a violation unless all gridDim.x arrivals and the
+// neighbour's store are visible. So a barrier that orders atomics but does not publish plain stores to other threads
+// fails too. violations[0] must stay 0. The barrier words are global: one barrier kernel at a time per device.
+#include <algorithm>
+
 #include <cooperative_groups.h>
 
 #include "common.cuh"
@@ -69,24 +74,33 @@ __device__ __forceinline__ void barrier_acq_rel(unsigned nctas) {
 }
 
 template <int MODE>
-__global__ void barrier_check_kernel(unsigned* slots, int iters, unsigned* violations) {
+__global__ void barrier_check_kernel(unsigned* slots, unsigned* data, int iters, unsigned* violations) {
+  const unsigned G = gridDim.x, next = (blockIdx.x + 1) % G;
+  const int writer = blockDim.x - 1, reader = 1 % blockDim.x;
+  unsigned warm = 0;
   for (int i = 0; i < iters; ++i) {
+    unsigned* row = data + (size_t)i * G;
     if (threadIdx.x == 0) atomicAdd(&slots[i], 1u);
-    if constexpr (MODE == 0) barrier_fenced(gridDim.x);
-    else if constexpr (MODE == 1) barrier_acq_rel(gridDim.x);
+    if (threadIdx.x == writer) row[blockIdx.x] = i + 1;
+    if (threadIdx.x == reader) warm += row[next];  // the line in this SM's L1 before the barrier
+    if constexpr (MODE == 0) barrier_fenced(G);
+    else if constexpr (MODE == 1) barrier_acq_rel(G);
     else cooperative_groups::this_grid().sync();
-    if (threadIdx.x == 0 && *(volatile unsigned*)&slots[i] != gridDim.x) atomicAdd(violations, 1u);
+    if (threadIdx.x == 0 && *(volatile unsigned*)&slots[i] != G) atomicAdd(violations, 1u);
+    if (threadIdx.x == reader && row[next] != (unsigned)(i + 1)) atomicAdd(violations, 1u);
   }
+  if (warm == 0xffffffffu) atomicAdd(violations, 0u);  // keeps the warming loads
 }
 
 template <int MODE>
-void launch_as(int ctas, int threads, unsigned* slots, int iters, unsigned* violations, cudaStream_t stream) {
+void launch_as(int ctas, int threads, unsigned* slots, unsigned* data, int iters, unsigned* violations,
+               cudaStream_t stream) {
   if constexpr (MODE == 2) {
-    void* args[] = {&slots, &iters, &violations};
+    void* args[] = {&slots, &data, &iters, &violations};
     DS4_CHECK(cudaLaunchCooperativeKernel((const void*)barrier_check_kernel<2>, dim3(ctas), dim3(threads), args, 0,
                                           stream));
   } else {
-    barrier_check_kernel<MODE><<<ctas, threads, 0, stream>>>(slots, iters, violations);
+    barrier_check_kernel<MODE><<<ctas, threads, 0, stream>>>(slots, data, iters, violations);
   }
   DS4_CHECK_LAUNCH("barrier_check");
 }
@@ -96,15 +110,18 @@ __global__ void empty_kernel() {}
 }  // namespace
 
 int barrier_max_ctas(int threads) {
-  int per_sm = 0, sms = 0, dev = 0;
+  int sms = 0, dev = 0, a = 0, b = 0, c = 0;
   DS4_CHECK(cudaGetDevice(&dev));
   DS4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, barrier_check_kernel<2>, threads, 0));
-  return per_sm * sms;
+  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, barrier_check_kernel<0>, threads, 0));
+  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, barrier_check_kernel<1>, threads, 0));
+  DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, barrier_check_kernel<2>, threads, 0));
+  return std::min(a, std::min(b, c)) * sms;  // modes 0 and 1 are plain launches: other work on the device could still
+                                              // take SMs (then they would wait forever); mode 2's launch is checked
 }
 
-void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, int iters, unsigned* violations,
-                          cudaStream_t stream) {
+void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, unsigned* data, int iters,
+                          unsigned* violations, cudaStream_t stream) {
   if (threads < 32 || threads > 1024 || threads % 32) throw std::invalid_argument("barrier_check: 32..1024 threads");
   if (ctas < 1 || ctas > barrier_max_ctas(threads))
     throw std::invalid_argument("barrier_check: every CTA must be resident at once (1.." +
@@ -112,9 +129,9 @@ void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, int 
                                 " threads)");
   if (iters < 0) throw std::invalid_argument("barrier_check: iters >= 0");
   switch (mode) {
-    case 0: launch_as<0>(ctas, threads, slots, iters, violations, stream); break;
-    case 1: launch_as<1>(ctas, threads, slots, iters, violations, stream); break;
-    case 2: launch_as<2>(ctas, threads, slots, iters, violations, stream); break;
+    case 0: launch_as<0>(ctas, threads, slots, data, iters, violations, stream); break;
+    case 1: launch_as<1>(ctas, threads, slots, data, iters, violations, stream); break;
+    case 2: launch_as<2>(ctas, threads, slots, data, iters, violations, stream); break;
     default: throw std::invalid_argument("barrier_check: mode 0 (fenced), 1 (acquire/release) or 2 (grid.sync)");
   }
 }

@@ -15,13 +15,15 @@ FORMS = {0: "fenced + sleep (matvec_chain)", 1: "acquire/release", 2: "grid.sync
 
 def barrier_us(ext, mode: int, ctas: int, threads: int, iters: int) -> float:
     slots = torch.zeros(iters, dtype=torch.int32, device="cuda")
+    data = torch.zeros(iters, ctas, dtype=torch.int32, device="cuda")
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), 8, bad.data_ptr())  # warm-up (its own slots 0..7)
+    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), data.data_ptr(), 8, bad.data_ptr())  # warm-up
     slots.zero_()
+    data.zero_()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), iters, bad.data_ptr())
+    ext.barrier_check(mode, ctas, threads, slots.data_ptr(), data.data_ptr(), iters, bad.data_ptr())
     end.record()
     torch.cuda.synchronize()
     if int(bad.item()):

@@ -692,12 +692,16 @@ PYBIND11_MODULE(_ext, m) {
   m.def("mmf_takes", [](const Tensor& w, int n_expert) { return mmf_takes(w.p, n_expert); }, py::arg("w"),
         py::arg("n_expert"), "Whether mmf_experts takes the expert tensor W (IQ2_XXS, Q2_K, Q4_K; columns % 256 == 0).");
   m.def("mmf_tile_rows", &mmf_tile_rows, "Activation rows per mmf tile.");
-  m.def("barrier_check", [](int mode, int ctas, int threads, uintptr_t slots, int iters, uintptr_t violations) {
-    launch_barrier_check(mode, ctas, threads, (unsigned*)slots, iters, (unsigned*)violations, stream());
-  }, py::arg("mode"), py::arg("ctas"), py::arg("threads"), py::arg("slots"), py::arg("iters"), py::arg("violations"),
+  m.def("barrier_check", [](int mode, int ctas, int threads, uintptr_t slots, uintptr_t data, int iters,
+                            uintptr_t violations) {
+    launch_barrier_check(mode, ctas, threads, (unsigned*)slots, (unsigned*)data, iters, (unsigned*)violations,
+                         stream());
+  }, py::arg("mode"), py::arg("ctas"), py::arg("threads"), py::arg("slots"), py::arg("data"), py::arg("iters"),
+        py::arg("violations"),
         "iters grid-wide barriers in one grid of ctas resident CTAs (mode 0: fenced with sleep, 1: acquire/release, "
-        "2: cooperative groups' grid.sync), each checked: slots (device int32 [iters], zeroed), violations (device "
-        "int32 [1]) counts CTAs that passed a barrier before every CTA arrived.");
+        "2: cooperative groups' grid.sync), each checked: slots (device int32 [iters], zeroed), data (device int32 "
+        "[iters, ctas], zeroed), violations (device int32 [1]) counts CTAs that passed a barrier before every CTA "
+        "arrived or before a neighbour's plain store was visible.");
   m.def("barrier_max_ctas", &barrier_max_ctas, py::arg("threads"), "CTAs of barrier_check that fit at once.");
   m.def("launch_empty", [](int n) { launch_empty(n, stream()); }, py::arg("n"),
         "n launches of an empty kernel on the current stream (the launch-gap peer of the barriers).");

@@ -218,10 +218,11 @@ void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* 
 // ([R, cols / 256, 16]: 16 sums of 16 columns for Q2_K, 8 of 32 and 8 zeros for Q4_K). tiles as launch_mmq_experts'
 // with rows <= mmf_tile_rows(); y [R, rows per expert].
 // barrier.cu: iters grid-wide barriers in one resident grid (mode 0 fenced + sleep, 1 acquire/release, 2
-// cooperative groups' grid.sync), each checked through slots[i] (iters zeroed counters); violations counts failures.
+// cooperative groups' grid.sync), each checked through slots[i] (iters zeroed counters) and data (iters x ctas,
+// zeroed: plain stores seen across CTAs); violations counts failures.
 int barrier_max_ctas(int threads);
-void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, int iters, unsigned* violations,
-                          cudaStream_t stream);
+void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, unsigned* data, int iters,
+                          unsigned* violations, cudaStream_t stream);
 void launch_empty(int n, cudaStream_t stream);  // n launches of an empty kernel: the launch-gap peer
 struct MmfActivations {
   const __half *hi = nullptr, *lo = nullptr, *sum_hi = nullptr, *sum_lo = nullptr;

@@ -24,7 +24,7 @@
 // tile and the activation sums' tile.
 // v11 on the H200: every kernel test passed (4e-6 from the f16 GEMM path, against mmq's 2e-5), but 1.34 ms for the
 // 8192-row IQ2_XXS expert gate (mmq 1.12): the next stage's decode ran after the products, in every warp at once.
-// v12 (written without a device): the decode halfway through the products; the hi and lo products in separate
+// v12 (written without a device): the decode within the products; the hi and lo products in separate
 // accumulators (twice the independent mma per warp).
 #include <cuda_fp16.h>
 
@@ -145,7 +145,8 @@ __device__ __forceinline__ void mf_load_x(const MfArgs& a, const MfTile& tl, int
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + 128 i, row p / NB, block p % NB.
+// Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + MF_THREADS i, row p / NB, block
+// p % NB.
 template <int QT>
 __device__ __forceinline__ void mf_load_w(const MfArgs& a, const MfTile& tl, int k0, RawXb (&raw)[MF_PAIRS]) {
 #pragma unroll
@@ -241,12 +242,13 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
     const MfStage& S = st[s & 1];
 #pragma unroll
     for (int kk = 0; kk < MF_KS / 16; ++kk) {
-      // The next stage's decode halfway through this one's products, so its instructions issue while the mma are in
+      // The next stage's decode three quarters into this one's products (its raw loads, issued at the top, have had
+      // most of a stage to arrive), so its instructions issue while the mma are in
       // flight (v11: after them, every warp decoded at once and the tensor cores idled: 1.34 ms against mmq's 1.12).
       // Its buffer was last read in stage s - 1; its super-block's tiles by the epilogue two super-blocks ago. After
       // the last stage it decodes that stage's blocks again into buffers nobody reads: no branch, so the compiler
       // can interleave the decode with the mma.
-      if (kk == MF_KS / 32)
+      if (kk == MF_KS / 16 - 2)
         mf_decode_w<QT>(a, tl, (s + 1) * MF_KS, raw, grid, st[(s + 1) & 1], sup[((s + 1) / MF_SPS) & 1]);
       uint32_t af[2][4];
 #pragma unroll
