@@ -6,7 +6,9 @@
 # Usage: bash engine/gpu/device_mmq.sh
 # Env: MMQ_TESTS (pytest -k expression; default all), ROWS (DS4_GPU_MMQ_ROWS values; default "64 128"; the first runs
 #      every test, the others the kernel tests), NCU ("bench_mmq launch indices" to profile, 2 per shape in SHAPES
-#      order; default "6": the IQ2_XXS expert gate; "" for none), SESSION_ENV ("VAR=v,..." for the session tests;
+#      order; default "6": the IQ2_XXS expert gate; "" for none; NCU_KERNEL: the kernel, default mmq_kernel, or
+#      mmf_kernel: 3 launches per expert shape, 0 = the IQ2_XXS gate, 3 = the Q2_K down), SESSION_ENV ("VAR=v,..."
+#      for the session tests;
 #      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run), SESSION=0 (kernels only),
 #      BENCH_ATTN=1 (bench_attn too), TESTS (more GPU test files, run once under the defaults), RECORD (bench_session
 #      arguments of one last run under the defaults, e.g. "--ctx 2048 --decode 64 --prefill 32768"), BENCH_BARRIER=1
@@ -44,10 +46,11 @@ fi
 [ "${BENCH_ATTN:-0}" = 1 ] && { stamp bench_attn; timeout ${KBENCH_TIMEOUT:-120} python3 -m ds4.engine.gpu.bench_attn 2>&1 | grep -v -i warn | tee "$OUT/bench_attn.log"; }
 SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section Occupancy --section InstructionStats --section LaunchStats"
 for skip in ${NCU-6}; do
-  stamp "ncu mmq launch $skip"
-  timeout ${NCU_TIMEOUT:-100} ncu --clock-control none --kernel-name regex:mmq_kernel --launch-skip $skip --launch-count 1 $SECTIONS \
-    python3 -m ds4.engine.gpu.bench_mmq --reps 1 > "$OUT/ncu_mmq_$skip.log" 2>&1
-  grep -E "mmq_kernel|Duration|Compute \(SM\)|Issue Slots|Issued Ipc|No Eligible|Eligible Warps|Active Warps|Warp Cycles Per Issued|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Executed Instructions  " "$OUT/ncu_mmq_$skip.log" | head -24
+  kern=${NCU_KERNEL:-mmq_kernel}
+  stamp "ncu $kern launch $skip"
+  timeout ${NCU_TIMEOUT:-100} ncu --clock-control none --kernel-name regex:$kern --launch-skip $skip --launch-count 1 $SECTIONS \
+    python3 -m ds4.engine.gpu.bench_mmq --reps 1 > "$OUT/ncu_${kern}_$skip.log" 2>&1
+  grep -E "$kern|Duration|Compute \(SM\)|Issue Slots|Issued Ipc|No Eligible|Eligible Warps|Active Warps|Warp Cycles Per Issued|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Executed Instructions  " "$OUT/ncu_${kern}_$skip.log" | head -24
 done
 [ "${SESSION:-1}" = 0 ] && { stamp "done (SESSION=0)"; exit 0; }
 if [ -n "${SESSION_ENV:-}" ]; then
