@@ -1,4 +1,4 @@
-// Grid-wide barriers inside one resident grid: the brick a persistent decode kernel stands on (NOTES.md v8: one
+// Grid-wide barriers (grid_barrier.cuh) inside one resident grid: the brick a persistent decode kernel stands on (NOTES.md v8: one
 // resident grid that runs a layer's ops in order, a barrier between dependent ops instead of a kernel launch).
 // What it costs decides whether that plan can beat ~1 us of launch gap plus ramp per op, so barrier_check runs
 // `iters` barriers back to back in one of three forms and checks them:
@@ -15,6 +15,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "grid_barrier.cuh"
 
 namespace ds4gpu {
 
@@ -22,56 +23,6 @@ namespace {
 
 __device__ unsigned int g_bar_count = 0;
 __device__ unsigned int g_bar_gen = 0;
-
-__device__ __forceinline__ void barrier_fenced(unsigned nctas) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = *(volatile unsigned*)&g_bar_gen;
-    __threadfence();
-    if (atomicAdd(&g_bar_count, 1u) == nctas - 1) {
-      g_bar_count = 0;
-      __threadfence();
-      atomicAdd(&g_bar_gen, 1u);
-    } else {
-      while (*(volatile unsigned*)&g_bar_gen == gen) __nanosleep(64);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ unsigned atom_add_acq_rel(unsigned* p, unsigned v) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ void red_release(unsigned* p, unsigned v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
-// The arrival's acq_rel atomic publishes this CTA's writes (ordered before it by __syncthreads) and the last
-// arrival's release of the generation word hands everything to the spinning CTAs' acquire loads.
-__device__ __forceinline__ void barrier_acq_rel(unsigned nctas) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire(&g_bar_gen);
-    if (atom_add_acq_rel(&g_bar_count, 1u) == nctas - 1) {
-      g_bar_count = 0;  // no CTA touches the count again before the generation moves
-      red_release(&g_bar_gen, 1u);
-    } else {
-      while (ld_acquire(&g_bar_gen) == gen) {
-      }
-    }
-  }
-  __syncthreads();
-}
 
 template <int MODE>
 __global__ void barrier_check_kernel(unsigned* slots, unsigned* data, int iters, unsigned* violations) {
@@ -83,8 +34,8 @@ __global__ void barrier_check_kernel(unsigned* slots, unsigned* data, int iters,
     if (threadIdx.x == 0) atomicAdd(&slots[i], 1u);
     if (threadIdx.x == writer) row[blockIdx.x] = i + 1;
     if (threadIdx.x == reader) warm += row[next];  // the line in this SM's L1 before the barrier
-    if constexpr (MODE == 0) barrier_fenced(G);
-    else if constexpr (MODE == 1) barrier_acq_rel(G);
+    if constexpr (MODE == 0) grid_barrier_fenced(&g_bar_count, &g_bar_gen, G);
+    else if constexpr (MODE == 1) grid_barrier_acq_rel(&g_bar_count, &g_bar_gen, G);
     else cooperative_groups::this_grid().sync();
     if (threadIdx.x == 0 && *(volatile unsigned*)&slots[i] != G) atomicAdd(violations, 1u);
     if (threadIdx.x == reader && row[next] != (unsigned)(i + 1)) atomicAdd(violations, 1u);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <map>
 
+#include "grid_barrier.cuh"
 #include "mv_stream.cuh"
 
 namespace ds4gpu {
@@ -23,23 +24,6 @@ namespace ds4gpu {
 // One barrier at a time per device (the decode stream); count returns to 0 after each use.
 __device__ unsigned int g_chain_count = 0;
 __device__ unsigned int g_chain_gen = 0;
-
-__device__ __forceinline__ void grid_barrier(unsigned nctas) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = *(volatile unsigned*)&g_chain_gen;  // read before arriving
-    __threadfence();                                           // this CTA's phase A writes, device-wide
-    if (atomicAdd(&g_chain_count, 1u) == nctas - 1) {
-      g_chain_count = 0;
-      __threadfence();
-      atomicAdd(&g_chain_gen, 1u);
-    } else {
-      while (*(volatile unsigned*)&g_chain_gen == gen) __nanosleep(64);
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
 
 // 1-D grid: CTA c works on group c % groups_a of phase A (as CTA c / groups_a of that group's CTAs), then on
 // phase B (one group) as CTA c of all of them. groups_a divides gridDim.x.
@@ -56,7 +40,8 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_chain_kernel(MvArgs 
   mv_loop<QT, RA, CA>(a, g, cta, nctas, mv_smem, A);
   MvStep<QT, RB, CB> B;
   mv_first_load<QT, RB, CB>(b, 0, blockIdx.x, B);
-  grid_barrier(gridDim.x);  // also: every warp of this CTA is done with A's x in shared memory
+  // also: every warp of this CTA is done with A's x in shared memory
+  grid_barrier_fenced(&g_chain_count, &g_chain_gen, gridDim.x);
   mv_stage_x<QT, true>(b, 0, mv_smem);  // A's output: written by this grid
   __syncthreads();
   mv_loop<QT, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem, B);
