@@ -1,5 +1,6 @@
-// Grid-wide barriers (grid_barrier.cuh) inside one resident grid: the brick a persistent decode kernel stands on (NOTES.md v8: one
-// resident grid that runs a layer's ops in order, a barrier between dependent ops instead of a kernel launch).
+// Grid-wide barriers (grid_barrier.cuh) inside one resident grid: the brick a persistent decode kernel stands on
+// (NOTES.md v8: one resident grid that runs a layer's ops in order, a barrier between dependent ops instead of a
+// kernel launch).
 // What it costs decides whether that plan can beat ~1 us of launch gap plus ramp per op, so barrier_check runs
 // `iters` barriers back to back in one of three forms and checks them:
 //   0  the chain kernel's barrier (matvec_chain.cu): fence, atomicAdd, spin on a generation word with __nanosleep
