@@ -24,6 +24,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "mma_ops.cuh"
 #include "mv_core.cuh"
 
 namespace ds4gpu {
@@ -63,27 +64,8 @@ struct MmqStage {
 template <int QT>
 __host__ __device__ constexpr bool has_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
 
-__device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
-  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
 
-// Four 8x8 matrices of 16-bit elements (here: 8 rows x 16 bytes of int8) from shared memory; lanes 8i .. 8i + 7 give
-// the row addresses of matrix i, and matrix i lands in register i: the m16n8k32 fragments' layout.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
 
-// d = a . b over 32 columns, from a zero accumulator: separate output registers, so no per-mma zeroing moves
-__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%10, %10, %10, %10};\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
 
 // This CTA's tile: activation rows a0 .. a0 + an - 1, weight rows wrow0 + r0 .., activation columns xcol0 ..,
 // output columns ycol0 + r0 ..
