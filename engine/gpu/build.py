@@ -1,7 +1,8 @@
 """Build the CUDA extension ds4.engine.gpu._ext (run by `make cuda`).
 
-Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), bindings.cpp (also
-through nvcc, so one host compiler builds everything) against pybind11 and Python, and links them
+Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), the binding files
+(bindings.cpp, the module, and bindings_prefill.cpp; also through nvcc, so one host compiler builds everything)
+against pybind11 and Python, and links them
 with the shared CUDA runtime (rpath to the toolkit) into
 engine/gpu/_ext<EXT_SUFFIX>. No GPU is needed to build. Objects go to engine/gpu/build/ and are
 rebuilt when a source or header is newer.
@@ -23,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
 CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "hc.cu", "topk.cu", "dequant.cu", "router.cu", "attn_prefill.cu", "mmq.cu", "mmf.cu", "barrier.cu"]
+CPP_SOURCES = ["bindings.cpp", "bindings_prefill.cpp"]  # the module (host code, pybind11)
 HEADERS = ["common.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh", "router.cuh", "grid_barrier.cuh", "mma_ops.cuh"]
 
 
@@ -100,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.ptxas_info:
                 cmd.insert(3, "-Xptxas=-v")
             jobs.append(cmd)
-    bobj = BUILD / "bindings.o"
-    if stale(bobj, [HERE / "bindings.cpp", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]):
-        # through nvcc too, so one host compiler builds every object
-        jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden", f"-I{pybind11.get_include()}",
-                     f"-I{py_inc}", "-c", str(HERE / "bindings.cpp"), "-o", str(bobj)])
+    bobjs = []
+    for src in CPP_SOURCES:
+        bobj = BUILD / (src + ".o")
+        bobjs.append(bobj)
+        if stale(bobj, [HERE / src, HERE / "bindings.h", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]):
+            # through nvcc too, so one host compiler builds every object
+            jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                         f"-I{pybind11.get_include()}", f"-I{py_inc}", "-c", str(HERE / src), "-o", str(bobj)])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda c: run(c, args.verbose or args.ptxas_info), jobs))
 
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     libdir = next((d for d in (cuda / "lib64", cuda / "targets" / "x86_64-linux" / "lib") if d.exists()), cuda / "lib64")
     # shared CUDA runtime found through an rpath to the toolkit that built us
     link = [nvcc, "-shared", "-cudart=shared", "-o", str(target) + ".tmp",
-            *[str(BUILD / (s + ".o")) for s in CU_SOURCES], str(bobj), f"-Xlinker=-rpath,{libdir}"]
+            *[str(BUILD / (s + ".o")) for s in CU_SOURCES], *map(str, bobjs), f"-Xlinker=-rpath,{libdir}"]
     run(link, args.verbose)
     os.replace(str(target) + ".tmp", target)
     print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}")

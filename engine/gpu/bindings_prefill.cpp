@@ -1,0 +1,117 @@
+// Bindings of the prefill product kernels (mmq.cu: int8 tensor cores; mmf.cu: float16 tensor cores on the codes as
+// exact integers) and of the grid-barrier benchmark (barrier.cu); registered by bindings.cpp's module.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+
+namespace py = pybind11;
+
+namespace ds4ext {
+
+namespace {
+
+// Prefill product on the int8 tensor cores (mmq.cu): x quantized into scratch as the decode kernels quantize it, then
+// y = W . x per row of x. False (nothing launched) where the kernel does not take W.
+bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
+  if (!mmq_takes(w.p, groups)) return false;
+  if (x.shape.size() != 2 || y.shape.size() != 2 || x.shape[0] != y.shape[0] || x.shape[1] != w.p.ncols * groups ||
+      y.shape[1] != w.p.nrows)
+    throw std::invalid_argument("mmq '" + w.name + "': x must be [T, " + std::to_string(groups * w.p.ncols) +
+                                "] and y [T, " + std::to_string(w.p.nrows) + "]");
+  const int64_t T = x.shape[0], n = x.shape[1];
+  if (T < 1 || T > (int64_t)65535 * 64) throw std::invalid_argument("mmq: 1 .. 4194240 rows of x");
+  g_scratch.reserve(xq_bytes(T, n));
+  g_scratch.begin();
+  XQ xq = take_xq(T, n);
+  launch_quantize_x(x.f(), (int)T, (int)n, xq, stream());
+  launch_mmq(w.p, xq, (int)T, groups, y.f(), stream());
+  return true;
+}
+
+// The routed experts' prefill products (mmq.cu): x [R, cols] activation rows sorted by expert, tiles (device
+// address, int32 [ntiles, 4]) = (first row, rows <= 64, expert, 0); y [R, rows per expert]. False where the kernel
+// does not take the expert tensor.
+bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, Array& y) {
+  if (w.ne.size() != 3) throw std::invalid_argument("mmq_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)w.ne[2];
+  if (!mmq_takes(w.p, n_expert)) return false;
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (x.shape.size() != 2 || y.shape.size() != 2 || x.shape[0] != y.shape[0] || x.shape[1] != w.p.ncols ||
+      y.shape[1] != rows_e)
+    throw std::invalid_argument("mmq_experts '" + w.name + "': x must be [R, " + std::to_string(w.p.ncols) +
+                                "] and y [R, " + std::to_string(rows_e) + "]");
+  const int64_t R = x.shape[0], n = x.shape[1];
+  if (R < 1 || ntiles < 1) return true;
+  g_scratch.reserve(xq_bytes(R, n));
+  g_scratch.begin();
+  XQ xq = take_xq(R, n);
+  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream());
+  launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream());
+  return true;
+}
+
+// The routed experts' prefill products on the float16 tensor cores (mmf.cu): activation rows sorted by expert, split
+// by split_half (hi, lo: device addresses of [R, cols] float16; s: [R] float32), K-quants also the split group sums
+// (sum_hi, sum_lo: [R, cols / 256, 16] float16; 0 for IQ2_XXS); tiles as mmq_experts' with rows <= mmf_tile_rows().
+// False where the kernel does not take the expert tensor.
+bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, uintptr_t sum_lo, uintptr_t s,
+                 uintptr_t tiles, int ntiles, Array& y) {
+  if (w.ne.size() != 3) throw std::invalid_argument("mmf_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)w.ne[2];
+  if (!mmf_takes(w.p, n_expert)) return false;
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (y.shape.size() != 2 || y.shape[1] != rows_e)
+    throw std::invalid_argument("mmf_experts '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+  const bool mins = w.p.qtype != QT_IQ2_XXS;
+  if (!hi || !lo || !s || (mins && (!sum_hi || !sum_lo)))
+    throw std::invalid_argument("mmf_experts '" + w.name + "': missing activation planes" +
+                                (mins ? std::string(" (K-quants need the group sums)") : std::string()));
+  if (y.shape[0] < 1 || ntiles < 1) return true;
+  MmfActivations x;
+  x.hi = (const __half*)hi;
+  x.lo = (const __half*)lo;
+  x.sum_hi = (const __half*)sum_hi;
+  x.sum_lo = (const __half*)sum_lo;
+  x.scale = (const float*)s;
+  launch_mmf_experts(w.p, n_expert, x, (const int4*)tiles, ntiles, y.f(), stream());
+  return true;
+}
+
+}  // namespace
+
+void bind_prefill_products(py::module_& m) {
+  m.def("mmq", &mmq, py::arg("w"), py::arg("x"), py::arg("y"), py::arg("groups") = 1,
+        "y[t, r] = W[r] . x[t, r // (rows / groups)] for any number of rows of x (prefill), on the int8 tensor cores "
+        "from the quantized codes with x quantized as the decode kernels quantize it; False (nothing done) for "
+        "weights it does not take (F16, columns not a multiple of 128).");
+  m.def("mmq_takes", [](const Tensor& w, int groups) { return mmq_takes(w.p, groups); }, py::arg("w"),
+        py::arg("groups") = 1, "Whether mmq takes W as groups block-diagonal matrices (experts: groups = experts).");
+  m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
+        "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
+        "row, rows <= mmq_tile_rows(), expert e, 0); False where the kernel does not take the expert tensor.");
+  m.def("mmf_experts", &mmf_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("sum_hi"), py::arg("sum_lo"),
+        py::arg("s"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
+        "y[i] = W_e . x[i] for activation rows sorted by expert on the float16 tensor cores, the codes as exact float16 "
+        "integers: x / s = hi + lo (split_half), K-quants' group sums of x / s split alike ([R, cols / 256, 16]); "
+        "tiles as mmq_experts' with rows <= mmf_tile_rows(). False where the kernel does not take the expert tensor.");
+  m.def("mmf_takes", [](const Tensor& w, int n_expert) { return mmf_takes(w.p, n_expert); }, py::arg("w"),
+        py::arg("n_expert"), "Whether mmf_experts takes the expert tensor W (IQ2_XXS, Q2_K, Q4_K; columns % 256 == 0).");
+  m.def("mmf_tile_rows", &mmf_tile_rows, "Activation rows per mmf tile.");
+  m.def("barrier_check", [](int mode, int ctas, int threads, uintptr_t slots, uintptr_t data, int iters,
+                            uintptr_t violations) {
+    launch_barrier_check(mode, ctas, threads, (unsigned*)slots, (unsigned*)data, iters, (unsigned*)violations,
+                         stream());
+  }, py::arg("mode"), py::arg("ctas"), py::arg("threads"), py::arg("slots"), py::arg("data"), py::arg("iters"),
+        py::arg("violations"),
+        "iters grid-wide barriers in one grid of ctas resident CTAs (mode 0: fenced with sleep, 1: acquire/release, "
+        "2: cooperative groups' grid.sync), each checked: slots (device int32 [iters], zeroed), data (device int32 "
+        "[iters, ctas], zeroed), violations (device int32 [1]) counts CTAs that passed a barrier before every CTA "
+        "arrived or before a neighbour's plain store was visible.");
+  m.def("barrier_max_ctas", &barrier_max_ctas, py::arg("threads"), "CTAs of barrier_check that fit at once.");
+  m.def("launch_empty", [](int n) { launch_empty(n, stream()); }, py::arg("n"),
+        "n launches of an empty kernel on the current stream (the launch-gap peer of the barriers).");
+  m.def("mmq_tile_rows", &mmq_tile_rows, "Activation rows per mmq tile (DS4_GPU_MMQ_ROWS: 64 or 128).");
+}
+
+}  // namespace ds4ext
