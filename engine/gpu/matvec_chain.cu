@@ -40,8 +40,9 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_chain_kernel(MvArgs 
   mv_loop<QT, RA, CA>(a, g, cta, nctas, mv_smem, A);
   MvStep<QT, RB, CB> B;
   mv_first_load<QT, RB, CB>(b, 0, blockIdx.x, B);
-  // also: every warp of this CTA is done with A's x in shared memory
-  grid_barrier_fenced(&g_chain_count, &g_chain_gen, gridDim.x);
+  // also: every warp of this CTA is done with A's x in shared memory. v12: the acquire/release form (no fences, no
+  // sleep; bench_barrier compares the forms), where v7's 25 us for o_a + o_b used the fenced one.
+  grid_barrier_acq_rel(&g_chain_count, &g_chain_gen, gridDim.x);
   mv_stage_x<QT, true>(b, 0, mv_smem);  // A's output: written by this grid
   __syncthreads();
   mv_loop<QT, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem, B);
