@@ -699,6 +699,17 @@ PYBIND11_MODULE(_ext, m) {
   m.def("topk_rows", [](uintptr_t keys, int n, int k, uintptr_t pos, int ratio, uintptr_t sel) {
     launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });
+  m.def("topk_rows_f32", [](uintptr_t keys, int n, int64_t ld, int rows, int k, uintptr_t pos, int ratio,
+                            uintptr_t sel) {
+    launch_topk_rows_f32(ptr<const float>(keys), n, ld, rows, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel),
+                         stream());
+  });
+  m.def("index_scores_takes", &index_scores_takes, py::arg("Hi"), py::arg("di"));
+  m.def("index_scores", [](uintptr_t q, uintptr_t w, uintptr_t keys, int n, int T, int Hi, int di, uintptr_t n_vis,
+                           uintptr_t scores) {
+    launch_index_scores(ptr<const float>(q), ptr<const float>(w), ptr<const __nv_bfloat16>(keys), n, T, Hi, di,
+                        ptr<const int64_t>(n_vis), ptr<float>(scores), stream());
+  });
   m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
   m.def("capture_begin", &capture_begin);
   m.def("capture_end", &capture_end);

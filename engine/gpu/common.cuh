@@ -2,6 +2,7 @@
 // weight, quantized activations, and the host-side launchers each .cu file provides.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -240,4 +241,14 @@ void launch_index_keys(const float* q, const float* w, const float* idx, int n_r
 // topk.cu: sel[0..k) = indices of the k largest keys in ascending order (ties: lowest index; NaN smallest), one
 // block. pos != null and (*pos + 1) / ratio <= k: sel = 0..k-1 (all visible rows; the attention masks the rest).
 void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s);
+// The same for `rows` rows of float keys (row b at keys + b * ld, pos + b, sel + b * k), one block each: the
+// prefill indexer's top-k per query.
+void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio,
+                          int64_t* sel, cudaStream_t s);
+// indexer.cu: prefill indexer scores on the bfloat16 tensor cores, scores[t, c] = sum_h w[t, h] relu(q[t, h] . keys[c])
+// for c < n_vis[t], else -inf (c < n); q [T, Hi, di] and w [T, Hi] float32, keys [n, di] bfloat16 (exact under the
+// indexer QAT). Takes di = 128 and Hi = 8..64 in multiples of 8 (index_scores_takes).
+bool index_scores_takes(int Hi, int di);
+void launch_index_scores(const float* q, const float* w, const __nv_bfloat16* keys, int n, int T, int Hi, int di,
+                         const int64_t* n_vis, float* scores, cudaStream_t s);
 }  // namespace ds4gpu

@@ -231,6 +231,37 @@ class Fused:
         self.ext.index_keys(_p(q), _p(w), _p(idx), idx.shape[0], Hi, di, _p(pos), int(ratio), float(scale), _p(keys))
         return keys
 
+    def index_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor | None:
+        """Prefill indexer scores (indexer.cu): [T, n] float32, Σ_h w[t, h] relu(q[t, h] . keys[c]) for c < n_vis[t],
+        -inf beyond; q [T, Hi, di], w [T, Hi], keys [n, di] float32, all exact in bfloat16 (the indexer QAT's values).
+        None where the kernel does not take the shapes."""
+        T, Hi, di = q.shape
+        if not self.ext.index_scores_takes(Hi, di):
+            return None
+        n = keys.shape[0]
+        q, w = q.contiguous(), w.contiguous()
+        kb = keys.to(torch.bfloat16).contiguous()
+        vis = n_vis.to(torch.int64).contiguous()
+        scores = torch.empty((T, n), dtype=torch.float32, device=self.device)
+        self._stream()
+        self.ext.index_scores(_p(q), _p(w), _p(kb), n, T, Hi, di, _p(vis), _p(scores))
+        return scores
+
+    def topk_rows(self, scores: torch.Tensor, k: int, pos: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
+        """int64 [R, k]: per row of float32 scores [R, n], the rows of its k largest in ascending row order (ties to
+        the lowest rows, NaN smallest); with pos [R], rows whose (pos + 1) // ratio <= k get 0..k-1."""
+        if scores.dtype != torch.float32 or scores.dim() != 2 or scores.stride(1) != 1:
+            raise ValueError(f"topk_rows: scores must be [R, n] float32 with unit column stride, got {scores.dtype} "
+                             f"{tuple(scores.shape)}")
+        R, n = scores.shape
+        sel = torch.empty((R, k), dtype=torch.int64, device=self.device)
+        if R == 0:
+            return sel
+        pos = None if pos is None else pos.to(torch.int64).contiguous()
+        self._stream()
+        self.ext.topk_rows_f32(_p(scores), n, scores.stride(0), R, int(k), _p(pos), int(ratio), _p(sel))
+        return sel
+
     def topk(self, keys: torch.Tensor, k: int, pos: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
         """int64 [k]: the rows of the k largest float64 keys in ascending row order (the same set as
         torch.topk; ties go to the lowest rows, NaN counts as smallest). With pos, when (pos + 1) // ratio <= k

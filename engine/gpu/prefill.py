@@ -29,6 +29,13 @@ ATTN_BYTES = int(float(os.environ.get("DS4_GPU_ATTN_MIB", "2048")) * 2**20)
 # DS4_GPU_PREFILL_ATTN (tc.py): f32 (default) / tf32 / tc torch products per query block, or fused: the attention of
 # a whole chunk in one kernel (attn_prefill.cu; three TF32 passes; v10: on par with f32, 2706 against 2727 t/s)
 FUSED_ATTN = tc.ATTN_MODE == "fused"
+# DS4_GPU_INDEX_PREFILL: `fused` (default where the indexer QAT is on): the indexer's scores of a chunk in one kernel on
+# the bfloat16 tensor cores (indexer.cu; exact: the QAT'd values fit bfloat16) and its top-k per query in one launch
+# (topk.cu); `torch`: float32 dots [t, heads, n] per query block, then a stable sort.
+INDEX_MODES = ("fused", "torch")
+INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
+if INDEX_MODE not in INDEX_MODES:
+    raise ValueError(f"DS4_GPU_INDEX_PREFILL={INDEX_MODE!r}: unknown mode (known: {', '.join(INDEX_MODES)})")
 
 
 def section(name: str, on: bool = True):
@@ -159,6 +166,11 @@ def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
     step = block_rows(Hi * n * 4 * 2 + n * 4 * 4)  # dots and their clamp; scores, sort values and indices
     if first < T:  # the indexer's queries of all those rows: two GEMMs (each dequantizes its weight once)
         q_all, w_all = ses._index_q(li, a[first:], c[first:], pos[first:])
+        if INDEX_MODE == "fused" and ses.K is not None and cfg.indexer_qat:
+            scores = ses.K.index_scores(q_all, w_all, st["idx"][:n], n_vis[first:])
+            if scores is not None:
+                sel[first:] = ses.K.topk_rows(scores, K)
+                return sel
     for i in range(first, T, step):
         rb = slice(i, min(T, i + step))
         q, w = q_all[i - first:rb.stop - first], w_all[i - first:rb.stop - first]

@@ -1,4 +1,5 @@
-// Top-k of the indexer keys for decode in one block: radix select, then an ordered compaction.
+// Top-k of the indexer keys in one block per row (decode: one row of float64 keys; prefill: a row of float32 scores
+// per query): radix select, then an ordered compaction.
 //
 // Result: the k largest keys' row indices in ascending index order. Among keys equal to the k-th
 // largest the lowest indices win, NaN counts as smaller than everything, -0.0 equals +0.0. No atomic
@@ -25,6 +26,14 @@ __device__ __forceinline__ uint64_t order_code(double x) {
   if (x == 0.0) x = 0.0;      // -0.0 ties with +0.0 as in the float comparison
   const uint64_t b = (uint64_t)__double_as_longlong(x);
   return (b >> 63) ? ~b : b | (1ull << 63);
+}
+// float keys (the prefill indexer's scores): the 32-bit code in the top half, so the low passes see equal bytes and
+// end at the first pass whose candidates all agree
+__device__ __forceinline__ uint64_t order_code(float x) {
+  if (x != x) return 0;
+  if (x == 0.0f) x = 0.0f;
+  const uint32_t b = __float_as_uint(x);
+  return (uint64_t)((b >> 31) ? ~b : b | (1u << 31)) << 32;
 }
 
 // Exclusive block-wide prefix sum of one uint64 per thread (all threads must call it).
@@ -82,10 +91,14 @@ __device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov
 
 // REG > 0: n <= REG * TOPK_THREADS, keys read once into registers. REG == 0: keys re-read from global
 // memory each pass (striped for coalescing; the compaction reads them blocked).
-template <int REG>
-__global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* keys, int n, int k,
+// One block per row: row b reads keys + b * ld, pos + b (when pos is set) and writes sel + b * k.
+template <int REG, typename Key>
+__global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys, int n, int64_t ld, int k,
                                                                  const int64_t* pos, int ratio, int64_t* sel) {
   pdl_begin();
+  keys += (int64_t)blockIdx.x * ld;
+  sel += (int64_t)blockIdx.x * k;
+  if (pos) pos += blockIdx.x;
   // two histograms (and OR/AND words): a pass clears the next one's, saving a barrier per pass
   __shared__ unsigned hist[2][256];
   __shared__ unsigned sh_or[2][2], sh_and[2][2];  // [buffer][hi, lo]
@@ -207,14 +220,29 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const double* k
 
 }  // namespace
 
-void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s) {
+namespace {
+template <typename Key>
+void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio, int64_t* sel,
+                 cudaStream_t s) {
   if (k < 1 || k > n) throw std::invalid_argument("topk_rows: need 1 <= k <= n");
+  if (rows < 1 || ld < n) throw std::invalid_argument("topk_rows: need rows >= 1 and a row stride >= n");
   if (pos && ratio < 1) throw std::invalid_argument("topk_rows: ratio must be >= 1");
   if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
-    launch_k(topk_rows_kernel<TOPK_REG_ITEMS>, dim3(1), dim3(TOPK_THREADS), 0, s, keys, n, k, pos, ratio, sel);
+    launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio,
+             sel);
   else
-    launch_k(topk_rows_kernel<0>, dim3(1), dim3(TOPK_THREADS), 0, s, keys, n, k, pos, ratio, sel);
+    launch_k(topk_rows_kernel<0, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio, sel);
   DS4_CHECK_LAUNCH("topk_rows");
+}
+}  // namespace
+
+void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s) {
+  launch_rows(keys, n, (int64_t)n, 1, k, pos, ratio, sel, s);
+}
+
+void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio,
+                          int64_t* sel, cudaStream_t s) {
+  launch_rows(keys, n, ld, rows, k, pos, ratio, sel, s);
 }
 
 }  // namespace ds4gpu
