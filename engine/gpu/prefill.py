@@ -150,8 +150,9 @@ def attend_rows(ses, li, q, win, win_valid, comp, sel, comp_valid, out=None):
 
 
 def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
-    """[T, k] compressed rows per query: the indexer's top-k (score order, ties to the lower row) where
-    more than k rows are visible, else rows 0..k-1 (the caller masks rows >= n_vis)."""
+    """[T, k] compressed rows per query in ascending order (the order in which the CPU engine and decode attend
+    them): the indexer's top-k (ties to the lower row) where more than k rows are visible, else rows 0..k-1 (the
+    caller masks rows >= n_vis)."""
     cfg, st = ses.cfg, ses.layers[li]
     K = cfg.indexer_top_k
     T = len(pos)
@@ -179,7 +180,8 @@ def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
             dots = tc.mm(tc.maybe_split(q.reshape(t * Hi, di), on), keys).reshape(t, Hi, n)
         scores = torch.einsum("th,thc->tc", w, torch.clamp(dots, min=0.0))
         scores = torch.where(ids[None, :] < n_vis[rb, None], scores, -math.inf)
-        sel[rb] = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        sel[rb] = torch.sort(top, dim=-1).values
     return sel
 
 
