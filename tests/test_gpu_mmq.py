@@ -106,6 +106,56 @@ def test_mmq_experts_match_the_reference(gate_type):
     assert err <= (1e-4 if gate_type in (Q.Q2_K, Q.Q4_K) else 1e-5), f"rel err {err:.2e}"
 
 
+def test_mmq_experts_gathered_pair_equals_separate_products():
+    """Gate and up on one quantization of x's rows read through an index (rows repeat, as a token's k experts do) give
+    the bits of two products on the gathered copy; the index and the pair are checked for shapes."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(8)
+    n_embd, n_ff, n_expert = 512, 96, 6
+    ws = [gpu.upload(f"blk.0.ffn_{nm}_exps.pair", Q.IQ2_XXS, (n_embd, n_ff, n_expert),
+                     random_blocks(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng)) for nm in ("gate", "up")]
+    counts = [5, 0, 70, 1, 33, 64]
+    base = rng.standard_normal((40, n_embd)).astype(np.float32)
+    rows = rng.integers(0, 40, sum(counts))
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    nt = tiles.shape[0]
+    sep = [ext.Array.empty([sum(counts), n_ff]) for _ in ws]
+    for w, y in zip(ws, sep):
+        assert ext.mmq_experts(w, ext.Array.from_numpy(base[rows]), tiles.data_ptr(), nt, y)
+    pair = [ext.Array.empty([sum(counts), n_ff]) for _ in ws]
+    idx = torch.from_numpy(rows).to("cuda")
+    assert ext.mmq_experts(ws[0], ext.Array.from_numpy(base), tiles.data_ptr(), nt, pair[0], idx.data_ptr(), ws[1],
+                           pair[1])
+    for a, b in zip(sep, pair):
+        assert np.array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match="x must be"):  # without the index, x must have a row per activation row
+        ext.mmq_experts(ws[0], ext.Array.from_numpy(base), tiles.data_ptr(), nt, pair[0])
+    with pytest.raises(ValueError, match="go together"):
+        ext.mmq_experts(ws[0], ext.Array.from_numpy(base), tiles.data_ptr(), nt, pair[0], idx.data_ptr(), ws[1])
+
+
+@pytest.mark.parametrize("T,k,n", [(1, 1, 4), (37, 6, 512), (300, 8, 4096)])
+def test_moe_combine_sums_each_tokens_rows(T, k, n):
+    import torch
+
+    ext = gpu.load()
+    g = torch.Generator().manual_seed(T + k)
+    y_sorted = torch.randn(T * k, n, generator=g).cuda()
+    order = torch.randperm(T * k, generator=g).cuda()  # sorted position p holds slot order[p]
+    slot_row = torch.empty_like(order)
+    slot_row[order] = torch.arange(T * k, device="cuda")
+    out = torch.full((T, n), float("nan"), device="cuda")
+    ext.moe_combine(y_sorted.data_ptr(), slot_row.data_ptr(), T, k, n, out.data_ptr())
+    y = torch.empty_like(y_sorted, dtype=torch.float64)
+    y[order] = y_sorted.double()
+    ref = y.view(T, k, n).sum(1)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)

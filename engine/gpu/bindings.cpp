@@ -699,6 +699,10 @@ PYBIND11_MODULE(_ext, m) {
   m.def("topk_rows", [](uintptr_t keys, int n, int k, uintptr_t pos, int ratio, uintptr_t sel) {
     launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });
+  m.def("moe_combine", [](uintptr_t y_sorted, uintptr_t slot_row, int tokens, int k, int n, uintptr_t out) {
+    launch_moe_combine(ptr<const float>(y_sorted), ptr<const int64_t>(slot_row), tokens, k, n, ptr<float>(out),
+                       stream());
+  });
   m.def("topk_rows_f32", [](uintptr_t keys, int n, int64_t ld, int rows, int k, uintptr_t pos, int ratio,
                             uintptr_t sel) {
     launch_topk_rows_f32(ptr<const float>(keys), n, ld, rows, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel),

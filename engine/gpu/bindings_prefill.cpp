@@ -29,25 +29,37 @@ bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
   return true;
 }
 
-// The routed experts' prefill products (mmq.cu): x [R, cols] activation rows sorted by expert, tiles (device
-// address, int32 [ntiles, 4]) = (first row, rows <= 64, expert, 0); y [R, rows per expert]. False where the kernel
-// does not take the expert tensor.
-bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, Array& y) {
-  if (w.ne.size() != 3) throw std::invalid_argument("mmq_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+// The routed experts' prefill products (mmq.cu): activation rows sorted by expert, tiles (device address, int32
+// [ntiles, 4]) = (first row, rows <= 64, expert, 0); y [R, rows per expert]. x is [R, cols], or with rows (device
+// address of int64 [R]) any [T, cols] whose row rows[i] is activation row i (quantized straight from x: no gathered
+// copy). w2 / y2: a second expert tensor of the same shape and type on the same activations (gate and up: x is
+// quantized once). False (nothing launched) where the kernel does not take the expert tensors.
+bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, Array& y, uintptr_t rows,
+                 const Tensor* w2, Array* y2) {
+  auto check = [](const Tensor& t) {
+    if (t.ne.size() != 3) throw std::invalid_argument("mmq_experts '" + t.name + "': expert tensors are [cols, rows, experts]");
+    return mmq_takes(t.p, (int)t.ne[2]);
+  };
+  if (!check(w) || (w2 && !check(*w2))) return false;
   const int n_expert = (int)w.ne[2];
-  if (!mmq_takes(w.p, n_expert)) return false;
   const int64_t rows_e = w.p.nrows / n_expert;
-  if (x.shape.size() != 2 || y.shape.size() != 2 || x.shape[0] != y.shape[0] || x.shape[1] != w.p.ncols ||
-      y.shape[1] != rows_e)
+  if (w2 && (w2->ne != w.ne || w2->p.qtype != w.p.qtype))
+    throw std::invalid_argument("mmq_experts: '" + w2->name + "' must have the shape and type of '" + w.name + "'");
+  if ((w2 == nullptr) != (y2 == nullptr)) throw std::invalid_argument("mmq_experts: w2 and y2 go together");
+  const int64_t R = y.shape.size() == 2 ? y.shape[0] : -1;
+  auto bad_y = [&](const Array& a) { return a.shape.size() != 2 || a.shape[0] != R || a.shape[1] != rows_e; };
+  if (x.shape.size() != 2 || x.shape[1] != w.p.ncols || (!rows && x.shape[0] != R) || bad_y(y) || (y2 && bad_y(*y2)))
     throw std::invalid_argument("mmq_experts '" + w.name + "': x must be [R, " + std::to_string(w.p.ncols) +
-                                "] and y [R, " + std::to_string(rows_e) + "]");
-  const int64_t R = x.shape[0], n = x.shape[1];
+                                "] (or [T, " + std::to_string(w.p.ncols) + "] with rows) and y [R, " +
+                                std::to_string(rows_e) + "]");
+  const int64_t n = x.shape[1];
   if (R < 1 || ntiles < 1) return true;
   g_scratch.reserve(xq_bytes(R, n));
   g_scratch.begin();
   XQ xq = take_xq(R, n);
-  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream());
+  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream(), (const int64_t*)rows);
   launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream());
+  if (w2) launch_mmq_experts(w2->p, n_expert, xq, (const int4*)tiles, ntiles, y2->f(), stream());
   return true;
 }
 
@@ -88,8 +100,11 @@ void bind_prefill_products(py::module_& m) {
   m.def("mmq_takes", [](const Tensor& w, int groups) { return mmq_takes(w.p, groups); }, py::arg("w"),
         py::arg("groups") = 1, "Whether mmq takes W as groups block-diagonal matrices (experts: groups = experts).");
   m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
+        py::arg("rows") = 0, py::arg("w2") = nullptr, py::arg("y2") = nullptr,
         "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
-        "row, rows <= mmq_tile_rows(), expert e, 0); False where the kernel does not take the expert tensor.");
+        "row, rows <= mmq_tile_rows(), expert e, 0); rows (device address, int64 [R]): activation row i is x[rows[i]]; "
+        "w2, y2: y2[i] = W2_e . x[i] from the same quantized rows. False where the kernel does not take the expert "
+        "tensors.");
   m.def("mmf_experts", &mmf_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("sum_hi"), py::arg("sum_lo"),
         py::arg("s"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         "y[i] = W_e . x[i] for activation rows sorted by expert on the float16 tensor cores, the codes as exact float16 "

@@ -107,7 +107,8 @@ inline void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sme
 // repack.cu
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,
                    uint8_t* sc, int64_t sc_row, cudaStream_t stream);
-void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream);
+// rows != null: quantized row r is x row rows[r] (x then has at least max(rows) + 1 rows of n values).
+void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr);
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
 // lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
@@ -142,6 +143,10 @@ struct MoeScratch {
   float* h;      // tokens*k vectors of n_ff
   XQ xq_h;       // tokens*k vectors of n_ff
 };
+// out[t] = sum over j < k of y_sorted[slot_row[t k + j]] (prefill: the routed experts' rows back in token order,
+// summed in slot order); rows of n floats, n % 4 == 0.
+void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int tokens, int k, int n, float* out,
+                        cudaStream_t stream);
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& scratch, cudaStream_t stream);

@@ -399,4 +399,30 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   }
 }
 
+namespace {
+// One CTA per token; float4 columns per thread; the k rows summed in slot order (deterministic).
+__global__ void moe_combine_kernel(const float4* __restrict__ y_sorted, const int64_t* __restrict__ slot_row, int k,
+                                   int n4, float4* __restrict__ out) {
+  pdl_begin();
+  const int64_t t = blockIdx.x;
+  for (int c = threadIdx.x; c < n4; c += blockDim.x) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < k; ++j) {
+      const float4 v = y_sorted[slot_row[t * k + j] * n4 + c];
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+    out[t * n4 + c] = acc;
+  }
+}
+}  // namespace
+
+void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int tokens, int k, int n, float* out,
+                        cudaStream_t stream) {
+  if (n % 4 || tokens < 0 || k < 1) throw std::invalid_argument("moe_combine: needs n % 4 == 0 and k >= 1");
+  if (tokens == 0) return;
+  launch_k(moe_combine_kernel, dim3(tokens), dim3(256), 0, stream, (const float4*)y_sorted, slot_row, k, n / 4,
+           (float4*)out);
+  DS4_CHECK_LAUNCH("moe_combine");
+}
+
 }  // namespace ds4gpu

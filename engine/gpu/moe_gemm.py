@@ -30,6 +30,9 @@ F32, F16 = torch.float32, torch.float16
 # | mmf (v11, written without a device: float16 tensor cores, the codes as exact float16 integers, mmf.cu)
 # | buckets (v9: dequant to float16 hi/lo, three GEMMs per bucket) | padded (the v5..v8 path)
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "mmq")
+# mmq: gate and up from one quantization of the token rows read in expert order (no gathered copy of x), and the k
+# expert rows of a token summed straight from the expert order (moe_combine; no scatter back); 0: the v11 form
+MOE_FUSE = os.environ.get("DS4_GPU_MOE_FUSE", "1") != "0"
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
 # caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
@@ -179,20 +182,32 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
     counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
     tiles = torch.tensor(expert_tiles(counts, tile_rows()), dtype=torch.int32, device=dev)
     n_asg = T * k
-    x = b[order // k].contiguous()  # activation rows in expert order
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
     u = torch.empty_like(g)
     W._sync_stream()
-    product = _mmq_product if kernel == "mmq" else _mmf_product
-    xa = _activations(W, x, gate.qtype, kernel)
-    if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
-        return None
+    fused = kernel == "mmq" and MOE_FUSE
+    if fused:  # gate and up from one quantization of b's rows, read in expert order without a gathered copy
+        if not ext.mmq_experts(gate, W._arr(b.contiguous()), tiles.data_ptr(), tiles.shape[0], W._arr(g),
+                               (order // k).data_ptr(), up, W._arr(u)):
+            return None
+    else:
+        product = _mmq_product if kernel == "mmq" else _mmf_product
+        xa = _activations(W, b[order // k].contiguous(), gate.qtype, kernel)  # activation rows in expert order
+        if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
+            return None
     h = torch.empty_like(g)
     ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
     h *= wts.reshape(-1)[order, None]
     y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
+    product = _mmq_product if kernel == "mmq" else _mmf_product
     if not product(W, down, _activations(W, h, down.qtype, kernel), tiles, y_sorted):
         return None
+    if fused:  # each token's k rows summed in slot order, straight from the expert order
+        slot_row = torch.empty_like(order)
+        slot_row[order] = torch.arange(n_asg, device=dev)
+        out = torch.empty((T, n_embd), dtype=F32, device=dev)
+        ext.moe_combine(y_sorted.data_ptr(), slot_row.data_ptr(), T, k, n_embd, out.data_ptr())
+        return out
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
     return y.view(T, k, n_embd).sum(dim=1)

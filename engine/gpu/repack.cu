@@ -125,12 +125,14 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 
 // One warp per 32 columns. hi = round(x / s), lo = round((x / s - hi) * 254) with s = amax / 127,
 // so x = s * hi + s / 254 * lo to within s / 508 (about 1.6e-5 of the block's largest value).
-__global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out) {
+// rows != null: output row r quantizes x row rows[r] (nb = blocks of 32 per row), a gather without a copy of x.
+__global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, const int64_t* rows, int nb) {
   pdl_begin();
   int64_t xb = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (xb >= nxb_total) return;
   int lane = threadIdx.x & 31;
-  float v = x[xb * 32 + lane];
+  const int64_t src = rows ? rows[xb / nb] * nb + xb % nb : xb;
+  float v = x[src * 32 + lane];
   float amax = fabsf(v);
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float s = amax / 127.0f;
@@ -150,12 +152,12 @@ __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out) {
   if ((lane & 15) == 0) out.sum16[xb * 2 + lane / 16] = sum;
 }
 
-void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream) {
+void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows) {
   if (n % 32) throw std::invalid_argument("activation length must be a multiple of 32");
   int64_t total = (int64_t)nvec * n / 32;
   int threads = 256;
   unsigned grid = (unsigned)((total + 7) / 8);
-  launch_k(quantize_x_kernel, dim3(grid), dim3(threads), 0, stream, x, total, out);
+  launch_k(quantize_x_kernel, dim3(grid), dim3(threads), 0, stream, x, total, out, rows, n / 32);
   DS4_CHECK_LAUNCH("quantize_x");
 }
 
