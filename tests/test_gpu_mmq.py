@@ -156,6 +156,44 @@ def test_moe_combine_sums_each_tokens_rows(T, k, n):
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
 
 
+def quantize_x_model(x: np.ndarray):
+    """repack.cu quantize_x_kernel in numpy float32: (hi, lo, scale, sum16), the 16-column sums by the kernels' addition
+    tree (columns differing in bit 3 first, then bits 2, 1, 0)."""
+    R, n = x.shape
+    b = x.reshape(R, n // 32, 32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    s = (amax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(amax > 0, s, np.float32(1.0))
+    t = (b / safe).astype(np.float32)
+    hr = np.rint(t)
+    lo = np.clip(np.rint((t - hr) * np.float32(254.0)), -127, 127)
+    hi, lo = np.where(amax > 0, hr, 0).astype(np.int8), np.where(amax > 0, lo, 0).astype(np.int8)
+    v = b.reshape(R, n // 32, 2, 16)
+    for bit in (8, 4, 2, 1):
+        v = v + v[..., np.arange(16) ^ bit]  # every column holds the same tree's sum after the four steps
+    return hi.reshape(R, n), lo.reshape(R, n), (s / np.float32(254.0)).reshape(R, n // 32), v[..., 0].reshape(R, n // 16)
+
+
+@pytest.mark.parametrize("R,n,gather", [(1, 4096, False), (7, 96, False), (33, 2048, True)])
+def test_quantize_x_matches_its_model_bit_for_bit(R, n, gather):
+    import torch
+
+    ext = gpu.load()
+    rng = np.random.default_rng(R + n)
+    src = (rng.standard_normal((R + 5, n)) * rng.choice([1e-3, 1.0, 50.0], size=(R + 5, 1))).astype(np.float32)
+    src[0, :32] = 0.0  # an all-zero block
+    rows = rng.integers(0, R + 5, R) if gather else np.arange(R)
+    x = torch.from_numpy(src if gather else src[:R]).cuda()
+    idx = torch.from_numpy(rows).cuda()
+    hi, lo = (torch.empty((R, n), dtype=torch.int8, device="cuda") for _ in range(2))
+    scale, sum16 = torch.empty((R, n // 32), device="cuda"), torch.empty((R, n // 16), device="cuda")
+    ext.quantize_x(x.data_ptr(), R, n, idx.data_ptr() if gather else 0, hi.data_ptr(), lo.data_ptr(),
+                   scale.data_ptr(), sum16.data_ptr())
+    want = quantize_x_model(src[rows])
+    for name, got, ref in zip(("hi", "lo", "scale", "sum16"), (hi, lo, scale, sum16), want):
+        assert np.array_equal(got.cpu().numpy(), ref), name
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)

@@ -699,6 +699,13 @@ PYBIND11_MODULE(_ext, m) {
   m.def("topk_rows", [](uintptr_t keys, int n, int k, uintptr_t pos, int ratio, uintptr_t sel) {
     launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });
+  m.def("quantize_x", [](uintptr_t x, int nvec, int n, uintptr_t rows, uintptr_t hi, uintptr_t lo, uintptr_t scale,
+                         uintptr_t sum16) {
+    XQ q;
+    q.hi = ptr<int8_t>(hi), q.lo = ptr<int8_t>(lo), q.scale = ptr<float>(scale), q.sum16 = ptr<float>(sum16), q.n = n;
+    launch_quantize_x(ptr<const float>(x), nvec, n, q, stream(), ptr<const int64_t>(rows));
+  }, "The activation planes the quantized kernels read: nvec rows of n floats (rows: int64 source row per output row, "
+     "or 0), hi and lo int8 [nvec, n], scale [nvec, n / 32], sum16 [nvec, n / 16] (device addresses).");
   m.def("moe_combine", [](uintptr_t y_sorted, uintptr_t slot_row, int tokens, int k, int n, uintptr_t out) {
     launch_moe_combine(ptr<const float>(y_sorted), ptr<const int64_t>(slot_row), tokens, k, n, ptr<float>(out),
                        stream());
