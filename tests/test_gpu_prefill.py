@@ -170,11 +170,12 @@ def test_dequant_block_map_permutes_whole_experts() -> None:
         W.ext.dequant(w, hi.data_ptr(), lo.data_ptr(), 1024.0, 0, n_out + 1, -1, block_map.data_ptr(), n_out)
 
 
-def test_split_half_is_the_scaled_hi_lo_of_each_row() -> None:
+@pytest.mark.parametrize("n", [1000, 1001, 4096])  # float4 rows and the scalar form (n % 4 != 0)
+def test_split_half_is_the_scaled_hi_lo_of_each_row(n) -> None:
     from ds4.engine.gpu.weights import to_half
 
     rng = np.random.default_rng(60)
-    x = rng.standard_normal((37, 1000)).astype(np.float32) * np.logspace(-3, 4, 37, dtype=np.float32)[:, None]
+    x = rng.standard_normal((37, n)).astype(np.float32) * np.logspace(-3, 4, 37, dtype=np.float32)[:, None]
     x[5] = 0.0  # an all-zero row keeps a positive scale
     xt = torch.from_numpy(x).cuda()
     hi, lo, s = _weights().to_half(xt)

@@ -131,13 +131,22 @@ namespace ds4gpu {
 // operand of the prefill GEMMs in one pass (the torch chain abs/amax/div/cast/sub/cast took six).
 constexpr int SPLIT_THREADS = 256;
 
+// V4: rows of n % 4 == 0 in float4 loads and 8-byte half stores (the same values; v1-v11 read one float per thread).
+template <bool V4>
 __global__ void __launch_bounds__(SPLIT_THREADS) split_half_kernel(const float* x, int64_t n, __half* hi, __half* lo,
                                                                   float* s) {
   __shared__ float red[SPLIT_THREADS / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * n;
   float m = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) m = fmaxf(m, fabsf(xr[i]));
+  if constexpr (V4) {
+    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS) {
+      const float4 v = reinterpret_cast<const float4*>(xr)[i];
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) m = fmaxf(m, fabsf(xr[i]));
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = m;
@@ -146,18 +155,36 @@ __global__ void __launch_bounds__(SPLIT_THREADS) split_half_kernel(const float* 
 #pragma unroll
   for (int w = 1; w < SPLIT_THREADS / 32; ++w) m = fmaxf(m, red[w]);
   m = fmaxf(m, 1e-30f);
-  for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) {
-    const float v = xr[i] / m;
-    const __half h = __float2half_rn(v);
-    hi[row * n + i] = h;
-    if (lo) lo[row * n + i] = __float2half_rn(v - __half2float(h));
+  if constexpr (V4) {
+    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS) {
+      const float4 x4 = reinterpret_cast<const float4*>(xr)[i];
+      const float v[4] = {x4.x / m, x4.y / m, x4.z / m, x4.w / m};
+      __align__(8) __half h[4];
+      __align__(8) __half l[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        h[j] = __float2half_rn(v[j]);
+        l[j] = __float2half_rn(v[j] - __half2float(h[j]));
+      }
+      reinterpret_cast<uint2*>(hi + row * n)[i] = *reinterpret_cast<const uint2*>(h);
+      if (lo) reinterpret_cast<uint2*>(lo + row * n)[i] = *reinterpret_cast<const uint2*>(l);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) {
+      const float v = xr[i] / m;
+      const __half h = __float2half_rn(v);
+      hi[row * n + i] = h;
+      if (lo) lo[row * n + i] = __float2half_rn(v - __half2float(h));
+    }
   }
   if (threadIdx.x == 0) s[row] = m;
 }
 
 void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
-  split_half_kernel<<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
+  const bool v4 = n % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)hi % 8 == 0 && (uintptr_t)lo % 8 == 0;
+  if (v4) split_half_kernel<true><<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
+  else split_half_kernel<false><<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
   DS4_CHECK_LAUNCH("split_half_kernel");
 }
 
