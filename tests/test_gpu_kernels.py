@@ -170,6 +170,9 @@ def test_routed_moe(mix: str) -> None:
 
 def test_graph_replay_matches_direct_calls() -> None:
     ext = gpu.load()
+    # the extension's own stream: an earlier session test in this process may have left torch's legacy stream set,
+    # which cannot be captured
+    ext.reset_stream()
     rng = np.random.default_rng(21)
     raw = random_blocks(Q.Q8_0, 1024, 4096, rng)
     w = gpu.upload("g", Q.Q8_0, (4096, 1024), raw)
