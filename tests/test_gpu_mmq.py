@@ -156,6 +156,23 @@ def test_moe_combine_sums_each_tokens_rows(T, k, n):
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
 
 
+def test_swiglu_with_row_weights_is_swiglu_then_the_multiply():
+    import torch
+
+    ext = gpu.load()
+    g0 = torch.Generator().manual_seed(4)
+    R, width = 300, 96
+    g, u = (torch.randn(R, width, generator=g0).cuda() * 4 for _ in range(2))
+    w = torch.rand(R, generator=g0).cuda()
+    order = torch.randperm(R, generator=g0).cuda()
+    plain, weighted = torch.empty_like(g), torch.empty_like(g)
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, plain.data_ptr())
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, weighted.data_ptr(), w.data_ptr(), width, order.data_ptr())
+    assert torch.equal(weighted, plain * w[order, None])
+    with pytest.raises(ValueError, match="multiple of width"):
+        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, weighted.data_ptr(), w.data_ptr(), 7, 0)
+
+
 def quantize_x_model(x: np.ndarray):
     """repack.cu quantize_x_kernel in numpy float32: (hi, lo, scale, sum16), the 16-column sums by the kernels' addition
     tree (columns differing in bit 3 first, then bits 2, 1, 0)."""

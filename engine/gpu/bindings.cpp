@@ -672,9 +672,14 @@ PYBIND11_MODULE(_ext, m) {
         py::arg("scale"), py::arg("ids"), py::arg("wts"),
         "decode (one token): logits = w . x (the bits of matvec's F16 launch) and the router on them (as router) in "
         "one launch (router.cu); False, nothing launched, where that kernel does not take w");
-  m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out) {
-    launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream());
-  });
+  m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out, uintptr_t row_w, int64_t width,
+                     uintptr_t row_of) {
+    launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream(), ptr<const float>(row_w),
+                  width, ptr<const int64_t>(row_of));
+  }, py::arg("g"), py::arg("u"), py::arg("n"), py::arg("limit"), py::arg("out"), py::arg("row_w") = 0,
+     py::arg("width") = 0, py::arg("row_of") = 0,
+     "out = silu(min(g, limit)) * clamp(u, +-limit) over n floats (device addresses); row_w: each row of width values "
+     "also times row_w[row_of[row]] (row_of: int64, or 0 for the row itself).");
   m.def("compress_step", [](uintptr_t kv, uintptr_t sc, uintptr_t ape, uintptr_t s_kv, uintptr_t s_sc, uintptr_t rows,
                             uintptr_t pos, int r, int width, uintptr_t w, float eps, uintptr_t freq, int rope_dim,
                             int fp8_nope, bool qat, float had_scale) {

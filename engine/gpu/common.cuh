@@ -189,7 +189,9 @@ struct NormRopeJob {
 void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
-void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s);
+// row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].
+void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
+                   const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);
 void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
                           const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s);
 int attn_chunks(int n_keys);

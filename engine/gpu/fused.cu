@@ -228,13 +228,21 @@ __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* log
   route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts);
 }
 
-__global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out) {
+// row_w != null: each row of `width` values is also multiplied by its weight row_w[row_of ? row_of[row] : row] (the
+// prefill experts' routing weights, read through the expert order): the bits of a separate multiply after it.
+__global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out, const float* row_w,
+                              int64_t width, const int64_t* row_of) {
   pdl_begin();
   int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= n) return;
   float a = fminf(g[i], limit);
   float b = fminf(fmaxf(u[i], -limit), limit);
-  out[i] = a * sigmoidf_(a) * b;
+  float v = a * sigmoidf_(a) * b;
+  if (row_w) {
+    const int64_t r = i / width;
+    v = v * row_w[row_of ? row_of[r] : r];
+  }
+  out[i] = v;
 }
 
 // One compressor step (session._compress_step): store the token's kv and score (+ APE) in the
@@ -665,8 +673,11 @@ void launch_router(const float* logits, const float* bias, const int64_t* table,
   DS4_CHECK_LAUNCH("router");
 }
 
-void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s) {
-  launch_k(swiglu_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0, s, g, u, n, limit, out);
+void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s, const float* row_w,
+                   int64_t width, const int64_t* row_of) {
+  if (row_w && (width < 1 || n % width)) throw std::invalid_argument("swiglu: row weights need n a multiple of width >= 1");
+  launch_k(swiglu_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0, s, g, u, n, limit, out, row_w, width,
+           row_of);
   DS4_CHECK_LAUNCH("swiglu");
 }
 

@@ -196,8 +196,13 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
             return None
     h = torch.empty_like(g)
-    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
-    h *= wts.reshape(-1)[order, None]
+    if fused:  # the routing weight of each row read through the expert order inside the SwiGLU launch
+        flat_w = wts.reshape(-1).contiguous()
+        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr(), flat_w.data_ptr(), n_ff,
+                   order.data_ptr())
+    else:
+        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
+        h *= wts.reshape(-1)[order, None]
     y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
     product = _mmq_product if kernel == "mmq" else _mmf_product
     if not product(W, down, _activations(W, h, down.qtype, kernel), tiles, y_sorted):
