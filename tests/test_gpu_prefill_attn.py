@@ -68,6 +68,53 @@ def test_prefill_attention_kernel_matches_the_float64_reference(T, H, d, n_comp,
     assert err < 1e-5, f"rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
+    (40, 64, 512, 900, 512, 3000, 4),     # Flash: top-k rows
+    (24, 8, 512, 20, 0, 2000, 128),       # small, ratio 128
+    (50, 4, 128, None, 0, 0, 0),          # tiny, window only
+    (17, 20, 128, 40, 16, 100, 4),        # padded head groups
+])
+def test_exact_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
+    """Keys FP8-rounded on their first d - 64 columns (as the FP8 KV simulation leaves them): skipping the keys' TF32
+    lo part there (zero) gives the bits of the full three-product form, and stays at the float64 reference."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(T + 2 * H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
+    n_nope = d - 64
+    win = ops.fp8_kv_round(win, n_nope)
+    comp = None if comp is None else ops.fp8_kv_round(comp, n_nope)
+    full = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
+    fast = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope)
+    assert torch.equal(fast, full)
+    ref = reference(q, win, comp, sel, sinks, pos0, ratio)
+    assert float((fast.double() - ref).norm() / ref.norm()) < 1e-5
+    with pytest.raises(ValueError, match="exact_dims"):
+        K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=12)
+
+
+def test_exact_keys_in_the_session(monkeypatch, tmp_path):
+    """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS are the
+    bits of the full form."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import prefill
+    from ds4.engine.gpu.session import Session as GpuSession
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf")
+    assert m.config.fp8_kv
+    toks = np.random.default_rng(13).integers(2, m.config.vocab_size, 600).tolist()
+    monkeypatch.setattr(prefill, "FUSED_ATTN", True)
+    monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", False)
+    want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", True)
+    got = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    assert np.array_equal(got, want)
+
+
 def test_prefill_attention_kernel_declines_odd_head_dims():
     from ds4.engine.gpu.fused import Fused
 

@@ -160,10 +160,15 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
           split_tf32(x1.x, ah[1], al[1]);
           split_tf32(x0.y, ah[2], al[2]);
           split_tf32(x1.y, ah[3], al[3]);
-          split_tf32(y.x, bh[0], bl[0]);
-          split_tf32(y.y, bh[1], bl[1]);
+          const bool split_k = kk + 8 > a.exact_dims;  // uniform; else the keys are their own TF32 hi, lo is zero
+          bh[0] = __float_as_uint(y.x);
+          bh[1] = __float_as_uint(y.y);
+          if (split_k) {
+            split_tf32(y.x, bh[0], bl[0]);
+            split_tf32(y.y, bh[1], bl[1]);
+          }
           mma_tf32(cc[j], al, bh);
-          mma_tf32(cc[j], ah, bl);
+          if (split_k) mma_tf32(cc[j], ah, bl);
           mma_tf32(cm[j], ah, bh);
         }
       }
@@ -233,9 +238,18 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
         if (n >= ntw) break;
         const int col = (cp * ntw + n) * 8;
         uint32_t bh[2], bl[2];
-        split_tf32(v0[col], bh[0], bl[0]);
-        split_tf32(v0[4 * ds + col], bh[1], bl[1]);
-        mma3(acc[n], ah, al, bh, bl);
+        const bool split_v = col + 8 > a.exact_dims;  // uniform; else the values are exact in TF32 (lo = 0)
+        const float v_0 = v0[col], v_1 = v0[4 * ds + col];
+        bh[0] = __float_as_uint(v_0);
+        bh[1] = __float_as_uint(v_1);
+        if (split_v) {
+          split_tf32(v_0, bh[0], bl[0]);
+          split_tf32(v_1, bh[1], bl[1]);
+        }
+        // mma3's order (al . bh, ah . bl, ah . bh), without the zero product where the values are exact
+        mma_tf32(acc[n], al, bh);
+        if (split_v) mma_tf32(acc[n], ah, bl);
+        mma_tf32(acc[n], ah, bh);
       }
     }
   }
@@ -293,6 +307,8 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s) {
   if (!prefill_attn_takes(a.H, a.d)) throw std::invalid_argument("prefill_attn: head dim must be a multiple of 64, <= 512");
   if (a.T < 0 || a.Wn < 1 || a.n_comp < 0 || (a.sel && a.n_sel < 1) || (a.comp && a.ratio < 1))
     throw std::invalid_argument("prefill_attn: bad sizes");
+  if (a.exact_dims < 0 || a.exact_dims % 8 || a.exact_dims > a.d)
+    throw std::invalid_argument("prefill_attn: exact_dims must be a multiple of 8 in [0, d]");
   for (const void* ptr : {(const void*)a.q, (const void*)a.win, (const void*)a.comp, (const void*)a.out})
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
   if (a.T == 0) return;

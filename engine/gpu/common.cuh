@@ -208,6 +208,9 @@ struct PrefillAttn {
   int T = 0, H = 0, d = 0, Wn = 0, n_comp = 0, n_sel = 0, ratio = 0;
   int64_t pos0 = 0;
   float scale = 1.0f;
+  // key (and value) columns [0, exact_dims) are exact in TF32 (the FP8 KV simulation's e4m3 values: 4 significant
+  // bits): their products skip the keys' lo part, which is zero there (the same bits); a multiple of 8, or 0
+  int exact_dims = 0;
 };
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);

@@ -204,10 +204,12 @@ class Fused:
         return out
 
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
-                     sinks: torch.Tensor, pos0: int, ratio: int) -> torch.Tensor | None:
+                     sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0) -> torch.Tensor | None:
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
-        of comp per query (None: all of them). None where the kernel does not take the shapes."""
+        of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
+        FP8 KV simulation's values), so their products skip the keys' zero lo part (the same bits, fewer products).
+        None where the kernel does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -218,7 +220,8 @@ class Fused:
         self._stream()
         self.ext.prefill_attn(_p(q), _p(win), _p(comp), _p(sel), _p(sinks.contiguous()), _p(out), T, H, d,
                               win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
-                              0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d))
+                              0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d),
+                              int(exact_dims))
         return out
 
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
