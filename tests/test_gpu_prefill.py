@@ -187,3 +187,42 @@ def test_split_half_is_the_scaled_hi_lo_of_each_row(n) -> None:
         np.testing.assert_array_equal(lo.cpu().numpy(), want_lo.cpu().numpy())
         back = (hi.double() + lo.double()) * s.double()
         assert float(((back - xt.double()).abs() / xt.double().abs().amax(1, keepdim=True).clamp_min(1e-30)).max()) < 2e-7
+
+
+@pytest.mark.parametrize("rows_per_token,T", [(64, 40), (4, 10)])  # the warp kernel (2560 rows), the block kernel (40)
+def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int) -> None:
+    """norm_rope's in_scale (a GEMM's deferred per-row rescale) gives the bits of multiplying the rows first."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device("cuda"))
+    d = 512
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T * rows_per_token, d, generator=g).cuda()
+    s = (torch.rand(T, 1, generator=g) * 100 + 1e-3).cuda()
+    pos = torch.arange(7, 7 + T, device="cuda")
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).cuda()
+    kw = dict(norm=True, eps=1e-6, freq=freq, rope_dim=64)
+    scaled = (x.view(T, rows_per_token * d) * s).view(-1, d)
+    want = K.norm_rope(scaled, d, rows_per_token, pos, **kw)
+    got = K.norm_rope(x, d, rows_per_token, pos, in_scale=s, **kw)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="in_scale"):
+        K.norm_rope(x, d, rows_per_token, pos, in_scale=s[:-1], **kw)
+
+
+def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
+    """DS4_GPU_FOLD_RESCALE: the q_b product's per-row rescale applied by norm_rope gives every position's logits
+    bit for bit (`small`, 300 tokens in chunks of 128: the hi/lo GEMM path)."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import session as gpu_session
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf")
+    toks = np.random.default_rng(17).integers(2, m.config.vocab_size, 300).tolist()
+    monkeypatch.setattr(gpu_session, "FOLD_RESCALE", False)
+    want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
+    monkeypatch.setattr(gpu_session, "FOLD_RESCALE", True)
+    got = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
+    assert np.array_equal(got, want)

@@ -417,7 +417,7 @@ RowPost row_post_args(bool norm, uintptr_t w, float eps, uintptr_t freq, int rop
 }
 
 NormRopeJob norm_rope_job(const py::tuple& t) {
-  if (t.size() != 15) throw std::invalid_argument("norm_rope: a job has 15 fields");
+  if (t.size() != 16) throw std::invalid_argument("norm_rope: a job has 16 fields");
   NormRopeJob j;
   j.x = ptr<const float>(t[0].cast<uintptr_t>());
   j.rows = t[1].cast<int>();
@@ -427,6 +427,7 @@ NormRopeJob norm_rope_job(const py::tuple& t) {
                       t[8].cast<int>(), t[9].cast<bool>(), t[10].cast<int>(), t[11].cast<bool>(), t[12].cast<float>());
   j.ring_cap = t[13].cast<int>();
   j.out = ptr<float>(t[14].cast<uintptr_t>());
+  j.in_scale = ptr<const float>(t[15].cast<uintptr_t>());
   return j;
 }
 
@@ -642,7 +643,8 @@ PYBIND11_MODULE(_ext, m) {
     for (size_t i = 0; i < jobs.size(); ++i) j[i] = norm_rope_job(jobs[i]);
     launch_norm_rope(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
   }, "jobs: (x, rows, d, rows_per_token, norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale, "
-     "ring_cap, out) each; the second runs in the same launch", py::arg("pos"), py::arg("jobs"));
+     "ring_cap, out, in_scale) each (in_scale: float32 per token, the row is x * in_scale[token]; 0: none); the second "
+     "runs in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("prefill_attn", [](uintptr_t q, uintptr_t win, uintptr_t comp, uintptr_t sel, uintptr_t sinks, uintptr_t out,
                            int T, int H, int d, int Wn, int n_comp, int n_sel, int ratio, int64_t pos0, float scale,
                            int exact_dims) {

@@ -180,6 +180,7 @@ void launch_hc_post(const float* X, const float* y1, const float* y2, const floa
                     int n, int D, float* Xo, cudaStream_t s);
 struct NormRopeJob {
   const float* x = nullptr;
+  const float* in_scale = nullptr;  // per token: x * in_scale[token] is the row (a GEMM's deferred per-row rescale)
   int rows = 0, d = 0, rows_per_token = 1;
   RowPost o;
   int ring_cap = 0;

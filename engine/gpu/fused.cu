@@ -151,7 +151,11 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
   float* v = sh;
   float* tmp = sh + d;
   const int row = second ? blockIdx.x - a.rows : blockIdx.x, t = row / j.rows_per_token;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = j.x[(int64_t)row * d + i];
+  const float in_s = j.in_scale ? j.in_scale[t] : 1.0f;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float x = j.x[(int64_t)row * d + i];
+    v[i] = j.in_scale ? x * in_s : x;
+  }
   __syncthreads();
   const int64_t p = pos ? pos[t] : 0;
   row_post(v, tmp, d, (float)p, j.o, red);
@@ -177,6 +181,11 @@ __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRop
   const float* xr = j.x + row * d;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k) v[k] = k < nk ? xr[lane + 32 * k] : 0.0f;
+  if (j.in_scale) {
+    const float in_s = j.in_scale[row / j.rows_per_token];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) v[k] *= in_s;
+  }
   if (o.norm) {
     float ss = 0.0f;
 #pragma unroll

@@ -111,13 +111,15 @@ class Fused:
                   norm: bool = False, w: torch.Tensor | None = None, eps: float = 1e-6,
                   freq: torch.Tensor | None = None, rope_dim: int = 0, inverse: bool = False, fp8_nope: int = 0,
                   qat: bool = False, out: torch.Tensor | None = None, ring_cap: int = 0,
-                  also: dict | None = None) -> torch.Tensor:
+                  also: dict | None = None, in_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of length d: [rms_norm (* w)] → [RoPE tail at pos[row // rows_per_token]] → [FP8 | FP4 sim].
         ring_cap > 0 (one row): written to out[pos % ring_cap] instead of a new tensor. also: the arguments
         (x, d, rows_per_token and the keywords) of a second norm_rope with the same pos, run in the same
-        launch (its output is written to its `out`, which it must give)."""
+        launch (its output is written to its `out`, which it must give). in_scale [tokens] float32: the rows are
+        x * in_scale[row // rows_per_token] (the bits of that multiply done first)."""
         first = self._norm_rope_job(x, d, rows_per_token, norm=norm, w=w, eps=eps, freq=freq, rope_dim=rope_dim,
-                                    inverse=inverse, fp8_nope=fp8_nope, qat=qat, out=out, ring_cap=ring_cap)
+                                    inverse=inverse, fp8_nope=fp8_nope, qat=qat, out=out, ring_cap=ring_cap,
+                                    in_scale=in_scale)
         jobs = [first]
         if also is not None:
             if also.get("out") is None:
@@ -128,14 +130,19 @@ class Fused:
         return first[1]
 
     def _norm_rope_job(self, x, d, rows_per_token, *, norm=False, w=None, eps=1e-6, freq=None, rope_dim=0,
-                       inverse=False, fp8_nope=0, qat=False, out=None, ring_cap=0):
+                       inverse=False, fp8_nope=0, qat=False, out=None, ring_cap=0, in_scale=None):
         x = x.contiguous()
         rows = x.numel() // d
         if out is None:
             out = torch.empty((rows, d), dtype=F32, device=self.device)
+        if in_scale is not None:
+            in_scale = in_scale.to(F32).contiguous()
+            if in_scale.numel() * rows_per_token != rows:
+                raise ValueError(f"norm_rope: in_scale has {in_scale.numel()} values for {rows} rows of "
+                                 f"{rows_per_token} per token")
         job = (_p(x), rows, d, rows_per_token, bool(norm), _p(w), float(eps), _p(freq), int(rope_dim), bool(inverse),
-               int(fp8_nope), bool(qat), float(1.0 / math.sqrt(d)), int(ring_cap), _p(out))
-        return job, out, x
+               int(fp8_nope), bool(qat), float(1.0 / math.sqrt(d)), int(ring_cap), _p(out), _p(in_scale))
+        return job, out, (x, in_scale)
 
     # ---- MoE -----------------------------------------------------------------------------------
     def router(self, logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,

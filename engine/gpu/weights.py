@@ -157,6 +157,18 @@ class Weights:
             self.ext.matvec(w, self._arr(xs), self._arr(ys), groups)
         return y
 
+    def mm_unscaled(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(z, r) with mm(name, x) == z * r bit for bit: the hi/lo GEMM path (prefill rows) leaves its per-row rescale
+        r [T, 1] to a consumer that reads the product anyway (one pass over [T, out] less); every other path
+        returns its product and r = None."""
+        w = self.mat(name)
+        x = x.contiguous()
+        if self.ext is None or isinstance(w, torch.Tensor) or x.shape[0] < GEMM_MIN or MMQ_GEMM:
+            return self.mm(name, x), None
+        hi, lo, scale = self.half(w, EXACT_GEMM)
+        xh, xl, s = self.to_half(x)
+        return split_product(xh, xl, hi.T, None if lo is None else lo.T), s / scale
+
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
         if self.ext is None:
