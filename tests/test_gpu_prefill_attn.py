@@ -94,9 +94,27 @@ def test_exact_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
         K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=12)
 
 
+@pytest.mark.parametrize("T,H", [(40, 64), (3, 8)])  # norm_rope's warp kernel (2560 rows) and its block kernel (24)
+def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
+    """The attention output's RoPE tail undone in the kernel's epilogue equals norm_rope's inverse pass on the output."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    d, pos0, ratio = 512, 2000, 4
+    q, win, comp, sel, sinks = _case(T * H, T, H, d, 128, 700, 64, pos0, ratio)
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    pos = torch.arange(pos0, pos0 + T, device=DEV)
+    plain = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
+    want = K.norm_rope(plain, d, H, pos, freq=freq, rope_dim=64, inverse=True).view(T, H, d)
+    got = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=(freq, 64))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out_rope_dim"):
+        K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=(freq, 12))
+
+
 def test_exact_keys_in_the_session(monkeypatch, tmp_path):
-    """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS are the
-    bits of the full form."""
+    """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS, then
+    also DS4_GPU_ATTN_OUT_ROPE, are the bits of the full form."""
     from conftest import quantize_cli
 
     from ds4.engine.gpu import prefill
@@ -109,10 +127,14 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     toks = np.random.default_rng(13).integers(2, m.config.vocab_size, 600).tolist()
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", False)
+    monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", False)
     want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", True)
     got = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
     assert np.array_equal(got, want)
+    monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", True)  # and the output's inverse RoPE in the kernel: the same bits
+    both = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    assert np.array_equal(both, want)
 
 
 def test_prefill_attention_kernel_declines_odd_head_dims():

@@ -264,12 +264,22 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   __syncthreads();
   const int h0 = h_base + 16 * mt_o + g, h1 = h0 + 8;
   const float f0 = f_s[16 * mt_o + g], f1 = f_s[16 * mt_o + g + 8];
+  const int rope_from = d - a.out_rope_dim;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     if (n >= ntw) break;
     const int col = (cp * ntw + n) * 8 + 2 * i4;
-    if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = make_float2(acc[n][0] * f0, acc[n][1] * f0);
-    if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = make_float2(acc[n][2] * f1, acc[n][3] * f1);
+    float2 y0 = make_float2(acc[n][0] * f0, acc[n][1] * f0), y1 = make_float2(acc[n][2] * f1, acc[n][3] * f1);
+    if (a.out_freq && col >= rope_from) {  // inverse RoPE of the pair (col, col + 1), as norm_rope_warp_kernel does it
+      const float ang = (float)p * a.out_freq[(col - rope_from) / 2];
+      const float c = cosf(ang), sn = -sinf(ang);
+      y0 = make_float2(__fsub_rn(__fmul_rn(y0.x, c), __fmul_rn(y0.y, sn)),
+                       __fadd_rn(__fmul_rn(y0.x, sn), __fmul_rn(y0.y, c)));
+      y1 = make_float2(__fsub_rn(__fmul_rn(y1.x, c), __fmul_rn(y1.y, sn)),
+                       __fadd_rn(__fmul_rn(y1.x, sn), __fmul_rn(y1.y, c)));
+    }
+    if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = y0;
+    if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = y1;
   }
 }
 
@@ -309,6 +319,8 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s) {
     throw std::invalid_argument("prefill_attn: bad sizes");
   if (a.exact_dims < 0 || a.exact_dims % 8 || a.exact_dims > a.d)
     throw std::invalid_argument("prefill_attn: exact_dims must be a multiple of 8 in [0, d]");
+  if (a.out_freq && (a.out_rope_dim <= 0 || a.out_rope_dim % 8 || a.out_rope_dim > a.d))
+    throw std::invalid_argument("prefill_attn: out_rope_dim must be a multiple of 8 in (0, d]");
   for (const void* ptr : {(const void*)a.q, (const void*)a.win, (const void*)a.comp, (const void*)a.out})
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
   if (a.T == 0) return;

@@ -212,6 +212,10 @@ struct PrefillAttn {
   // key (and value) columns [0, exact_dims) are exact in TF32 (the FP8 KV simulation's e4m3 values: 4 significant
   // bits): their products skip the keys' lo part, which is zero there (the same bits); a multiple of 8, or 0
   int exact_dims = 0;
+  // out_freq != null: the output's last out_rope_dim columns get the inverse RoPE at the query's position (the bits of
+  // norm_rope's inverse on the stored output), so the session skips that pass
+  const float* out_freq = nullptr;
+  int out_rope_dim = 0;
 };
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);

@@ -35,6 +35,9 @@ FUSED_ATTN = tc.ATTN_MODE == "fused"
 # DS4_GPU_ATTN_EXACT_KEYS=1 (prepared in v12, not yet run on a GPU): with the FP8 KV simulation on, the fused attention
 # skips the keys' TF32 lo part on their FP8-rounded columns (zero there: the same bits, ~30% fewer products and splits)
 ATTN_EXACT_KEYS = os.environ.get("DS4_GPU_ATTN_EXACT_KEYS", "0") != "0"
+# DS4_GPU_ATTN_OUT_ROPE=1 (prepared in v12, not yet run on a GPU): the fused attention undoes the output's RoPE tail in
+# its epilogue (the bits of norm_rope's inverse pass, which is then skipped: one pass over [T, H, d] less)
+ATTN_OUT_ROPE = os.environ.get("DS4_GPU_ATTN_OUT_ROPE", "0") != "0"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -90,10 +93,11 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
     if FUSED_ATTN and ses.K is not None and not on:
         with section("attend"):
             exact = cfg.n_nope if (ATTN_EXACT_KEYS and cfg.fp8_kv) else 0
-            o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact)
+            inv = (ses._freq[r != 0], cfg.rope_dim) if ATTN_OUT_ROPE else None
+            o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv)
         if o is not None:
             with section("attn_out"):
-                return ses._attn_out(li, o, cos, sin, pos)
+                return ses._attn_out(li, o, cos, sin, pos, rope_done=inv is not None)
     comp = None if comp is None else tc.maybe_split(comp, on)
     o = torch.empty_like(q)
     H, d = q.shape[1], q.shape[2]

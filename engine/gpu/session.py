@@ -590,12 +590,15 @@ class Session(Timeline):
         o = torch.einsum("thn,tnd->thd", e / denom[..., None], keys.expand(T, -1, -1))
         return self._attn_out(li, o, cos, sin)
 
-    def _attn_out(self, li, o, cos, sin, pos=None):
+    def _attn_out(self, li, o, cos, sin, pos=None, rope_done: bool = False):
         """Attention output [T, H, d] (RoPE tail undone) through the grouped output projection → [T, D].
-        pos (prefill on CUDA): the inverse RoPE runs in the norm_rope kernel, as decode's does."""
+        pos (prefill on CUDA): the inverse RoPE runs in the norm_rope kernel, as decode's does; rope_done: the
+        attention kernel undid it already."""
         cfg, W = self.cfg, self.W
         T, H, d = o.shape
-        if self.K is not None and pos is not None:
+        if rope_done:
+            pass
+        elif self.K is not None and pos is not None:
             o = self.K.norm_rope(o, d, H, pos, freq=self._freq[cfg.ratio(li) != 0], rope_dim=cfg.rope_dim,
                                  inverse=True)
         else:
