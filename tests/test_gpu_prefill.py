@@ -189,8 +189,9 @@ def test_split_half_is_the_scaled_hi_lo_of_each_row(n) -> None:
         assert float(((back - xt.double()).abs() / xt.double().abs().amax(1, keepdim=True).clamp_min(1e-30)).max()) < 2e-7
 
 
+@pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("rows_per_token,T", [(64, 40), (4, 10)])  # the warp kernel (2560 rows), the block kernel (40)
-def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int) -> None:
+def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int, norm: bool) -> None:
     """norm_rope's in_scale (a GEMM's deferred per-row rescale) gives the bits of multiplying the rows first."""
     from ds4.engine.gpu.fused import Fused
 
@@ -201,7 +202,7 @@ def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int) -
     s = (torch.rand(T, 1, generator=g) * 100 + 1e-3).cuda()
     pos = torch.arange(7, 7 + T, device="cuda")
     freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).cuda()
-    kw = dict(norm=True, eps=1e-6, freq=freq, rope_dim=64)
+    kw = dict(norm=norm, eps=1e-6, freq=freq, rope_dim=64)
     scaled = (x.view(T, rows_per_token * d) * s).view(-1, d)
     want = K.norm_rope(scaled, d, rows_per_token, pos, **kw)
     got = K.norm_rope(x, d, rows_per_token, pos, in_scale=s, **kw)
@@ -224,5 +225,10 @@ def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(gpu_session, "FOLD_RESCALE", False)
     want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
     monkeypatch.setattr(gpu_session, "FOLD_RESCALE", True)
-    got = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
+    ses = gpu_session.Session(m, ctx=512, prefill_chunk=128)
+    deferred = []
+    real = ses.W.mm_unscaled
+    monkeypatch.setattr(ses.W, "mm_unscaled", lambda *a: (lambda zr: deferred.append(zr[1] is not None) or zr)(real(*a)))
+    got = ses.prefill(toks, all_logits=True)
+    assert deferred and all(deferred), "the q_b products did not defer their rescale"
     assert np.array_equal(got, want)

@@ -130,10 +130,18 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", False)
     want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", True)
-    got = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    g = GpuSession(m, ctx=1024, prefill_chunk=256)
+    calls = []  # (exact_dims, inverse_rope given) of each fused launch
+    real = type(g.K).prefill_attn
+    monkeypatch.setattr(type(g.K), "prefill_attn",
+                        lambda self, *a: calls.append((a[7], a[8] is not None)) or real(self, *a))
+    got = g.prefill(toks, all_logits=True)
+    assert calls and all(ex == m.config.n_nope and not inv for ex, inv in calls)
     assert np.array_equal(got, want)
     monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", True)  # and the output's inverse RoPE in the kernel: the same bits
+    calls.clear()
     both = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    assert calls and all(inv for _, inv in calls)
     assert np.array_equal(both, want)
 
 

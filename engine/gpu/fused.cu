@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRop
   if (j.in_scale) {
     const float in_s = j.in_scale[row / j.rows_per_token];
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) v[k] *= in_s;
+    for (int k = 0; k < KMAX; ++k)
+      if (k < nk) v[k] *= in_s;
   }
   if (o.norm) {
     float ss = 0.0f;
