@@ -85,6 +85,22 @@ def test_topk_rows_strided_rows_and_visible_shortcut(K):
         assert np.array_equal(got[r], want), r
 
 
+def test_select_fused_in_blocks_equals_one_block(K, monkeypatch):
+    """Queries in blocks (the scores' memory budget at long contexts) select what one block selects."""
+    from ds4.engine.gpu import prefill
+
+    T, Hi, n, k = 300, 64, 2100, 512
+    q, w, keys, _ = _qat_case(9, T, Hi, n)
+    n_vis = torch.randint(k + 1, n + 1, (T,), device=DEV)
+    whole = torch.full((T, k), -1, dtype=torch.int64, device=DEV)
+    assert prefill.select_fused(K, q, w, keys, n_vis, k, whole)
+    monkeypatch.setattr(prefill, "ATTN_BLOCK", 64)  # block_rows: 64 queries per block
+    blocks = torch.full((T, k), -1, dtype=torch.int64, device=DEV)
+    assert prefill.select_fused(K, q, w, keys, n_vis, k, blocks)
+    assert torch.equal(blocks, whole) and bool((whole >= 0).all())
+    assert not prefill.select_fused(K, q[:, :12].contiguous(), w[:, :12].contiguous(), keys, n_vis, k, blocks)
+
+
 def test_fused_indexer_in_the_session(monkeypatch, tmp_path):
     """`small` with the QAT on (the indexer's top-k runs from position 259), 600 tokens in chunks of 256: every
     position's logits with the fused indexer against the torch form. The routed experts take the float16 hi/lo GEMMs,

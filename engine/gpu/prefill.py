@@ -176,9 +176,7 @@ def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
     if first < T:  # the indexer's queries of all those rows: two GEMMs (each dequantizes its weight once)
         q_all, w_all = ses._index_q(li, a[first:], c[first:], pos[first:])
         if INDEX_MODE == "fused" and ses.K is not None and cfg.indexer_qat:
-            scores = ses.K.index_scores(q_all, w_all, st["idx"][:n], n_vis[first:])
-            if scores is not None:
-                sel[first:] = ses.K.topk_rows(scores, K)
+            if select_fused(ses.K, q_all, w_all, st["idx"][:n], n_vis[first:], K, sel[first:]):
                 return sel
     for i in range(first, T, step):
         rb = slice(i, min(T, i + step))
@@ -191,6 +189,20 @@ def indexer_select_chunk(ses, li, a, c, pos0, pos, n, n_vis):
         top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
         sel[rb] = torch.sort(top, dim=-1).values
     return sel
+
+
+def select_fused(K, q, w, keys, n_vis, k: int, out) -> bool:
+    """The indexer's top-k rows of each query into out [t, k] (ascending): indexer.cu's scores and one top-k launch per
+    block of queries, a block's [t, n] float32 scores within the DS4_GPU_ATTN_MIB budget (long contexts: n grows with
+    them). False, nothing written, where the kernel does not take the shapes."""
+    step = block_rows(keys.shape[0] * 4)
+    for i in range(0, q.shape[0], step):
+        b = slice(i, i + step)
+        scores = K.index_scores(q[b], w[b], keys, n_vis[b])
+        if scores is None:
+            return False
+        out[b] = K.topk_rows(scores, k)
+    return True
 
 
 def compress_chunk(ses, li, a, pos0, indexer: bool) -> int:
