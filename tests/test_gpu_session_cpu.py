@@ -34,6 +34,18 @@ def _prompt(cfg, n, seed=0):
     return np.random.default_rng(seed).integers(2, cfg.vocab_size, n).tolist()
 
 
+def test_simulated_values_are_exact_in_the_tensor_core_formats():
+    """The premises of two GPU kernels, over magnitudes from 1e-6 to 1e4: the FP8 KV simulation's values have no bits
+    below TF32's mantissa (attn_prefill.cu's exact_dims skips their zero lo part), and the indexer QAT's values (e2m1
+    codes times powers of two) fit bfloat16 (indexer.cu multiplies them there)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 512)).astype(np.float32) * np.logspace(-6, 4, 64, dtype=np.float32)[:, None]
+    kv = ops.fp8_kv_round(torch.from_numpy(x), 448)[:, :448].numpy()
+    assert not (kv.view(np.uint32) & np.uint32(0x1FFF)).any()  # TF32 keeps the top 19 bits
+    qat = ops.indexer_qat(torch.from_numpy(x.reshape(-1, 128))).numpy()
+    assert not (qat.view(np.uint32) & np.uint32(0xFFFF)).any()  # bfloat16 keeps the top 16 bits
+
+
 def test_rounding_twins_match_numpy():
     x = np.random.default_rng(0).standard_normal((5, 512)).astype(np.float32) * 3
     t = torch.from_numpy(x)
