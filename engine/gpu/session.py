@@ -55,8 +55,8 @@ PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # not by its own launch (the same bits); read once, an A/B switch
 NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "0") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
-# separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Prepared in v12, not run.
-FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "0") == "1"
+# separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
+FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
 
 
 def parse_prefetch(spec: str) -> dict[str, float]:
