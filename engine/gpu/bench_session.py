@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from ds4.engine import gpu
+    from ds4.engine.gpu import moe_gemm
     from ds4.engine.gpu.session import Session
     from ds4.engine.gpu.weights import Weights
     from ds4.engine.model import Model, decode_weight_bytes
@@ -173,6 +174,10 @@ def main(argv=None) -> int:
             runs.append(time.time() - t)
         dt = runs[0]
         alloc = {k: v - before[k] for k, v in allocator_counts().items()}
+        fill = moe_gemm.TILE_FILL
+        if fill["slots"]:  # the routed experts' tiles so far in this process: the share of rows that are padding
+            print(f"routed-expert tiles: {fill['rows']} rows in {fill['slots']} slots "
+                  f"({1 - fill['rows'] / fill['slots']:.1%} padding)", flush=True)
         res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc,
                                "runs_s": runs})
         more = f"; later runs {', '.join(f'{n / r:.0f}' for r in runs[1:])} t/s" if len(runs) > 1 else ""

@@ -21,6 +21,7 @@
 // decode), ~120 T float32-equivalent products/s; slower than the dequant + f16 GEMM path for large dense matrices,
 // faster end to end for the routed experts (the default there: no dequant pass, no padding). Tests:
 // tests/test_gpu_mmq.py; benchmark against the f16 GEMM path: python -m ds4.engine.gpu.bench_mmq.
+#include <cstdlib>
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -48,6 +49,7 @@ struct MmqArgs {
   int64_t ldy;
   int T, rows_g;      // dense: activation rows; rows per group (experts: per expert)
   const int4* tiles;  // experts: (first activation row, rows, expert, 0) per grid.y; null: dense
+  int skip_rows;      // warps skip the n8 fragments past a partial tile's rows (mmq_skip_rows())
 };
 
 template <int NT>
@@ -72,6 +74,7 @@ __host__ __device__ constexpr bool has_mins() { return QT == QT_Q2_K || QT == QT
 struct MmqTile {
   int64_t a0, wrow0, xcol0, ycol0;
   int an, r0;
+  int an_mma;  // activation rows the products cover: an, or NT with DS4_GPU_MMQ_SKIP=0 (the v12 kernel, an A/B)
 };
 
 template <int NT>
@@ -93,6 +96,7 @@ __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
     t.xcol0 = (int64_t)g * a.K;
     t.ycol0 = (int64_t)g * a.rows_g;
   }
+  t.an_mma = a.skip_rows ? t.an : NT;
   return t;
 }
 
@@ -211,11 +215,14 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
       }
 #pragma unroll
       for (int n = 0; n < NN; ++n) {
+        // activation rows past the tile (an expert's last, partial tile): their products are never stored, so the
+        // warp skips the fragment (uniform per warp; the kernel is issue-bound, so the SM's other warps gain)
+        if (wn + 8 * n >= tl.an_mma) break;
         const int tc = wn + 8 * n + 2 * q;
         // hi k 0-15, hi k 16-31, lo k 0-15, lo k 16-31 of activation rows wn + 8n .. + 7
         uint32_t bf[4];
-        const int tl = wn + 8 * n + (lane & 7), kb = 32 * b + 16 * ((lane >> 3) & 1);
-        ldsm_x4(bf, (lane & 16) ? &S.lo[tl][kb] : &S.hi[tl][kb]);
+        const int tr = wn + 8 * n + (lane & 7), kb = 32 * b + 16 * ((lane >> 3) & 1);
+        ldsm_x4(bf, (lane & 16) ? &S.lo[tr][kb] : &S.hi[tr][kb]);
         float xs[2], s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -283,6 +290,16 @@ void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
   DS4_CHECK_LAUNCH("mmq");
 }
 
+// $DS4_GPU_MMQ_SKIP (default 1): a partial tile's warps skip their products past its rows (v13); 0: every tile
+// multiplies all NT rows (v12). The same bits either way (those rows are never stored); read once, an A/B switch.
+bool mmq_skip_rows() {
+  static const bool v = [] {
+    const char* e = std::getenv("DS4_GPU_MMQ_SKIP");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return v;
+}
+
 MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, int rows_g) {
   MmqArgs a;
   a.w = w;
@@ -294,6 +311,7 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
   a.T = T;
   a.rows_g = rows_g;
   a.tiles = nullptr;
+  a.skip_rows = mmq_skip_rows() ? 1 : 0;
   return a;
 }
 

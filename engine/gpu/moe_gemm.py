@@ -156,12 +156,19 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
     return y.view(T, k, n_embd).sum(dim=1)
 
 
+# Activation rows and tile slots (tiles x tile rows) of every expert_tiles call in this process: how much of the
+# routed experts' tiles is padding (an expert's last tile is partial). bench_session prints it.
+TILE_FILL = {"rows": 0, "slots": 0}
+
+
 def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]]:
     """(first row, rows, expert, 0) per tile of at most `tile` activation rows, for rows sorted by expert."""
     tiles, off = [], 0
     for e, n in enumerate(counts):
         tiles += [(off + j, min(tile, n - j), e, 0) for j in range(0, n, tile)]
         off += n
+    TILE_FILL["rows"] += off
+    TILE_FILL["slots"] += len(tiles) * tile
     return tiles
 
 
