@@ -94,6 +94,28 @@ def test_exact_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
         K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=12)
 
 
+@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
+    (40, 64, 512, 900, 512, 3000, 4),     # Flash: top-k rows, some not visible yet (two CTAs of 32 heads, one buffer)
+    (30, 16, 128, 300, 100, 900, 4),      # 16 heads: the double-buffered form
+    (9, 128, 512, 700, 512, 2600, 4),     # Pro: two groups of 64 heads
+    (24, 8, 512, 20, 0, 2000, 128),       # no selection: nothing to stage
+])
+def test_staged_rows_and_prefetch_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
+    """The selected rows staged in shared memory once per query (prefetch 1) and the next key tile prefetched into L2
+    (prefetch 2) change where the addresses come from, not the keys: every output bit equals the v12 form's (0)."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(T + 3 * H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
+    if sel is not None:  # invalid entries too: negative, past the rows, not yet visible
+        sel[0, :3] = torch.tensor([-1, n_comp, n_comp - 1], device=DEV)
+    base = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, prefetch=0)
+    for mode in (1, 2):
+        assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, prefetch=mode), base), mode
+    ref = reference(q, win, comp, sel, sinks, pos0, ratio)
+    assert float((base.double() - ref).norm() / ref.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("T,H", [(40, 64), (3, 8)])  # norm_rope's warp kernel (2560 rows) and its block kernel (24)
 def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
     """The attention output's RoPE tail undone in the kernel's epilogue equals norm_rope's inverse pass on the output."""

@@ -11,6 +11,8 @@
 // floats: conflict-free fragment reads). One CTA per SM (~200 KB for 64 heads of 512).
 #include <math.h>
 
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace ds4gpu {
@@ -45,21 +47,44 @@ __device__ __forceinline__ void mma3(float (&c)[4], const uint32_t (&ah)[4], con
   mma_tf32(c, ah, bh);
 }
 
+// Key kk of query t (its window rows, then its compressed rows): the row's address, or null where that key is
+// missing or not visible. sel_s: the query's selected rows staged in shared memory (-1: not a key), or null.
+__device__ __forceinline__ const float* ap_key_src(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys,
+                                                   int kk, const int* sel_s) {
+  if (kk < a.Wn) return p - (a.Wn - 1) + kk >= 0 ? a.win + ((int64_t)t + kk) * a.d : nullptr;
+  if (kk >= n_keys) return nullptr;
+  const int j = kk - a.Wn;
+  if (sel_s) return sel_s[j] >= 0 ? a.comp + (int64_t)sel_s[j] * a.d : nullptr;
+  const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
+  return row >= 0 && row < n_vis && row < a.n_comp ? a.comp + row * a.d : nullptr;
+}
+
+// The query's selected compressed rows into sel_s (as ap_key_src reads them from a.sel; -1 where not a key).
+__device__ __forceinline__ void ap_stage_sel(const PrefillAttn& a, int t, int64_t n_vis, int* sel_s) {
+  for (int j = threadIdx.x; j < a.n_sel; j += AP_THREADS) {
+    const int64_t row = a.sel[(int64_t)t * a.n_sel + j];
+    sel_s[j] = row >= 0 && row < n_vis && row < a.n_comp ? (int)row : -1;
+  }
+}
+
+// The rows of key tile k0 into L2 (prefetch.global.L2: no registers, no completion to wait for), one warp per row,
+// one 128-byte line per lane.
+__device__ __forceinline__ void ap_prefetch_tile(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys,
+                                                 int k0, const int* sel_s) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = warp; r < AP_KT; r += AP_WARPS) {
+    const float* src = ap_key_src(a, t, p, n_vis, n_keys, k0 + r, sel_s);
+    if (src && 32 * lane < a.d) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 32 * lane));
+  }
+}
+
 // Loads key tile `k0` (rows of the query's window, then its compressed rows) into Kb with cp.async (16-byte pieces;
 // missing or invisible rows are zero-filled), and whether each row is a key into ok. One warp per row.
 __device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys, int k0,
-                                             float* Kb, int* ok, int ds) {
+                                             float* Kb, int* ok, int ds, const int* sel_s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d4 = a.d / 4;
   for (int r = warp; r < AP_KT; r += AP_WARPS) {
-    const int kk = k0 + r;
-    const float* src = nullptr;
-    if (kk < a.Wn) {
-      if (p - (a.Wn - 1) + kk >= 0) src = a.win + ((int64_t)t + kk) * a.d;
-    } else if (kk < n_keys) {
-      const int j = kk - a.Wn;
-      const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
-      if (row >= 0 && row < n_vis && row < a.n_comp) src = a.comp + row * a.d;
-    }
+    const float* src = ap_key_src(a, t, p, n_vis, n_keys, k0 + r, sel_s);
     const float* from = src ? src : a.win;  // a valid address; 0 bytes are read from it
     const int bytes = src ? 16 : 0;
     for (int c = lane; c < d4; c += 32) {
@@ -101,13 +126,20 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   float* l_s = m_s + HG;               // [HG] running sum
   float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
   int* ok_s = (int*)(f_s + HG);        // [NBUF][AP_KT] key present and visible
+  int* sel_stage = ok_s + NBUF * AP_KT;  // [n_sel] with a.prefetch: the query's selected rows
   const int t = blockIdx.x, h_base = blockIdx.y * HG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
   const int64_t p = a.pos0 + t;
   const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
   const int n_keys = a.Wn + n_cmp;
   const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
-  ap_load_tile(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, ds);  // the first tile loads while the queries are staged
+  const int* sel_s = nullptr;
+  if (a.prefetch && a.sel && a.comp) {
+    ap_stage_sel(a, t, n_vis, sel_stage);
+    __syncthreads();
+    sel_s = sel_stage;
+  }
+  ap_load_tile(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, ds, sel_s);  // the first tile loads while the queries are staged
   for (int i = tid; i < HG * d4; i += AP_THREADS) {
     const int r = i / d4, c = i - r * d4, h = h_base + r;
     const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
@@ -128,16 +160,19 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
     if constexpr (NBUF == 2) {
       if (k0 + AP_KT < n_keys) {
-        ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds);
+        ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds,
+                     sel_s);
         asm volatile("cp.async.wait_group 1;\n" ::);
       } else {
         asm volatile("cp.async.wait_group 0;\n" ::);
       }
     } else {
-      if (k0 > 0) ap_load_tile(a, t, p, n_vis, n_keys, k0, Kbuf, ok_s, ds);
+      if (k0 > 0) ap_load_tile(a, t, p, n_vis, n_keys, k0, Kbuf, ok_s, ds, sel_s);
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // this tile is in shared memory for every thread
+    // one buffer: the next tile's rows head for L2 while this one is used, so its load waits on L2, not DRAM
+    if (NBUF == 1 && a.prefetch >= 2 && k0 + AP_KT < n_keys) ap_prefetch_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, sel_s);
     const float* Ks = Kbuf + buf * AP_KT * ds;
     const int* ok = ok_s + buf * AP_KT;
     {  // scores: m-tile warp % MT, keys 8 ((warp / MT) % 2) .. + 7 of the tile, columns k_lo .. k_hi - 1
@@ -288,7 +323,7 @@ void launch_mt(const PrefillAttn& a, cudaStream_t s) {
   constexpr int HG = 16 * MT, KS = AP_WARPS / (2 * MT);
   const int ds = a.d + AP_PAD;
   const size_t shm = sizeof(float) * ((size_t)(HG + NBUF * AP_KT) * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
-                     sizeof(int) * NBUF * AP_KT;
+                     sizeof(int) * (NBUF * AP_KT + (a.prefetch && a.sel && a.comp ? a.n_sel : 0));
   static size_t shm_set = 0;
   if (shm > shm_set) {
     DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT, NBUF, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -301,6 +336,16 @@ void launch_mt(const PrefillAttn& a, cudaStream_t s) {
 // Heads per CTA for more than 32 heads: 32 (two CTAs per query, 16 resident warps per SM, each key tile loaded
 // twice) or 64 (one CTA per query, 8 resident warps per SM). v10, 2048 queries of a Flash top-k layer: 5.23 ms
 // against 7.11 ms (torch float32 products: 5.99). $DS4_GPU_ATTN_HEADS, read once.
+// $DS4_GPU_ATTN_PREFETCH: 0 (v12), 1 the selected rows staged once per query, 2 also the L2 prefetch of the next key
+// tile (single-buffered forms); read once, an A/B switch.
+int attn_prefetch_mode() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_ATTN_PREFETCH");
+    return e && *e ? std::max(0, std::min(2, atoi(e))) : 0;
+  }();
+  return v;
+}
+
 int heads_per_cta() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_HEADS");
@@ -313,7 +358,10 @@ int heads_per_cta() {
 
 bool prefill_attn_takes(int H, int d) { return H > 0 && d > 0 && d % 64 == 0 && d <= 512; }
 
-void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s) {
+void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
+  PrefillAttn a = args;
+  if (a.prefetch < 0 || a.prefetch > 2) a.prefetch = attn_prefetch_mode();
+  if (a.sel && a.n_sel > 1024) a.prefetch = 0;  // the staged rows (4 KB at most) keep two CTAs per SM where two fit
   if (!prefill_attn_takes(a.H, a.d)) throw std::invalid_argument("prefill_attn: head dim must be a multiple of 64, <= 512");
   if (a.T < 0 || a.Wn < 1 || a.n_comp < 0 || (a.sel && a.n_sel < 1) || (a.comp && a.ratio < 1))
     throw std::invalid_argument("prefill_attn: bad sizes");

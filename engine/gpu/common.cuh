@@ -216,6 +216,9 @@ struct PrefillAttn {
   // norm_rope's inverse on the stored output), so the session skips that pass
   const float* out_freq = nullptr;
   int out_rope_dim = 0;
+  // 1 = the query's selected rows staged in shared memory once (no dependent index load per key tile), 2 = also the
+  // next key tile prefetched into L2 while this one is used, 0 = neither, -1 = as $DS4_GPU_ATTN_PREFETCH says
+  int prefetch = -1;
 };
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);

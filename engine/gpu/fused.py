@@ -212,13 +212,15 @@ class Fused:
 
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
-                     inverse_rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor | None:
+                     inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1) -> torch.Tensor | None:
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
         FP8 KV simulation's values), so their products skip the keys' zero lo part (the same bits, fewer products).
         inverse_rope = (freq, rope_dim): the output's RoPE tail undone at each query's position (the bits of
-        norm_rope(..., inverse=True) on the output). None where the kernel does not take the shapes."""
+        norm_rope(..., inverse=True) on the output). prefetch: 0, 1 (the selected rows staged once per query), 2 (also
+        the next key tile into L2), -1 ($DS4_GPU_ATTN_PREFETCH): the same bits. None where the kernel does not take
+        the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -231,7 +233,8 @@ class Fused:
         self.ext.prefill_attn(_p(q), _p(win), _p(comp), _p(sel), _p(sinks.contiguous()), _p(out), T, H, d,
                               win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
                               0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d),
-                              int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]))
+                              int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
+                              int(prefetch))
         return out
 
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
