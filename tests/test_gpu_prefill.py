@@ -170,7 +170,8 @@ def test_dequant_block_map_permutes_whole_experts() -> None:
         W.ext.dequant(w, hi.data_ptr(), lo.data_ptr(), 1024.0, 0, n_out + 1, -1, block_map.data_ptr(), n_out)
 
 
-@pytest.mark.parametrize("n", [1000, 1001, 4096])  # float4 rows and the scalar form (n % 4 != 0)
+# float4 rows held in registers (n <= 8192), the scalar form (n % 4 != 0), float4 rows read twice (n > 8192)
+@pytest.mark.parametrize("n", [1000, 1001, 4096, 8192, 8196])
 def test_split_half_is_the_scaled_hi_lo_of_each_row(n) -> None:
     from ds4.engine.gpu.weights import to_half
 

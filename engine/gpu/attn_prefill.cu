@@ -333,23 +333,26 @@ void launch_mt(const PrefillAttn& a, cudaStream_t s) {
   prefill_attn_kernel<MT, NBUF, MINB><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
 }
 
-// Heads per CTA for more than 32 heads: 32 (two CTAs per query, 16 resident warps per SM, each key tile loaded
-// twice) or 64 (one CTA per query, 8 resident warps per SM). v10, 2048 queries of a Flash top-k layer: 5.23 ms
-// against 7.11 ms (torch float32 products: 5.99). $DS4_GPU_ATTN_HEADS, read once.
-// $DS4_GPU_ATTN_PREFETCH: 0 (v12), 1 the selected rows staged once per query, 2 also the L2 prefetch of the next key
-// tile (single-buffered forms); read once, an A/B switch.
+// $DS4_GPU_ATTN_PREFETCH: 1 (default since v13: 8192-token prefill 3316/3344 -> 3398/3395 t/s) the selected rows
+// staged once per query; 0 the v12 form (an index load before each key row's copy); 2 also the L2 prefetch of the
+// next key tile in the single-buffered form (v13: no gain over 1, the keys are already in L2). Read once.
 int attn_prefetch_mode() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_PREFETCH");
-    return e && *e ? std::max(0, std::min(2, atoi(e))) : 0;
+    return e && *e ? std::max(0, std::min(2, atoi(e))) : 1;
   }();
   return v;
 }
 
+// Heads per CTA for more than 32 heads ($DS4_GPU_ATTN_HEADS, read once): 32 (default: two CTAs per query, one key
+// buffer, 2 CTAs per SM), 64 (one CTA per query, 1 per SM; v10, 2048 queries of a Flash top-k layer: 5.23 against
+// 7.11 ms; v13 end to end 1.1x slower) or 16 (four CTAs per query, double-buffered keys, 2 CTAs per SM; each key row
+// read from L2 four times).
 int heads_per_cta() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_HEADS");
-    return e && atoi(e) == 64 ? 64 : 32;
+    const int h = e ? atoi(e) : 32;
+    return h == 64 || h == 16 ? h : 32;
   }();
   return v;
 }
@@ -373,7 +376,7 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
   if (a.T == 0) return;
   // heads per CTA: 16, 32 or 64 (d * MT / 64 output tiles of 8 columns per warp)
-  if (a.H <= 16) launch_mt<1, 2, 2>(a, s);
+  if (a.H <= 16 || heads_per_cta() == 16) launch_mt<1, 2, 2>(a, s);
   else if (a.H <= 32 || heads_per_cta() == 32) launch_mt<2, 1, 2>(a, s);
   else launch_mt<4, 2, 1>(a, s);
   DS4_CHECK_LAUNCH("prefill_attn");
