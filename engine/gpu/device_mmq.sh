@@ -9,7 +9,7 @@
 #      order; default "6": the IQ2_XXS expert gate; "" for none; NCU_KERNEL: the kernel, default mmq_kernel, or
 #      mmf_kernel: 3 launches per expert shape, 0 = the IQ2_XXS gate, 3 = the Q2_K down), SESSION_ENV ("VAR=v,..."
 #      for the session tests;
-#      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run), SESSION=0 (kernels only),
+#      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run; unset: the v11 A/B sets, "": none), SESSION=0 (kernels only),
 #      BENCH_ATTN=1 (bench_attn too), TESTS (more GPU test files, run once under the defaults), RECORD (bench_session
 #      arguments of one last run under the defaults, e.g. "--ctx 2048 --decode 64 --prefill 32768"), BENCH_BARRIER=1
 #      (bench_barrier: grid-wide barriers against a graph-launched kernel), *_TIMEOUT.
@@ -61,7 +61,7 @@ fi
 [ -z "$SYN" ] || wait $SYN; cat "$OUT/synth.log"
 AB_DEFAULT="DS4_GPU_PREFILL_GEMM=exact DS4_GPU_MOE_GEMM=buckets,DS4_GPU_PREFILL_ATTN=f32 DS4_GPU_MMQ_ROWS=128 \
 DS4_GPU_PREFILL_GEMM=mmq"
-for envs in ${AB:-$AB_DEFAULT}; do
+for envs in ${AB-$AB_DEFAULT}; do
   stamp "prefill $envs"; echo "== $envs" >> "$OUT/prefill_ab.log"
   env ${envs//,/ } timeout ${BENCH_TIMEOUT:-90} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf --ctx \
     --prefill 2048 8192 --prefill-runs ${PREFILL_RUNS:-2} 2>&1 | tee -a "$OUT/prefill_ab.log" | grep -E "^prefill"
