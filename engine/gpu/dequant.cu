@@ -133,6 +133,37 @@ namespace ds4gpu {
 // operand of the prefill GEMMs in one pass (the torch chain abs/amax/div/cast/sub/cast took six).
 constexpr int SPLIT_THREADS = 256;
 
+// The row's scale from each thread's running max m: the block's max (warp butterflies, then the warps in order),
+// floored at 1e-30. Every thread of the CTA calls it.
+__device__ __forceinline__ float split_row_scale(float m, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < SPLIT_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+  return fmaxf(m, 1e-30f);
+}
+
+__device__ __forceinline__ float abs_max4(float m, const float4 v) {
+  return fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+}
+
+// float4 i of the row: hi = f16(x / m), lo = f16(x / m - hi), stored as 8-byte half quads (lo: when not null).
+__device__ __forceinline__ void split_store4(const float4 x4, float m, __half* hi, __half* lo, int64_t i) {
+  const float v[4] = {x4.x / m, x4.y / m, x4.z / m, x4.w / m};
+  __align__(8) __half h[4];
+  __align__(8) __half l[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    h[j] = __float2half_rn(v[j]);
+    l[j] = __float2half_rn(v[j] - __half2float(h[j]));
+  }
+  reinterpret_cast<uint2*>(hi)[i] = *reinterpret_cast<const uint2*>(h);
+  if (lo) reinterpret_cast<uint2*>(lo)[i] = *reinterpret_cast<const uint2*>(l);
+}
+
 // V4: rows of n % 4 == 0 in float4 loads and 8-byte half stores (the same values; v1-v11 read one float per thread).
 template <bool V4>
 __global__ void __launch_bounds__(SPLIT_THREADS) split_half_kernel(const float* x, int64_t n, __half* hi, __half* lo,
@@ -142,35 +173,14 @@ __global__ void __launch_bounds__(SPLIT_THREADS) split_half_kernel(const float* 
   const float* xr = x + row * n;
   float m = 0.0f;
   if constexpr (V4) {
-    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS) {
-      const float4 v = reinterpret_cast<const float4*>(xr)[i];
-      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
+    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS) m = abs_max4(m, reinterpret_cast<const float4*>(xr)[i]);
   } else {
     for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) m = fmaxf(m, fabsf(xr[i]));
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < SPLIT_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-  m = fmaxf(m, 1e-30f);
+  m = split_row_scale(m, red);
   if constexpr (V4) {
-    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS) {
-      const float4 x4 = reinterpret_cast<const float4*>(xr)[i];
-      const float v[4] = {x4.x / m, x4.y / m, x4.z / m, x4.w / m};
-      __align__(8) __half h[4];
-      __align__(8) __half l[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        h[j] = __float2half_rn(v[j]);
-        l[j] = __float2half_rn(v[j] - __half2float(h[j]));
-      }
-      reinterpret_cast<uint2*>(hi + row * n)[i] = *reinterpret_cast<const uint2*>(h);
-      if (lo) reinterpret_cast<uint2*>(lo + row * n)[i] = *reinterpret_cast<const uint2*>(l);
-    }
+    for (int64_t i = threadIdx.x; i < n / 4; i += SPLIT_THREADS)
+      split_store4(reinterpret_cast<const float4*>(xr)[i], m, hi + row * n, lo ? lo + row * n : nullptr, i);
   } else {
     for (int64_t i = threadIdx.x; i < n; i += SPLIT_THREADS) {
       const float v = xr[i] / m;
@@ -199,30 +209,13 @@ __global__ void __launch_bounds__(SPLIT_THREADS) split_half_cached_kernel(const 
   }
   float m = 0.0f;
 #pragma unroll
-  for (int c = 0; c < SPLIT_CACHE; ++c)
-    m = fmaxf(m, fmaxf(fmaxf(fabsf(v[c].x), fabsf(v[c].y)), fmaxf(fabsf(v[c].z), fabsf(v[c].w))));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < SPLIT_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-  m = fmaxf(m, 1e-30f);
+  for (int c = 0; c < SPLIT_CACHE; ++c) m = abs_max4(m, v[c]);
+  m = split_row_scale(m, red);
 #pragma unroll
   for (int c = 0; c < SPLIT_CACHE; ++c) {
     const int i = threadIdx.x + c * SPLIT_THREADS;
     if (i >= n4) break;
-    const float e[4] = {v[c].x / m, v[c].y / m, v[c].z / m, v[c].w / m};
-    __align__(8) __half h[4];
-    __align__(8) __half l[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      h[j] = __float2half_rn(e[j]);
-      l[j] = __float2half_rn(e[j] - __half2float(h[j]));
-    }
-    reinterpret_cast<uint2*>(hi + row * n)[i] = *reinterpret_cast<const uint2*>(h);
-    if (lo) reinterpret_cast<uint2*>(lo + row * n)[i] = *reinterpret_cast<const uint2*>(l);
+    split_store4(v[c], m, hi + row * n, lo ? lo + row * n : nullptr, i);
   }
   if (threadIdx.x == 0) s[row] = m;
 }
