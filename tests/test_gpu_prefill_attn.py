@@ -116,6 +116,54 @@ def test_staged_rows_and_prefetch_give_the_same_bits(T, H, d, n_comp, k_sel, pos
     assert float((base.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_pack_keys_writes_bfloat16_then_float32_columns():
+    """pack_keys: per row the first pk_dims values as bfloat16 (truncated: exact for FP8-simulated values), then the
+    float32 bits of the rest; the argument checks."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    d, pk = 512, 448
+    x = ops.fp8_kv_round(torch.randn(37, d, generator=torch.Generator().manual_seed(5)).to(DEV), pk)
+    got = K.pack_keys(x, pk).cpu()
+    bits = x.cpu().view(torch.int32)
+    want_bf16 = (bits[:, :pk] >> 16).to(torch.int16)  # the top 16 bits: the bfloat16 of an exact value
+    assert torch.equal(got[:, :pk], want_bf16)
+    assert torch.equal(got[:, pk:].contiguous().view(torch.int32), bits[:, pk:])
+    back = (got[:, :pk].to(torch.int32) << 16).view(torch.float32)
+    assert torch.equal(back, x.cpu()[:, :pk])  # the premise: FP8-simulated columns are exact in bfloat16
+    out = torch.empty((37, pk + 2 * (d - pk)), dtype=torch.int16, device=DEV)
+    with pytest.raises(ValueError, match="pk_dims"):
+        K.ext.pack_keys(x.data_ptr(), 37, d, 12, out.data_ptr())
+
+
+@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
+    (40, 64, 512, 900, 512, 3000, 4),     # Flash: two CTAs of 32 heads, now with two key buffers
+    (30, 16, 128, 300, 100, 900, 4),      # 16 heads
+    (9, 128, 512, 700, 512, 2600, 4),     # Pro: two groups of 64 heads
+    (24, 8, 512, 20, 0, 2000, 128),       # all rows, the last ones not visible
+    (50, 4, 128, None, 0, 0, 0),          # window only
+    (17, 20, 128, 40, 16, 100, 4),        # padded head groups
+])
+def test_packed_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
+    """Keys FP8-rounded on their first d - 64 columns: reading them from packed rows (bfloat16 there, float32 for the
+    RoPE columns) gives every output bit of the float32 rows, at each heads-per-CTA form."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(T + 5 * H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
+    n_nope = d - 64
+    win = ops.fp8_kv_round(win, n_nope)
+    comp = None if comp is None else ops.fp8_kv_round(comp, n_nope)
+    plain = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope)
+    packed = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True)
+    assert torch.equal(packed, plain)
+    for mode in (0, 2):  # the staged selection and the L2 prefetch forms read the packed rows alike
+        assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True,
+                                          prefetch=mode), plain), mode
+
+
 @pytest.mark.parametrize("T,H", [(40, 64), (3, 8)])  # norm_rope's warp kernel (2560 rows) and its block kernel (24)
 def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
     """The attention output's RoPE tail undone in the kernel's epilogue equals norm_rope's inverse pass on the output."""
@@ -136,7 +184,7 @@ def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
 
 def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS, then
-    also DS4_GPU_ATTN_OUT_ROPE, are the bits of the full form."""
+    also DS4_GPU_ATTN_OUT_ROPE, then also DS4_GPU_ATTN_PACKED, are the bits of the full form."""
     from conftest import quantize_cli
 
     from ds4.engine.gpu import prefill
@@ -156,7 +204,7 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     calls = []  # (exact_dims, inverse_rope given) of each fused launch
     real = type(g.K).prefill_attn
     monkeypatch.setattr(type(g.K), "prefill_attn",
-                        lambda self, *a: calls.append((a[7], a[8] is not None)) or real(self, *a))
+                        lambda self, *a, **kw: calls.append((a[7], a[8] is not None)) or real(self, *a, **kw))
     got = g.prefill(toks, all_logits=True)
     assert calls and all(ex == m.config.n_nope and not inv for ex, inv in calls)
     assert np.array_equal(got, want)
@@ -165,6 +213,9 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     both = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
     assert calls and all(inv for _, inv in calls)
     assert np.array_equal(both, want)
+    monkeypatch.setattr(prefill, "ATTN_PACKED", True)  # and the keys from packed rows (DS4_GPU_ATTN_PACKED): the same bits
+    packed = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+    assert np.array_equal(packed, want)
 
 
 def test_prefill_attention_kernel_declines_odd_head_dims():
@@ -208,7 +259,7 @@ def test_fused_prefill_attention_in_the_session(monkeypatch, tmp_path):
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
     real = type(g.K).prefill_attn
-    monkeypatch.setattr(type(g.K), "prefill_attn", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(type(g.K), "prefill_attn", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     got = g.prefill(toks, all_logits=True)
     assert calls, "the fused kernel did not run"
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))

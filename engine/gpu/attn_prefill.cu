@@ -47,16 +47,26 @@ __device__ __forceinline__ void mma3(float (&c)[4], const uint32_t (&ah)[4], con
   mma_tf32(c, ah, bh);
 }
 
+// Bytes of one key row: float32, or packed (pk_dims bfloat16 values, then float32).
+template <bool PK>
+__device__ __forceinline__ int64_t ap_row_bytes(const PrefillAttn& a) {
+  return PK ? 2 * (int64_t)a.pk_dims + 4 * (int64_t)(a.d - a.pk_dims) : 4 * (int64_t)a.d;
+}
+
 // Key kk of query t (its window rows, then its compressed rows): the row's address, or null where that key is
 // missing or not visible. sel_s: the query's selected rows staged in shared memory (-1: not a key), or null.
-__device__ __forceinline__ const float* ap_key_src(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys,
-                                                   int kk, const int* sel_s) {
-  if (kk < a.Wn) return p - (a.Wn - 1) + kk >= 0 ? a.win + ((int64_t)t + kk) * a.d : nullptr;
+template <bool PK>
+__device__ __forceinline__ const uint8_t* ap_key_src(const PrefillAttn& a, int t, int64_t p, int64_t n_vis,
+                                                     int n_keys, int kk, const int* sel_s) {
+  const uint8_t* win = PK ? (const uint8_t*)a.win_pk : (const uint8_t*)a.win;
+  const uint8_t* comp = PK ? (const uint8_t*)a.comp_pk : (const uint8_t*)a.comp;
+  const int64_t rb = ap_row_bytes<PK>(a);
+  if (kk < a.Wn) return p - (a.Wn - 1) + kk >= 0 ? win + ((int64_t)t + kk) * rb : nullptr;
   if (kk >= n_keys) return nullptr;
   const int j = kk - a.Wn;
-  if (sel_s) return sel_s[j] >= 0 ? a.comp + (int64_t)sel_s[j] * a.d : nullptr;
+  if (sel_s) return sel_s[j] >= 0 ? comp + (int64_t)sel_s[j] * rb : nullptr;
   const int64_t row = a.sel ? a.sel[(int64_t)t * a.n_sel + j] : j;
-  return row >= 0 && row < n_vis && row < a.n_comp ? a.comp + row * a.d : nullptr;
+  return row >= 0 && row < n_vis && row < a.n_comp ? comp + row * rb : nullptr;
 }
 
 // The query's selected compressed rows into sel_s (as ap_key_src reads them from a.sel; -1 where not a key).
@@ -69,31 +79,57 @@ __device__ __forceinline__ void ap_stage_sel(const PrefillAttn& a, int t, int64_
 
 // The rows of key tile k0 into L2 (prefetch.global.L2: no registers, no completion to wait for), one warp per row,
 // one 128-byte line per lane.
+template <bool PK>
 __device__ __forceinline__ void ap_prefetch_tile(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys,
                                                  int k0, const int* sel_s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int r = warp; r < AP_KT; r += AP_WARPS) {
-    const float* src = ap_key_src(a, t, p, n_vis, n_keys, k0 + r, sel_s);
-    if (src && 32 * lane < a.d) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 32 * lane));
+    const uint8_t* src = ap_key_src<PK>(a, t, p, n_vis, n_keys, k0 + r, sel_s);
+    if (src && 128 * lane < ap_row_bytes<PK>(a)) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 128 * lane));
   }
 }
 
-// Loads key tile `k0` (rows of the query's window, then its compressed rows) into Kb with cp.async (16-byte pieces;
-// missing or invisible rows are zero-filled), and whether each row is a key into ok. One warp per row.
+// Loads key tile `k0` (rows of the query's window, then its compressed rows) into Kb (rows dsb bytes apart) with
+// cp.async (16-byte pieces; missing or invisible rows are zero-filled), and whether each row is a key into ok. One
+// warp per row.
+template <bool PK>
 __device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys, int k0,
-                                             float* Kb, int* ok, int ds, const int* sel_s) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, d4 = a.d / 4;
+                                             uint8_t* Kb, int* ok, int dsb, const int* sel_s) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c16 = (int)(ap_row_bytes<PK>(a) / 16);
   for (int r = warp; r < AP_KT; r += AP_WARPS) {
-    const float* src = ap_key_src(a, t, p, n_vis, n_keys, k0 + r, sel_s);
-    const float* from = src ? src : a.win;  // a valid address; 0 bytes are read from it
+    const uint8_t* src = ap_key_src<PK>(a, t, p, n_vis, n_keys, k0 + r, sel_s);
+    const uint8_t* from = src ? src : (const uint8_t*)a.win;  // a valid address; 0 bytes are read from it
     const int bytes = src ? 16 : 0;
-    for (int c = lane; c < d4; c += 32) {
-      const uint32_t dst = (uint32_t)__cvta_generic_to_shared(Kb + r * ds + 4 * c);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from + 4 * c), "r"(bytes));
+    for (int c = lane; c < c16; c += 32) {
+      const uint32_t dst = (uint32_t)__cvta_generic_to_shared(Kb + r * dsb + 16 * c);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(from + 16 * c), "r"(bytes));
     }
     if (lane == 0) ok[r] = src != nullptr;
   }
   asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Key values from a shared key row (float32, or packed: bfloat16 below pk, float32 from pk on); c even for the pair.
+// The bfloat16 values widen exactly, so both forms give the float32 values the products saw before.
+template <bool PK>
+__device__ __forceinline__ float2 ap_key_pair(const uint8_t* row, int c, int pk) {
+  if (PK && c < pk) {
+    const uint32_t w = *(const uint32_t*)(row + 2 * c);
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  return *(const float2*)(row + (PK ? 2 * pk + 4 * (c - pk) : 4 * c));
+}
+template <bool PK>
+__device__ __forceinline__ float ap_key_value(const uint8_t* row, int c, int pk) {
+  if (PK && c < pk) return __uint_as_float((uint32_t)*(const uint16_t*)(row + 2 * c) << 16);
+  return *(const float*)(row + (PK ? 2 * pk + 4 * (c - pk) : 4 * c));
+}
+
+// Shared bytes per key row: float32 rows padded by AP_PAD floats; packed rows by 32 bytes (8 words: rows 8 banks
+// apart, as the float32 rows are, for d a multiple of 64 and pk_dims = d - 64).
+template <bool PK>
+__host__ __device__ inline int ap_smem_row_bytes(int d, int pk_dims) {
+  return PK ? 2 * pk_dims + 4 * (d - pk_dims) + 32 : 4 * (d + AP_PAD);
 }
 
 // Fragments of m16n8k8 (PTX ISA, .tf32): with g = lane / 4, i = lane % 4,
@@ -110,7 +146,7 @@ __device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_
 // v2 (v10): double-buffered tiles, scores in independent chains, softmax on 4 threads per head row; v3: TF32
 // splits by truncation, paired loads, rows padded to 8 floats mod 32 (conflict-free reads for both products), and
 // for 64 heads two CTAs of 32 per query (DS4_GPU_ATTN_HEADS=64: one of 64).
-template <int MT, int NBUF, int MINB>
+template <int MT, int NBUF, int MINB, bool PK>
 __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
   constexpr int CP = AP_WARPS / MT;    // column parts of the output per m-tile
@@ -118,10 +154,10 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   constexpr int NT = 8 * MT;           // output tiles of 8 columns per warp, at most (d <= 512)
   constexpr int KC = 4;                // independent score chains
   extern __shared__ __align__(16) float sh[];
-  const int d = a.d, ds = d + AP_PAD, d4 = d / 4;
+  const int d = a.d, ds = d + AP_PAD, d4 = d / 4, pk = PK ? a.pk_dims : 0, dsb = ap_smem_row_bytes<PK>(d, pk);
   float* Qs = sh;                      // [HG][ds]
-  float* Kbuf = Qs + HG * ds;          // [NBUF][AP_KT][ds]
-  float* Ss = Kbuf + NBUF * AP_KT * ds;  // [KS][HG][AP_SP] partial scores; part 0 then holds the tile's weights
+  uint8_t* Kbuf = (uint8_t*)(Qs + HG * ds);  // [NBUF][AP_KT] rows of dsb bytes
+  float* Ss = (float*)(Kbuf + NBUF * AP_KT * dsb);  // [KS][HG][AP_SP] partial scores; part 0 then the tile's weights
   float* m_s = Ss + KS * HG * AP_SP;   // [HG] running max
   float* l_s = m_s + HG;               // [HG] running sum
   float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
@@ -139,7 +175,7 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     __syncthreads();
     sel_s = sel_stage;
   }
-  ap_load_tile(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, ds, sel_s);  // the first tile loads while the queries are staged
+  ap_load_tile<PK>(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s);  // the first tile loads while Q is staged
   for (int i = tid; i < HG * d4; i += AP_THREADS) {
     const int r = i / d4, c = i - r * d4, h = h_base + r;
     const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
@@ -160,26 +196,27 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
     if constexpr (NBUF == 2) {
       if (k0 + AP_KT < n_keys) {
-        ap_load_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * ds, ok_s + (buf ^ 1) * AP_KT, ds,
-                     sel_s);
+        ap_load_tile<PK>(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * dsb, ok_s + (buf ^ 1) * AP_KT,
+                         dsb, sel_s);
         asm volatile("cp.async.wait_group 1;\n" ::);
       } else {
         asm volatile("cp.async.wait_group 0;\n" ::);
       }
     } else {
-      if (k0 > 0) ap_load_tile(a, t, p, n_vis, n_keys, k0, Kbuf, ok_s, ds, sel_s);
+      if (k0 > 0) ap_load_tile<PK>(a, t, p, n_vis, n_keys, k0, Kbuf, ok_s, dsb, sel_s);
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // this tile is in shared memory for every thread
     // one buffer: the next tile's rows head for L2 while this one is used, so its load waits on L2, not DRAM
-    if (NBUF == 1 && a.prefetch >= 2 && k0 + AP_KT < n_keys) ap_prefetch_tile(a, t, p, n_vis, n_keys, k0 + AP_KT, sel_s);
-    const float* Ks = Kbuf + buf * AP_KT * ds;
+    if (NBUF == 1 && a.prefetch >= 2 && k0 + AP_KT < n_keys)
+      ap_prefetch_tile<PK>(a, t, p, n_vis, n_keys, k0 + AP_KT, sel_s);
+    const uint8_t* Ks = Kbuf + buf * AP_KT * dsb;
     const int* ok = ok_s + buf * AP_KT;
     {  // scores: m-tile warp % MT, keys 8 ((warp / MT) % 2) .. + 7 of the tile, columns k_lo .. k_hi - 1
       const int mt = warp % MT, n0 = 8 * ((warp / MT) % 2);
       const float* q0 = Qs + (16 * mt + g) * ds + 2 * i4;
       const float* q1 = q0 + 8 * ds;
-      const float* kr = Ks + (n0 + g) * ds + 2 * i4;
+      const uint8_t* kr = Ks + (n0 + g) * dsb;
       float cm[KC][4], cc[KC][4];
 #pragma unroll
       for (int j = 0; j < KC; ++j)
@@ -189,7 +226,8 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
         for (int j = 0; j < KC; ++j) {
           const int kk = k + 8 * j;
           if (kk >= k_hi) break;  // uniform: d / KS may not be a multiple of 32
-          const float2 x0 = *(const float2*)(q0 + kk), x1 = *(const float2*)(q1 + kk), y = *(const float2*)(kr + kk);
+          const float2 x0 = *(const float2*)(q0 + kk), x1 = *(const float2*)(q1 + kk);
+          const float2 y = ap_key_pair<PK>(kr, kk + 2 * i4, pk);  // kk < pk: uniform (pk a multiple of 8)
           uint32_t ah[4], al[4], bh[2], bl[2];
           split_tf32(x0.x, ah[0], al[0]);
           split_tf32(x1.x, ah[1], al[1]);
@@ -267,14 +305,14 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
       split_tf32(p0[8 * AP_SP + i4], ah[1], al[1]);
       split_tf32(p0[i4 + 4], ah[2], al[2]);
       split_tf32(p0[8 * AP_SP + i4 + 4], ah[3], al[3]);
-      const float* v0 = Ks + (ks + i4) * ds + g;
+      const uint8_t* v0 = Ks + (ks + i4) * dsb;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         if (n >= ntw) break;
         const int col = (cp * ntw + n) * 8;
         uint32_t bh[2], bl[2];
         const bool split_v = col + 8 > a.exact_dims;  // uniform; else the values are exact in TF32 (lo = 0)
-        const float v_0 = v0[col], v_1 = v0[4 * ds + col];
+        const float v_0 = ap_key_value<PK>(v0, col + g, pk), v_1 = ap_key_value<PK>(v0 + 4 * dsb, col + g, pk);
         bh[0] = __float_as_uint(v_0);
         bh[1] = __float_as_uint(v_1);
         if (split_v) {
@@ -318,19 +356,20 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   }
 }
 
-template <int MT, int NBUF, int MINB>
+template <int MT, int NBUF, int MINB, bool PK = false>
 void launch_mt(const PrefillAttn& a, cudaStream_t s) {
   constexpr int HG = 16 * MT, KS = AP_WARPS / (2 * MT);
   const int ds = a.d + AP_PAD;
-  const size_t shm = sizeof(float) * ((size_t)(HG + NBUF * AP_KT) * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
+  const size_t shm = sizeof(float) * ((size_t)HG * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
+                     (size_t)NBUF * AP_KT * ap_smem_row_bytes<PK>(a.d, a.pk_dims) +
                      sizeof(int) * (NBUF * AP_KT + (a.prefetch && a.sel && a.comp ? a.n_sel : 0));
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT, NBUF, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_kernel<MT, NBUF, MINB, PK>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  prefill_attn_kernel<MT, NBUF, MINB><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_kernel<MT, NBUF, MINB, PK><<<dim3(a.T, (a.H + HG - 1) / HG), AP_THREADS, shm, s>>>(a);
 }
 
 // $DS4_GPU_ATTN_PREFETCH: 1 (default since v13: 8192-token prefill 3316/3344 -> 3398/3395 t/s) the selected rows
@@ -359,6 +398,37 @@ int heads_per_cta() {
 
 }  // namespace
 
+namespace {
+// One thread per 16 output bytes (8 bfloat16 values, or 4 floats) of a packed key row.
+__global__ void pack_keys_kernel(const float* x, int64_t rows, int d, int pk, uint16_t* out) {
+  const int per_row = pk / 8 + (d - pk) / 4;
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * per_row) return;
+  const int64_t r = i / per_row;
+  const int u = (int)(i - r * per_row);
+  const float* xr = x + r * d;
+  uint4* dst = (uint4*)(out + r * (pk + 2 * (int64_t)(d - pk))) + u;
+  if (u < pk / 8) {  // bfloat16 by truncation: exact for the FP8-simulated values these columns hold
+    const float4 a = ((const float4*)xr)[2 * u], b = ((const float4*)xr)[2 * u + 1];
+    auto two = [](float lo, float hi) { return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u); };
+    *dst = make_uint4(two(a.x, a.y), two(a.z, a.w), two(b.x, b.y), two(b.z, b.w));
+  } else {
+    const float4 v = ((const float4*)(xr + pk))[u - pk / 8];
+    *dst = make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w));
+  }
+}
+}  // namespace
+
+void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s) {
+  if (pk_dims <= 0 || pk_dims >= d || pk_dims % 8 || d % 4)
+    throw std::invalid_argument("pack_keys: pk_dims must be a multiple of 8 in (0, d), d a multiple of 4");
+  if ((uintptr_t)x % 16 || (uintptr_t)out % 16) throw std::invalid_argument("pack_keys: rows must be 16-byte aligned");
+  if (rows <= 0) return;
+  const int64_t n = rows * (pk_dims / 8 + (d - pk_dims) / 4);
+  pack_keys_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(x, rows, d, pk_dims, out);
+  DS4_CHECK_LAUNCH("pack_keys");
+}
+
 bool prefill_attn_takes(int H, int d) { return H > 0 && d > 0 && d % 64 == 0 && d <= 512; }
 
 void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
@@ -374,7 +444,20 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
     throw std::invalid_argument("prefill_attn: out_rope_dim must be a multiple of 8 in (0, d]");
   for (const void* ptr : {(const void*)a.q, (const void*)a.win, (const void*)a.comp, (const void*)a.out})
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
+  if (a.win_pk) {
+    if ((a.comp && !a.comp_pk) || a.pk_dims != a.exact_dims || a.pk_dims <= 0 || a.pk_dims >= a.d)
+      throw std::invalid_argument("prefill_attn: packed keys need pk_dims == exact_dims in (0, d) and packed comp rows");
+    for (const void* ptr : {(const void*)a.win_pk, (const void*)a.comp_pk})
+      if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: packed rows must be 16-byte aligned");
+  }
   if (a.T == 0) return;
+  if (a.win_pk) {  // packed keys: two key buffers in every form (the half-size rows leave room for them)
+    if (a.H <= 16 || heads_per_cta() == 16) launch_mt<1, 2, 2, true>(a, s);
+    else if (a.H <= 32 || heads_per_cta() == 32) launch_mt<2, 2, 2, true>(a, s);
+    else launch_mt<4, 2, 1, true>(a, s);
+    DS4_CHECK_LAUNCH("prefill_attn (packed keys)");
+    return;
+  }
   // heads per CTA: 16, 32 or 64 (d * MT / 64 output tiles of 8 columns per warp)
   if (a.H <= 16 || heads_per_cta() == 16) launch_mt<1, 2, 2>(a, s);
   else if (a.H <= 32 || heads_per_cta() == 32) launch_mt<2, 1, 2>(a, s);

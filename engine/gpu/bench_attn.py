@@ -91,6 +91,19 @@ def main(argv=None) -> int:
         got = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
         err = float((got - ref).norm() / ref.norm())
         print(f"{name:<22} {fused:9.2f} {f32:13.2f} {tf32:14.2f} {f32 / fused:12.2f}   (fused vs f32 rel {err:.1e})")
+    # the FP8 KV simulation's keys: the exact-keys products, then also the packed rows (the same bits)
+    from .ops import fp8_kv_round
+
+    q, win, comp, sel, sinks = _inputs(T, 2048, 512, pos0)
+    n_nope = q.shape[2] - 64
+    win, comp = fp8_kv_round(win, n_nope), fp8_kv_round(comp, n_nope)
+    full = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4), args.reps)
+    exact = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope), args.reps)
+    packed = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True), args.reps)
+    same = torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True),
+                       K.prefill_attn(q, win, comp, sel, sinks, pos0, 4))
+    print(f"top-k, FP8-rounded keys: fused {full:.2f} ms, exact keys {exact:.2f} ms, packed keys {packed:.2f} ms "
+          f"(packed == full: {same})")
     return 0
 
 

@@ -219,7 +219,15 @@ struct PrefillAttn {
   // 1 = the query's selected rows staged in shared memory once (no dependent index load per key tile), 2 = also the
   // next key tile prefetched into L2 while this one is used, 0 = neither, -1 = as $DS4_GPU_ATTN_PREFETCH says
   int prefetch = -1;
+  // win_pk != null: the keys come from packed copies of win and comp (pack_keys): per row pk_dims bfloat16 values
+  // (exact: pk_dims == exact_dims, the FP8-simulated columns), then the other d - pk_dims columns as float32. Rows of
+  // 1152 instead of 2048 bytes (Flash), so two key buffers fit beside the queries at two CTAs per SM.
+  const uint16_t* win_pk = nullptr;
+  const uint16_t* comp_pk = nullptr;
+  int pk_dims = 0;
 };
+// attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk) at out
+void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s);
 bool prefill_attn_takes(int H, int d);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8

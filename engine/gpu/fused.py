@@ -212,15 +212,18 @@ class Fused:
 
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
-                     inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1) -> torch.Tensor | None:
+                     inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1,
+                     packed: bool = False) -> torch.Tensor | None:
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
         FP8 KV simulation's values), so their products skip the keys' zero lo part (the same bits, fewer products).
         inverse_rope = (freq, rope_dim): the output's RoPE tail undone at each query's position (the bits of
         norm_rope(..., inverse=True) on the output). prefetch: 0, 1 (the selected rows staged once per query), 2 (also
-        the next key tile into L2), -1 ($DS4_GPU_ATTN_PREFETCH): the same bits. None where the kernel does not take
-        the shapes."""
+        the next key tile into L2), -1 ($DS4_GPU_ATTN_PREFETCH): the same bits. packed (with exact_dims > 0): the keys
+        read from packed copies (their exact_dims columns as bfloat16, the rest float32: half the bytes, two key
+        buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
+        None where the kernel does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -230,11 +233,24 @@ class Fused:
         freq = None if inverse_rope is None else inverse_rope[0].contiguous()  # held until the launch
         out = torch.empty_like(q)
         self._stream()
+        win_pk = comp_pk = None
+        if packed and exact_dims > 0:
+            win_pk, comp_pk = self.pack_keys(win, int(exact_dims)), None if comp is None else self.pack_keys(
+                comp, int(exact_dims))
         self.ext.prefill_attn(_p(q), _p(win), _p(comp), _p(sel), _p(sinks.contiguous()), _p(out), T, H, d,
                               win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
                               0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d),
                               int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
-                              int(prefetch))
+                              int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0)
+        return out
+
+    def pack_keys(self, x: torch.Tensor, pk_dims: int) -> torch.Tensor:
+        """Key rows x [n, d] float32 as packed rows (int16 [n, pk_dims + 2 (d - pk_dims)]: pk_dims bfloat16 values by
+        truncation, then the float32 bits of the rest), the form prefill_attn(packed=True) reads."""
+        n, d = x.shape
+        out = torch.empty((n, pk_dims + 2 * (d - pk_dims)), dtype=torch.int16, device=x.device)
+        self._stream()
+        self.ext.pack_keys(_p(x.contiguous()), n, d, int(pk_dims), _p(out))
         return out
 
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,

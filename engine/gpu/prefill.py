@@ -38,6 +38,10 @@ ATTN_EXACT_KEYS = os.environ.get("DS4_GPU_ATTN_EXACT_KEYS", "1") != "0"
 # DS4_GPU_ATTN_OUT_ROPE (default 1 since v13): the fused attention undoes the output's RoPE tail in its epilogue (the
 # bits of norm_rope's inverse pass, which is then skipped: one pass over [T, H, d] less)
 ATTN_OUT_ROPE = os.environ.get("DS4_GPU_ATTN_OUT_ROPE", "1") != "0"
+# DS4_GPU_ATTN_PACKED=1 (prepared in v13, off until measured): with exact keys, the fused attention reads packed key
+# rows (the FP8-simulated columns as bfloat16, exact; the rest float32: 1152 instead of 2048 bytes per Flash row), so
+# the 32-head form gets two key buffers at two CTAs per SM; the same bits.
+ATTN_PACKED = os.environ.get("DS4_GPU_ATTN_PACKED", "0") == "1"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -94,7 +98,8 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
         with section("attend"):
             exact = cfg.n_nope if (ATTN_EXACT_KEYS and cfg.fp8_kv) else 0
             inv = (ses._freq[r != 0], cfg.rope_dim) if ATTN_OUT_ROPE else None
-            o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv)
+            o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv,
+                                   packed=ATTN_PACKED)
         if o is not None:
             with section("attn_out"):
                 return ses._attn_out(li, o, cos, sin, pos, rope_done=inv is not None)
