@@ -211,6 +211,90 @@ def test_quantize_x_matches_its_model_bit_for_bit(R, n, gather):
         assert np.array_equal(got.cpu().numpy(), ref), name
 
 
+def quantize_x256_model(x: np.ndarray):
+    """repack.cu quantize_x256_kernel in numpy float32: one scale per 256 columns (stored for each 32-column block),
+    the 16-column sums as each lane pair adds them (8 values pairwise, then the two halves)."""
+    R, n = x.shape
+    b = x.reshape(R, n // 256, 256)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    s = (amax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(amax > 0, s, np.float32(1.0))
+    t = (b / safe).astype(np.float32)
+    hr = np.rint(t)
+    lo = np.clip(np.rint((t - hr) * np.float32(254.0)), -127, 127)
+    hi, lo = np.where(amax > 0, hr, 0).astype(np.int8), np.where(amax > 0, lo, 0).astype(np.int8)
+    v = x.reshape(R, n // 8, 8)
+    half = ((v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3])) + ((v[..., 4] + v[..., 5]) + (v[..., 6] + v[..., 7]))
+    sum16 = half[:, 0::2] + half[:, 1::2]
+    scale = np.repeat((s / np.float32(254.0)).reshape(R, n // 256), 8, axis=1)
+    return hi.reshape(R, n), lo.reshape(R, n), scale, sum16
+
+
+@pytest.mark.parametrize("R,n,gather", [(1, 4096, False), (9, 256, False), (33, 2048, True)])
+def test_quantize_x_group_256_matches_its_model_bit_for_bit(R, n, gather):
+    import torch
+
+    ext = gpu.load()
+    rng = np.random.default_rng(R + n + 256)
+    src = (rng.standard_normal((R + 5, n)) * rng.choice([1e-3, 1.0, 50.0], size=(R + 5, 1))).astype(np.float32)
+    src[0, :256] = 0.0  # an all-zero super-block
+    rows = rng.integers(0, R + 5, R) if gather else np.arange(R)
+    x = torch.from_numpy(src if gather else src[:R]).cuda()
+    idx = torch.from_numpy(rows).cuda()
+    hi, lo = (torch.empty((R, n), dtype=torch.int8, device="cuda") for _ in range(2))
+    scale, sum16 = torch.empty((R, n // 32), device="cuda"), torch.empty((R, n // 16), device="cuda")
+    ext.quantize_x(x.data_ptr(), R, n, idx.data_ptr() if gather else 0, hi.data_ptr(), lo.data_ptr(),
+                   scale.data_ptr(), sum16.data_ptr(), group=256)
+    want = quantize_x256_model(src[rows])
+    for name, got, ref in zip(("hi", "lo", "scale", "sum16"), (hi, lo, scale, sum16), want):
+        assert np.array_equal(got.cpu().numpy(), ref), name
+    with pytest.raises(ValueError, match="group"):
+        ext.quantize_x(x.data_ptr(), R, n, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
+                       group=64)
+
+
+def test_mmq_s256_q2k_experts_match_the_reference():
+    """DS4_GPU_MMQ_S256's form (Q2_K, x per 256 columns, the super-block's sums in the mma's int32 registers) against
+    the float64 product of x quantized per 256 columns; other weight types and gate/up pairs ignore the request."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(256)
+    n_embd, n_ff, n_expert = 1024, 200, 10
+    counts = [3, 0, 150, 1, 64, 65, 1, 20, 128, 129]
+    x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
+    x[:, 5] *= 40.0  # an outlier column: the 256-column scale is coarser than the 32-column one there
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    expert = np.repeat(np.arange(n_expert), counts)
+
+    def product(w, s256, w2=None):
+        y = ext.Array.empty([sum(counts), n_ff])
+        y.fill(float("nan"))
+        y2 = None if w2 is None else ext.Array.empty([sum(counts), n_ff])
+        assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y, 0, w2, y2, s256)
+        return y.numpy()
+
+    raw = random_blocks(Q.Q2_K, n_ff * n_expert, n_embd, rng)
+    w = gpu.upload("blk.0.ffn_down_exps.s256", Q.Q2_K, (n_embd, n_ff, n_expert), raw)
+    wd = dequant(Q.Q2_K, raw, n_embd).reshape(n_expert, n_ff, n_embd)
+    from ds4.engine.gpu import ops
+
+    x256 = ops.quantize_hilo(torch.from_numpy(x), group=256).numpy().astype(np.float64)
+    got = product(w, 1)
+    assert np.isfinite(got).all()
+    err = rel_err(got, np.einsum("rc,roc->ro", x256, wd[expert]))
+    assert err <= 1e-4, f"rel err {err:.2e}"
+    exact = np.einsum("rc,roc->ro", x.astype(np.float64), wd[expert])
+    assert rel_err(got, exact) < 1e-3  # and near the unquantized product (the coarser scale costs a little)
+    assert not np.array_equal(got, product(w, 0))  # the request took effect
+    raw_iq = random_blocks(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng)
+    w_iq = gpu.upload("blk.0.ffn_gate_exps.s256", Q.IQ2_XXS, (n_embd, n_ff, n_expert), raw_iq)
+    assert np.array_equal(product(w_iq, 1), product(w_iq, 0))  # IQ2_XXS: not taken
+    assert np.array_equal(product(w, 1, w), product(w, 0, w))  # a pair: not taken
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)

@@ -729,12 +729,15 @@ PYBIND11_MODULE(_ext, m) {
     launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });
   m.def("quantize_x", [](uintptr_t x, int nvec, int n, uintptr_t rows, uintptr_t hi, uintptr_t lo, uintptr_t scale,
-                         uintptr_t sum16) {
+                         uintptr_t sum16, int group) {
     XQ q;
     q.hi = ptr<int8_t>(hi), q.lo = ptr<int8_t>(lo), q.scale = ptr<float>(scale), q.sum16 = ptr<float>(sum16), q.n = n;
-    launch_quantize_x(ptr<const float>(x), nvec, n, q, stream(), ptr<const int64_t>(rows));
+    launch_quantize_x(ptr<const float>(x), nvec, n, q, stream(), ptr<const int64_t>(rows), group);
   }, "The activation planes the quantized kernels read: nvec rows of n floats (rows: int64 source row per output row, "
-     "or 0), hi and lo int8 [nvec, n], scale [nvec, n / 32], sum16 [nvec, n / 16] (device addresses).");
+     "or 0), hi and lo int8 [nvec, n], scale [nvec, n / 32], sum16 [nvec, n / 16] (device addresses); group: columns "
+     "per scale, 32 (decode's) or 256 (mmq's S256 form; the scale still stored per 32 columns)",
+     py::arg("x"), py::arg("nvec"), py::arg("n"), py::arg("rows"), py::arg("hi"), py::arg("lo"), py::arg("scale"),
+     py::arg("sum16"), py::arg("group") = 32);
   m.def("moe_combine", [](uintptr_t y_sorted, uintptr_t slot_row, int tokens, int k, int n, uintptr_t out) {
     launch_moe_combine(ptr<const float>(y_sorted), ptr<const int64_t>(slot_row), tokens, k, n, ptr<float>(out),
                        stream());

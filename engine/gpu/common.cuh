@@ -108,7 +108,10 @@ inline void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sme
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,
                    uint8_t* sc, int64_t sc_row, cudaStream_t stream);
 // rows != null: quantized row r is x row rows[r] (x then has at least max(rows) + 1 rows of n values).
-void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr);
+// group 32 (decode's quantization) or 256 (mmq's S256 form: one scale per 256 columns, still stored per 32-column
+// block, so every reader of the planes takes either; n a multiple of group).
+void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr,
+                       int group = 32);
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
 // lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
@@ -237,8 +240,11 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 bool mmq_takes(const Packed& w, int groups);
 int mmq_tile_rows();  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
+// s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
+// mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool s256 = false);
+bool mmq_s256_default();  // $DS4_GPU_MMQ_S256 (default 0), read once
 // mmf.cu: the routed experts' prefill products on the float16 tensor cores, the codes as exact float16 integers
 // (IQ2_XXS, Q2_K, Q4_K; columns a multiple of 256). Activation rows sorted by expert, split as split_half splits them
 // (x / scale = hi + lo, [R, cols]); K-quants also the group sums of x / scale per 256 columns, split alike

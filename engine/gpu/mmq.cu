@@ -52,6 +52,13 @@ struct MmqArgs {
   int skip_rows;      // warps skip the n8 fragments past a partial tile's rows (mmq_skip_rows())
 };
 
+// S256 (Q2_K, x quantized per 256 columns): the hi and lo products accumulate in the mma's int32 registers over the
+// eight 32-column blocks of each super-block (Q2_K's scale is one d per 256 columns once its 4-bit multipliers are in
+// the codes; |sum| <= 8 * 32 * 45 * 127, far from overflow), and the float epilogue runs once per super-block:
+//   y += (d xs) (254 H + L)  -  sum over blocks of (min0 sum16_0 + min1 sum16_1)
+// where the per-32 form pays I2FP, FMUL and FFMA for every block. Prefill then rounds the routed experts' down-projection
+// input per 256 columns instead of decode's 32 (DS4_GPU_MMQ_S256, prepared in v13).
+
 template <int NT>
 struct MmqStage {
   int8_t w[MQ_M][MQ_LD];
@@ -165,8 +172,9 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
 template <int QT, int NT>
 __host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
 
-template <int QT, int NT>
+template <int QT, int NT, bool S256 = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
+  static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   extern __shared__ __align__(16) unsigned char mq_smem[];
   MmqStage<NT>* st = reinterpret_cast<MmqStage<NT>*>(mq_smem);
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage<NT>));
@@ -177,10 +185,16 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * (NT / 2);  // this warp's weight rows and activation rows in the tile
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
   float acc[2][NN][4];
+  int ih[S256 ? 2 : 1][S256 ? NN : 1][4], il[S256 ? 2 : 1][S256 ? NN : 1][4];  // S256: the super-block's int32 sums
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < NN; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+    for (int n = 0; n < NN; ++n) {
+      acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.0f;
+      if constexpr (S256)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ih[m][n][e] = il[m][n][e] = 0;
+    }
   const int nstages = a.K / MQ_KS;
   RawXb raw[mq_pairs<NT>()];
   mmq_load_x<QT, NT>(a, tl, 0, st[0]);
@@ -232,6 +246,26 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
             s1[j] = S.s16[tc + j][2 * b + 1];
           }
         }
+        if constexpr (S256) {
+          // the last block of a super-block: stage s covers columns 128 s .., so odd stages end one
+          const bool flush = b == MQ_NB - 1 && (s & 1);
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            mma_s8_acc(ih[m][n], af[m], bf[0], bf[1]);
+            mma_s8_acc(il[m][n], af[m], bf[2], bf[3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int h = e >> 1, j = e & 1;
+              float& y = acc[m][n][e];
+              y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
+              if (flush) {
+                y = fmaf(wd[m][h] * xs[j], fmaf(254.0f, (float)ih[m][n][e], (float)il[m][n][e]), y);
+                ih[m][n][e] = il[m][n][e] = 0;
+              }
+            }
+          }
+          continue;
+        }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           int ch[4], cl[4];
@@ -262,31 +296,35 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
       }
 }
 
-template <int QT, int NT>
+template <int QT, int NT, bool S256 = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = 2 * sizeof(MmqStage<NT>) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 template <int NT>
-void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
+void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT>(a, grid, stream); break;
-    case QT_Q2_K: launch_as<QT_Q2_K, NT>(a, grid, stream); break;
+    case QT_Q2_K:
+      if (s256) launch_as<QT_Q2_K, NT, true>(a, grid, stream);
+      else launch_as<QT_Q2_K, NT>(a, grid, stream);
+      break;
     case QT_Q4_K: launch_as<QT_Q4_K, NT>(a, grid, stream); break;
     case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT>(a, grid, stream); break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
   }
 }
 
-void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream) {
-  if (mmq_tile_rows() == 128) launch_nt<128>(a, qtype, grid, stream);
-  else launch_nt<64>(a, qtype, grid, stream);
+void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256 = false) {
+  if (s256 && qtype != QT_Q2_K) throw std::invalid_argument("mmq: the S256 form is for Q2_K weights");
+  if (mmq_tile_rows() == 128) launch_nt<128>(a, qtype, grid, stream, s256);
+  else launch_nt<64>(a, qtype, grid, stream, s256);
   DS4_CHECK_LAUNCH("mmq");
 }
 
@@ -343,8 +381,16 @@ void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaS
   launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, (T + nt - 1) / nt, groups), stream);
 }
 
+bool mmq_s256_default() {
+  static const bool v = [] {
+    const char* e = std::getenv("DS4_GPU_MMQ_S256");
+    return e && *e && std::atoi(e) != 0;
+  }();
+  return v;
+}
+
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool s256) {
   if (n_expert < 1 || !mmq_takes(w, n_expert)) throw std::invalid_argument("mmq_experts: unsupported expert tensor");
   if (x.n != w.ncols) throw std::invalid_argument("mmq_experts: activation width is not the experts' columns");
   if (ntiles <= 0) return;
@@ -352,7 +398,8 @@ void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* 
   const int rows_g = (int)(w.nrows / n_expert);
   MmqArgs a = make_args(w, x, y, rows_g, 0, rows_g);
   a.tiles = tiles;
-  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream);
+  if (s256 && w.ncols % 256) throw std::invalid_argument("mmq_experts: S256 needs columns in whole 256-column blocks");
+  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream, s256);
 }
 
 }  // namespace ds4gpu

@@ -116,14 +116,15 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return g * torch.sigmoid(g) * torch.clamp(u, -limit, limit)
 
 
-def quantize_hilo(x: torch.Tensor) -> torch.Tensor:
+def quantize_hilo(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     """The activation the extension's quantized kernels see (repack.cu quantize_x_kernel), in float32.
 
-    Per 32 columns: s = amax / 127, hi = rint(x / s), lo = clamp(rint((x / s - hi) · 254), ±127),
-    x' = s / 254 · (254 · hi + lo). Used to emulate the kernels' arithmetic on the CPU.
+    Per 32 columns (group; 256: mmq's S256 form): s = amax / 127, hi = rint(x / s),
+    lo = clamp(rint((x / s - hi) · 254), ±127), x' = s / 254 · (254 · hi + lo). Used to emulate the kernels'
+    arithmetic on the CPU.
     """
     lead, n = x.shape[:-1], x.shape[-1]
-    b = x.reshape(*lead, n // 32, 32)
+    b = x.reshape(*lead, n // group, group)
     s = b.abs().amax(dim=-1, keepdim=True) / 127.0
     safe = torch.where(s > 0, s, torch.ones_like(s))
     t = b / safe

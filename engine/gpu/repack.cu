@@ -167,7 +167,52 @@ __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, con
   if ((sub & 3) == 0) out.sum16[xb * 2 + sub / 4] = sum;
 }
 
-void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows) {
+// group 256 (mmq's S256 form): one warp per 256 columns, 8 consecutive columns per lane (two float4): s = the 256
+// columns' amax / 127, hi and lo per value with quantize_x_kernel's formulas; scale s / 254 written for each of the
+// eight 32-column blocks; sum16: a lane pair's 16 values (each lane's 8 summed pairwise, then its neighbour's).
+__global__ void quantize_x256_kernel(const float* x, int64_t nsb_total, XQ out, const int64_t* rows, int nsb) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int64_t sb = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (sb >= nsb_total) return;  // a whole warp
+  const int64_t src = rows ? rows[sb / nsb] * nsb + sb % nsb : sb;
+  const float4* p = reinterpret_cast<const float4*>(x + src * 256) + 2 * lane;
+  const float4 a = p[0], b = p[1];
+  const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = amax / 127.0f;
+  uint32_t hw[2] = {0u, 0u}, lw[2] = {0u, 0u};
+  if (amax > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float t = v[i] / s, hr = rintf(t);
+      const int h = (int)hr, l = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
+      hw[i / 4] |= (uint32_t)(uint8_t)(int8_t)h << (8 * (i % 4));
+      lw[i / 4] |= (uint32_t)(uint8_t)(int8_t)l << (8 * (i % 4));
+    }
+  }
+  float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  reinterpret_cast<uint2*>(out.hi + sb * 256)[lane] = make_uint2(hw[0], hw[1]);
+  reinterpret_cast<uint2*>(out.lo + sb * 256)[lane] = make_uint2(lw[0], lw[1]);
+  if ((lane & 3) == 0) out.scale[sb * 8 + lane / 4] = s / 254.0f;
+  if ((lane & 1) == 0) out.sum16[sb * 16 + lane / 2] = sum;
+}
+
+void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows, int group) {
+  if (group == 256) {
+    if (n % 256) throw std::invalid_argument("quantize_x: group 256 needs a length that is a multiple of 256");
+    const int64_t total = (int64_t)nvec * (n / 256);
+    const int warps = 8;
+    launch_k(quantize_x256_kernel, dim3((unsigned)((total + warps - 1) / warps)), dim3(32 * warps), 0, stream, x,
+             total, out, rows, n / 256);
+    DS4_CHECK_LAUNCH("quantize_x (group 256)");
+    return;
+  }
+  if (group != 32) throw std::invalid_argument("quantize_x: group must be 32 or 256");
   if (n % 32) throw std::invalid_argument("activation length must be a multiple of 32");
   const int64_t total = (int64_t)nvec * n / 32;
   const int threads = 256, blocks_per_cta = threads / 8;
