@@ -173,11 +173,10 @@ def test_swiglu_with_row_weights_is_swiglu_then_the_multiply():
         ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, weighted.data_ptr(), w.data_ptr(), 7, 0)
 
 
-def quantize_x_model(x: np.ndarray):
-    """repack.cu quantize_x_kernel in numpy float32: (hi, lo, scale, sum16), the 16-column sums by the kernels' addition
-    tree (columns differing in bit 3 first, then bits 2, 1, 0)."""
+def hilo_model(x: np.ndarray, group: int):
+    """hi, lo int8 [R, n] and s [R, n / group] float32 of quantize_x's formulas with one scale per `group` columns."""
     R, n = x.shape
-    b = x.reshape(R, n // 32, 32)
+    b = x.reshape(R, n // group, group)
     amax = np.abs(b).max(axis=-1, keepdims=True)
     s = (amax / np.float32(127.0)).astype(np.float32)
     safe = np.where(amax > 0, s, np.float32(1.0))
@@ -185,67 +184,48 @@ def quantize_x_model(x: np.ndarray):
     hr = np.rint(t)
     lo = np.clip(np.rint((t - hr) * np.float32(254.0)), -127, 127)
     hi, lo = np.where(amax > 0, hr, 0).astype(np.int8), np.where(amax > 0, lo, 0).astype(np.int8)
-    v = b.reshape(R, n // 32, 2, 16)
+    return hi.reshape(R, n), lo.reshape(R, n), s.reshape(R, n // group)
+
+
+def quantize_x_model(x: np.ndarray):
+    """repack.cu quantize_x_kernel in numpy float32: (hi, lo, scale, sum16), the 16-column sums by the kernels' addition
+    tree (columns differing in bit 3 first, then bits 2, 1, 0)."""
+    R, n = x.shape
+    hi, lo, s = hilo_model(x, 32)
+    v = x.reshape(R, n // 32, 2, 16)
     for bit in (8, 4, 2, 1):
         v = v + v[..., np.arange(16) ^ bit]  # every column holds the same tree's sum after the four steps
-    return hi.reshape(R, n), lo.reshape(R, n), (s / np.float32(254.0)).reshape(R, n // 32), v[..., 0].reshape(R, n // 16)
-
-
-@pytest.mark.parametrize("R,n,gather", [(1, 4096, False), (7, 96, False), (33, 2048, True)])
-def test_quantize_x_matches_its_model_bit_for_bit(R, n, gather):
-    import torch
-
-    ext = gpu.load()
-    rng = np.random.default_rng(R + n)
-    src = (rng.standard_normal((R + 5, n)) * rng.choice([1e-3, 1.0, 50.0], size=(R + 5, 1))).astype(np.float32)
-    src[0, :32] = 0.0  # an all-zero block
-    rows = rng.integers(0, R + 5, R) if gather else np.arange(R)
-    x = torch.from_numpy(src if gather else src[:R]).cuda()
-    idx = torch.from_numpy(rows).cuda()
-    hi, lo = (torch.empty((R, n), dtype=torch.int8, device="cuda") for _ in range(2))
-    scale, sum16 = torch.empty((R, n // 32), device="cuda"), torch.empty((R, n // 16), device="cuda")
-    ext.quantize_x(x.data_ptr(), R, n, idx.data_ptr() if gather else 0, hi.data_ptr(), lo.data_ptr(),
-                   scale.data_ptr(), sum16.data_ptr())
-    want = quantize_x_model(src[rows])
-    for name, got, ref in zip(("hi", "lo", "scale", "sum16"), (hi, lo, scale, sum16), want):
-        assert np.array_equal(got.cpu().numpy(), ref), name
+    return hi, lo, s / np.float32(254.0), v[..., 0].reshape(R, n // 16)
 
 
 def quantize_x256_model(x: np.ndarray):
     """repack.cu quantize_x256_kernel in numpy float32: one scale per 256 columns (stored for each 32-column block),
     the 16-column sums as each lane pair adds them (8 values pairwise, then the two halves)."""
     R, n = x.shape
-    b = x.reshape(R, n // 256, 256)
-    amax = np.abs(b).max(axis=-1, keepdims=True)
-    s = (amax / np.float32(127.0)).astype(np.float32)
-    safe = np.where(amax > 0, s, np.float32(1.0))
-    t = (b / safe).astype(np.float32)
-    hr = np.rint(t)
-    lo = np.clip(np.rint((t - hr) * np.float32(254.0)), -127, 127)
-    hi, lo = np.where(amax > 0, hr, 0).astype(np.int8), np.where(amax > 0, lo, 0).astype(np.int8)
+    hi, lo, s = hilo_model(x, 256)
     v = x.reshape(R, n // 8, 8)
     half = ((v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3])) + ((v[..., 4] + v[..., 5]) + (v[..., 6] + v[..., 7]))
-    sum16 = half[:, 0::2] + half[:, 1::2]
-    scale = np.repeat((s / np.float32(254.0)).reshape(R, n // 256), 8, axis=1)
-    return hi.reshape(R, n), lo.reshape(R, n), scale, sum16
+    return hi, lo, np.repeat(s / np.float32(254.0), 8, axis=1), half[:, 0::2] + half[:, 1::2]
 
 
-@pytest.mark.parametrize("R,n,gather", [(1, 4096, False), (9, 256, False), (33, 2048, True)])
-def test_quantize_x_group_256_matches_its_model_bit_for_bit(R, n, gather):
+@pytest.mark.parametrize("group,R,n,gather", [(32, 1, 4096, False), (32, 7, 96, False), (32, 33, 2048, True),
+                                               (256, 1, 4096, False), (256, 9, 256, False), (256, 33, 2048, True)])
+def test_quantize_x_matches_its_model_bit_for_bit(group, R, n, gather):
+    """quantize_x at decode's 32 columns per scale and at mmq S256's 256, against the numpy models."""
     import torch
 
     ext = gpu.load()
-    rng = np.random.default_rng(R + n + 256)
+    rng = np.random.default_rng(R + n + group)
     src = (rng.standard_normal((R + 5, n)) * rng.choice([1e-3, 1.0, 50.0], size=(R + 5, 1))).astype(np.float32)
-    src[0, :256] = 0.0  # an all-zero super-block
+    src[0, :group] = 0.0  # an all-zero block
     rows = rng.integers(0, R + 5, R) if gather else np.arange(R)
     x = torch.from_numpy(src if gather else src[:R]).cuda()
     idx = torch.from_numpy(rows).cuda()
     hi, lo = (torch.empty((R, n), dtype=torch.int8, device="cuda") for _ in range(2))
     scale, sum16 = torch.empty((R, n // 32), device="cuda"), torch.empty((R, n // 16), device="cuda")
     ext.quantize_x(x.data_ptr(), R, n, idx.data_ptr() if gather else 0, hi.data_ptr(), lo.data_ptr(),
-                   scale.data_ptr(), sum16.data_ptr(), group=256)
-    want = quantize_x256_model(src[rows])
+                   scale.data_ptr(), sum16.data_ptr(), group=group)
+    want = (quantize_x_model if group == 32 else quantize_x256_model)(src[rows])
     for name, got, ref in zip(("hi", "lo", "scale", "sum16"), (hi, lo, scale, sum16), want):
         assert np.array_equal(got.cpu().numpy(), ref), name
     with pytest.raises(ValueError, match="group"):
@@ -323,9 +303,11 @@ def small_reference(tmp_path_factory):
     return m, toks, CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
 
 
-@pytest.mark.parametrize("dense,experts", [(True, False), (False, True), (True, True)])
-def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts):
-    """small, 600 tokens in chunks of 256: the prefill with the products on mmq against the CPU engine (its 1e-3)."""
+@pytest.mark.parametrize("dense,experts,s256", [(True, False, False), (False, True, False), (True, True, False),
+                                               (False, True, True)])
+def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts, s256):
+    """small, 600 tokens in chunks of 256: the prefill with the products on mmq against the CPU engine (its 1e-3);
+    s256: the routed experts' Q2_K down product in the S256 form (DS4_GPU_MMQ_S256)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
@@ -336,12 +318,13 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
     calls = []
     monkeypatch.setattr(weights, "MMQ_GEMM", dense)
     monkeypatch.setattr(moe_gemm, "MOE_GEMM", "mmq" if experts else "buckets")
+    monkeypatch.setattr(moe_gemm, "MMQ_S256", s256)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
     g.W.ext = _Counting(g.W.ext, calls)
     got = g.sync(toks)
     assert any(calls), "no product went through mmq"
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    print(f"\nmmq prefill (dense {dense}, experts {experts}) against the CPU engine: rel {err:.2e} "
+    print(f"\nmmq prefill (dense {dense}, experts {experts}, s256 {s256}) against the CPU engine: rel {err:.2e} "
           f"({len(calls)} mmq calls)")
     assert err <= 1e-3
 
@@ -357,8 +340,8 @@ class _Counting:
         self._calls.append(took)
         return took
 
-    def mmq_experts(self, *a):
-        took = self._ext.mmq_experts(*a)
+    def mmq_experts(self, *a, **kw):
+        took = self._ext.mmq_experts(*a, **kw)
         self._calls.append(took)
         return took
 
