@@ -445,7 +445,7 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
   for (const void* ptr : {(const void*)a.q, (const void*)a.win, (const void*)a.comp, (const void*)a.out})
     if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: rows must be 16-byte aligned");
   if (a.win_pk) {
-    if ((a.comp && !a.comp_pk) || a.pk_dims != a.exact_dims || a.pk_dims <= 0 || a.pk_dims >= a.d)
+    if ((a.comp && a.n_comp > 0 && !a.comp_pk) || a.pk_dims != a.exact_dims || a.pk_dims <= 0 || a.pk_dims >= a.d)
       throw std::invalid_argument("prefill_attn: packed keys need pk_dims == exact_dims in (0, d) and packed comp rows");
     for (const void* ptr : {(const void*)a.win_pk, (const void*)a.comp_pk})
       if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: packed rows must be 16-byte aligned");
