@@ -125,11 +125,13 @@ __device__ __forceinline__ float ap_key_value(const uint8_t* row, int c, int pk)
   return *(const float*)(row + (PK ? 2 * pk + 4 * (c - pk) : 4 * c));
 }
 
-// Shared bytes per key row: float32 rows padded by AP_PAD floats; packed rows by 32 bytes (8 words: rows 8 banks
-// apart, as the float32 rows are, for d a multiple of 64 and pk_dims = d - 64).
+// Shared bytes per key row: float32 rows padded by AP_PAD floats (rows 8 banks apart: the 8-byte score loads and
+// the P.V loads are conflict-free); packed rows by 16 bytes (for d a multiple of 64 and pk_dims = d - 64: rows 4
+// banks apart, so the 4-byte bfloat16 pair loads of the scores, 8 rows x 4 lanes, hit 32 banks; the float32 RoPE
+// columns, 1/8 of the score steps, then take two passes).
 template <bool PK>
 __host__ __device__ inline int ap_smem_row_bytes(int d, int pk_dims) {
-  return PK ? 2 * pk_dims + 4 * (d - pk_dims) + 32 : 4 * (d + AP_PAD);
+  return PK ? 2 * pk_dims + 4 * (d - pk_dims) + 16 : 4 * (d + AP_PAD);
 }
 
 // Fragments of m16n8k8 (PTX ISA, .tf32): with g = lane / 4, i = lane % 4,

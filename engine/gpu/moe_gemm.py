@@ -33,9 +33,9 @@ MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "mmq")
 # mmq: gate and up from one quantization of the token rows read in expert order (no gathered copy of x), and the k
 # expert rows of a token summed straight from the expert order (moe_combine; no scatter back); 0: the v11 form
 MOE_FUSE = os.environ.get("DS4_GPU_MOE_FUSE", "1") != "0"
-# mmq: the Q2_K down product on activations quantized per 256 columns, its super-block sums in the mma's int32
-# registers (mmq.cu S256; prepared in v13, off until measured): prefill then rounds that input per 256 columns, not
-# decode's 32
+# mmq: single Q2_K expert products (the q2 mix's down projection) on activations quantized per 256 columns, the
+# super-block sums in the mma's int32 registers (mmq.cu S256; prepared in v13, off until measured): prefill then
+# rounds that input per 256 columns, not decode's 32
 MMQ_S256 = os.environ.get("DS4_GPU_MMQ_S256", "0") == "1"
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
