@@ -7,7 +7,8 @@
 # Env: MMQ_TESTS (pytest -k expression; default all), ROWS (DS4_GPU_MMQ_ROWS values; default "64 128"; the first runs
 #      every test, the others the kernel tests), NCU ("bench_mmq launch indices" to profile, 2 per shape in SHAPES
 #      order; default "6": the IQ2_XXS expert gate; "" for none; NCU_KERNEL: the kernel, default mmq_kernel, or
-#      mmf_kernel: 3 launches per expert shape, 0 = the IQ2_XXS gate, 3 = the Q2_K down), SESSION_ENV ("VAR=v,..."
+#      mmf_kernel: 3 launches per expert shape, 0 = the IQ2_XXS gate, 3 = the Q2_K down; NCU_BENCH: the profiled
+#      program, default bench_mmq, or bench_attn), SESSION_ENV ("VAR=v,..."
 #      for the session tests;
 #      default none: no session tests), AB (switch sets, "VAR=v[,VAR2=w]" per run; unset: the v11 A/B sets, "": none), SESSION=0 (kernels only),
 #      BENCH_ATTN=1 (bench_attn too), TESTS (more GPU test files, run once under the defaults), RECORD (bench_session
@@ -48,9 +49,11 @@ SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section War
 for skip in ${NCU-6}; do
   kern=${NCU_KERNEL:-mmq_kernel}
   stamp "ncu $kern launch $skip"
+  # NCU_BENCH: the program whose launch is profiled (bench_mmq, or bench_attn with NCU_KERNEL=prefill_attn_kernel:
+  # launch 0 = the top-k layer); --print-details all adds the warp stall reasons to WarpStateStats
   timeout ${NCU_TIMEOUT:-100} ncu --clock-control none --kernel-name regex:$kern --launch-skip $skip --launch-count 1 $SECTIONS \
-    python3 -m ds4.engine.gpu.bench_mmq --reps 1 > "$OUT/ncu_${kern}_$skip.log" 2>&1
-  grep -E "$kern|Duration|Compute \(SM\)|Issue Slots|Issued Ipc|No Eligible|Eligible Warps|Active Warps|Warp Cycles Per Issued|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Executed Instructions  " "$OUT/ncu_${kern}_$skip.log" | head -24
+    --print-details all python3 -m ds4.engine.gpu.${NCU_BENCH:-bench_mmq} --reps 1 > "$OUT/ncu_${kern}_$skip.log" 2>&1
+  grep -E "$kern|Duration|Compute \(SM\)|Issue Slots|Issued Ipc|No Eligible|Eligible Warps|Active Warps|Warp Cycles Per Issued|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Executed Instructions  |Stall|stall" "$OUT/ncu_${kern}_$skip.log" | head -40
 done
 [ "${SESSION:-1}" = 0 ] && { stamp "done (SESSION=0)"; exit 0; }
 if [ -n "${SESSION_ENV:-}" ]; then
