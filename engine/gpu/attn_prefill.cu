@@ -39,14 +39,6 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a . b for split operands, without lo.lo (below float32 rounding); the small products first.
-__device__ __forceinline__ void mma3(float (&c)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                     const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma_tf32(c, al, bh);
-  mma_tf32(c, ah, bl);
-  mma_tf32(c, ah, bh);
-}
-
 // Bytes of one key row: float32, or packed (pk_dims bfloat16 values, then float32).
 template <bool PK>
 __device__ __forceinline__ int64_t ap_row_bytes(const PrefillAttn& a) {
@@ -321,7 +313,8 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
           split_tf32(v_0, bh[0], bl[0]);
           split_tf32(v_1, bh[1], bl[1]);
         }
-        // mma3's order (al . bh, ah . bl, ah . bh), without the zero product where the values are exact
+        // the split product's order (al . bh, ah . bl, ah . bh; no lo . lo: below float32 rounding), without the
+        // zero product where the values are exact
         mma_tf32(acc[n], al, bh);
         if (split_v) mma_tf32(acc[n], ah, bl);
         mma_tf32(acc[n], ah, bh);
