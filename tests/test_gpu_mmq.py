@@ -275,6 +275,42 @@ def test_mmq_s256_q2k_experts_match_the_reference():
     assert np.array_equal(product(w, 1, w), product(w, 0, w))  # a pair: not taken
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0])
+def test_mmq_straight_fragments_give_the_same_bits(qtype):
+    """v14's straight fragments (no test between a warp's n8 fragments when all hold tile rows) against v13's tested
+    loop: every output bit, for full tiles, partial ones (1, 20, 65 rows of a 64-row tile), the S256 form and the
+    dense form (100 rows: one partial tile)."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(14)
+    n_embd, n_ff, n_expert = 512, 136, 6
+    counts = [64, 1, 20, 65, 128, 33]
+    x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    w = gpu.upload(f"blk.0.ffn_down_exps.straight{qtype.name}", qtype, (n_embd, n_ff, n_expert),
+                   random_blocks(qtype, n_ff * n_expert, n_embd, rng))
+
+    def product(straight: int, s256: int) -> np.ndarray:
+        ext.set_mmq_straight(straight)
+        try:
+            y = ext.Array.empty([sum(counts), n_ff])
+            y.fill(float("nan"))
+            assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y, 0, None, None,
+                                   s256)
+            return y.numpy(), run_mmq(w, x[:100])  # and the dense form: one matrix of all experts' rows
+        finally:
+            ext.set_mmq_straight(-1)
+
+    for s256 in ((0, 1) if qtype == Q.Q2_K else (0,)):
+        (old, old_dense), (new, new_dense) = product(0, s256), product(1, s256)
+        assert np.isfinite(new).all()
+        assert np.array_equal(new, old), s256
+        assert np.array_equal(new_dense, old_dense)
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)

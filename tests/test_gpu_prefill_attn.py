@@ -164,6 +164,35 @@ def test_packed_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
                                           prefetch=mode), plain), mode
 
 
+@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
+    (40, 64, 512, 900, 512, 3000, 4),     # Flash: two CTAs of 32 heads
+    (30, 16, 512, 300, 100, 900, 4),      # 16 heads per CTA
+    (9, 128, 512, 700, 512, 2600, 4),     # Pro: two groups of 64 heads
+    (24, 8, 512, 20, 0, 2000, 128),       # all rows, the last ones not visible
+    (17, 20, 128, 40, 16, 100, 4),        # d = 128: form 2 falls back to form 1's loops
+])
+def test_straight_loops_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
+    """Form 2 (v14: the inner loops split where the keys' TF32 split changes, no branch per step, each step's dependent
+    products apart) against form 1 (v13's loops): every output bit, with float32 keys, FP8-rounded keys with
+    exact_dims (448 of 512: the split changes inside a warp's columns) and packed keys."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    q, win, comp, sel, sinks = _case(T + 7 * H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
+    for exact in (0, d - 64):
+        if exact:
+            win = ops.fp8_kv_round(win, exact)
+            comp = None if comp is None else ops.fp8_kv_round(comp, exact)
+        for packed in ((False, True) if exact else (False,)):
+            old = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=exact, packed=packed, form=1)
+            new = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=exact, packed=packed, form=2)
+            assert torch.isfinite(new).all()
+            assert torch.equal(new, old), (exact, packed)
+    ref = reference(q, win, comp, sel, sinks, pos0, ratio)
+    assert float((new.double() - ref).norm() / ref.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("T,H", [(40, 64), (3, 8)])  # norm_rope's warp kernel (2560 rows) and its block kernel (24)
 def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
     """The attention output's RoPE tail undone in the kernel's epilogue equals norm_rope's inverse pass on the output."""

@@ -23,6 +23,7 @@ constexpr int AP_THREADS = 256, AP_WARPS = AP_THREADS / 32;
 constexpr int AP_KT = 16;            // keys per tile
 constexpr int AP_PAD = 8;            // floats of padding per shared row (d + 8 = 8 mod 32 for d % 32 == 0)
 constexpr int AP_SP = AP_KT + 4;     // score row stride
+constexpr int AP_PVC = 4;            // form 2: output tiles per P.V chunk (independent accumulators in flight)
 
 // x = hi + lo: hi is x truncated to TF32 (one AND), lo = x - hi exactly (one FADD), passed as float32 bits: the
 // tensor core reads a .tf32 operand's top 19 bits, so lo is truncated there (~21 bits in all). v1 rounded both
@@ -103,18 +104,88 @@ __device__ __forceinline__ void ap_load_tile(const PrefillAttn& a, int t, int64_
 
 // Key values from a shared key row (float32, or packed: bfloat16 below pk, float32 from pk on); c even for the pair.
 // The bfloat16 values widen exactly, so both forms give the float32 values the products saw before.
-template <bool PK>
+// REG: where c lies, when the caller knows it at compile time: 0 ask (c < pk), 1 the packed columns, 2 the float32 ones.
+template <bool PK, int REG = 0>
 __device__ __forceinline__ float2 ap_key_pair(const uint8_t* row, int c, int pk) {
-  if (PK && c < pk) {
+  if (PK && (REG == 1 || (REG == 0 && c < pk))) {
     const uint32_t w = *(const uint32_t*)(row + 2 * c);
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   }
   return *(const float2*)(row + (PK ? 2 * pk + 4 * (c - pk) : 4 * c));
 }
-template <bool PK>
+template <bool PK, int REG = 0>
 __device__ __forceinline__ float ap_key_value(const uint8_t* row, int c, int pk) {
-  if (PK && c < pk) return __uint_as_float((uint32_t)*(const uint16_t*)(row + 2 * c) << 16);
+  if (PK && (REG == 1 || (REG == 0 && c < pk))) return __uint_as_float((uint32_t)*(const uint16_t*)(row + 2 * c) << 16);
   return *(const float*)(row + (PK ? 2 * pk + 4 * (c - pk) : 4 * c));
+}
+
+// ---- the straight-line inner loops (form 2, DS4_GPU_ATTN_FORM; v14) ----
+// Form 1 tests `kk >= k_hi` / `n >= ntw` and whether the keys need their TF32 split at every 8-column step. nvcc turns
+// that into a branch per step and a predicated mma behind a WARPSYNC, and keeps each step's products in source order, so
+// a chain's second product waits on its first (SASS of v13: WARPSYNC + NOP between dependent HMMA.1688, ncu: "Stall
+// Wait", a fixed-latency dependency, 3.1 of 6.8 cycles per issued instruction). Form 2 splits the column range where
+// the split changes (loops whose bodies have no branch) and orders each step's products so that two on one
+// accumulator are never adjacent. Every accumulator still sees its own products in form 1's order: the same bits.
+
+// One 8-column step of the scores into chain (cm, cc): cc += al.bh, cm += ah.bh, then (SPLIT) cc += ah.bl.
+template <bool SPLIT, bool PK>
+__device__ __forceinline__ void ap_score_step(const float* q0, const float* q1, const uint8_t* kr, int kk, int i4,
+                                              int pk, float (&cm)[4], float (&cc)[4]) {
+  const float2 x0 = *(const float2*)(q0 + kk), x1 = *(const float2*)(q1 + kk);
+  const float2 y = ap_key_pair<PK, SPLIT ? 2 : 1>(kr, kk + 2 * i4, pk);
+  uint32_t ah[4], al[4], bh[2], bl[2];
+  split_tf32(x0.x, ah[0], al[0]);
+  split_tf32(x1.x, ah[1], al[1]);
+  split_tf32(x0.y, ah[2], al[2]);
+  split_tf32(x1.y, ah[3], al[3]);
+  if constexpr (SPLIT) {
+    split_tf32(y.x, bh[0], bl[0]);
+    split_tf32(y.y, bh[1], bl[1]);
+  } else {
+    bh[0] = __float_as_uint(y.x);
+    bh[1] = __float_as_uint(y.y);
+  }
+  mma_tf32(cc, al, bh);
+  mma_tf32(cm, ah, bh);
+  if constexpr (SPLIT) mma_tf32(cc, ah, bl);
+}
+
+// KC steps from column k, step j into chain j.
+template <bool SPLIT, bool PK, int KC>
+__device__ __forceinline__ void ap_score_steps(const float* q0, const float* q1, const uint8_t* kr, int k, int i4,
+                                               int pk, float (&cm)[KC][4], float (&cc)[KC][4]) {
+#pragma unroll
+  for (int j = 0; j < KC; ++j) ap_score_step<SPLIT, PK>(q0, q1, kr, k + 8 * j, i4, pk, cm[j], cc[j]);
+}
+
+// P.V of PVC output tiles from tile n0 (columns col0 = 8 n0 ..): the values of all PVC tiles first, then al.bh on
+// each, (SPLIT) ah.bl on each, ah.bh on each: each tile's products in form 1's order, PVC apart.
+template <bool SPLIT, bool PK, int PVC, int NT>
+__device__ __forceinline__ void ap_pv_chunk(const uint8_t* v0, int dsb, int col0, int g, int pk,
+                                            const uint32_t (&ah)[4], const uint32_t (&al)[4], float (&acc)[NT][4],
+                                            int n0) {
+  uint32_t bh[PVC][2], bl[PVC][2];
+#pragma unroll
+  for (int i = 0; i < PVC; ++i) {
+    const int col = col0 + 8 * i;
+    const float v_0 = ap_key_value<PK, SPLIT ? 2 : 1>(v0, col + g, pk);
+    const float v_1 = ap_key_value<PK, SPLIT ? 2 : 1>(v0 + 4 * dsb, col + g, pk);
+    if constexpr (SPLIT) {
+      split_tf32(v_0, bh[i][0], bl[i][0]);
+      split_tf32(v_1, bh[i][1], bl[i][1]);
+    } else {
+      bh[i][0] = __float_as_uint(v_0);
+      bh[i][1] = __float_as_uint(v_1);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < PVC; ++i) mma_tf32(acc[n0 + i], al, bh[i]);
+  if constexpr (SPLIT) {
+#pragma unroll
+    for (int i = 0; i < PVC; ++i) mma_tf32(acc[n0 + i], ah, bl[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < PVC; ++i) mma_tf32(acc[n0 + i], ah, bh[i]);
 }
 
 // Shared bytes per key row: float32 rows padded by AP_PAD floats (rows 8 banks apart: the 8-byte score loads and
@@ -185,6 +256,8 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  // form 2's P.V: whole chunks of AP_PVC tiles, each on one side of exact_dims
+  const bool pv_straight = a.form == 2 && ntw == NT && a.exact_dims % (8 * AP_PVC) == 0;
 
   for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf = NBUF == 2 ? buf ^ 1 : 0) {
     __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
@@ -215,6 +288,12 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
 #pragma unroll
       for (int j = 0; j < KC; ++j)
         cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
+      const int e_hi = min(max(a.exact_dims, k_lo), k_hi);  // columns [k_lo, e_hi) need no key split
+      if (a.form == 2 && (k_hi - k_lo) % (8 * KC) == 0 && (e_hi - k_lo) % (8 * KC) == 0) {
+        int k = k_lo;
+        for (; k < e_hi; k += 8 * KC) ap_score_steps<false, PK, KC>(q0, q1, kr, k, i4, pk, cm, cc);
+        for (; k < k_hi; k += 8 * KC) ap_score_steps<true, PK, KC>(q0, q1, kr, k, i4, pk, cm, cc);
+      } else
       for (int k = k_lo; k < k_hi; k += 8 * KC) {
 #pragma unroll
         for (int j = 0; j < KC; ++j) {
@@ -300,6 +379,15 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
       split_tf32(p0[i4 + 4], ah[2], al[2]);
       split_tf32(p0[8 * AP_SP + i4 + 4], ah[3], al[3]);
       const uint8_t* v0 = Ks + (ks + i4) * dsb;
+      if (pv_straight) {
+#pragma unroll
+        for (int c = 0; c < NT; c += AP_PVC) {
+          const int col0 = (cp * NT + c) * 8;  // ntw == NT here
+          if (col0 + 8 * AP_PVC > a.exact_dims) ap_pv_chunk<true, PK, AP_PVC, NT>(v0, dsb, col0, g, pk, ah, al, acc, c);
+          else ap_pv_chunk<false, PK, AP_PVC, NT>(v0, dsb, col0, g, pk, ah, al, acc, c);
+        }
+        continue;
+      }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         if (n >= ntw) break;
@@ -378,6 +466,16 @@ int attn_prefetch_mode() {
   return v;
 }
 
+// $DS4_GPU_ATTN_FORM: 2 (default) the inner loops without per-step branches and with each step's dependent products
+// apart (ap_score_step, ap_pv_chunk); 1 the v13 loops. The same bits. Read once.
+int attn_form() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_ATTN_FORM");
+    return e && *e && atoi(e) == 1 ? 1 : 2;
+  }();
+  return v;
+}
+
 // Heads per CTA for more than 32 heads ($DS4_GPU_ATTN_HEADS, read once): 32 (default: two CTAs per query, one key
 // buffer, 2 CTAs per SM), 64 (one CTA per query, 1 per SM; v10, 2048 queries of a Flash top-k layer: 5.23 against
 // 7.11 ms; v13 end to end 1.1x slower) or 16 (four CTAs per query, double-buffered keys, 2 CTAs per SM; each key row
@@ -429,6 +527,7 @@ bool prefill_attn_takes(int H, int d) { return H > 0 && d > 0 && d % 64 == 0 && 
 void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
   PrefillAttn a = args;
   if (a.prefetch < 0 || a.prefetch > 2) a.prefetch = attn_prefetch_mode();
+  if (a.form != 1 && a.form != 2) a.form = attn_form();
   if (a.sel && a.n_sel > 1024) a.prefetch = 0;  // the staged rows (4 KB at most) keep two CTAs per SM where two fit
   if (!prefill_attn_takes(a.H, a.d)) throw std::invalid_argument("prefill_attn: head dim must be a multiple of 64, <= 512");
   if (a.T < 0 || a.Wn < 1 || a.n_comp < 0 || (a.sel && a.n_sel < 1) || (a.comp && a.ratio < 1))

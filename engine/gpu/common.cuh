@@ -222,6 +222,8 @@ struct PrefillAttn {
   // 1 = the query's selected rows staged in shared memory once (no dependent index load per key tile), 2 = also the
   // next key tile prefetched into L2 while this one is used, 0 = neither, -1 = as $DS4_GPU_ATTN_PREFETCH says
   int prefetch = -1;
+  // inner loops: 2 = without per-step branches (v14), 1 = the v13 loops (the same bits), -1 = $DS4_GPU_ATTN_FORM
+  int form = -1;
   // win_pk != null: the keys come from packed copies of win and comp (pack_keys): per row pk_dims bfloat16 values
   // (exact: pk_dims == exact_dims, the FP8-simulated columns), then the other d - pk_dims columns as float32. Rows of
   // 1152 instead of 2048 bytes (Flash), so two key buffers fit beside the queries at two CTAs per SM.
@@ -239,6 +241,7 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // [rows of x, rows per expert].
 bool mmq_takes(const Packed& w, int groups);
 int mmq_tile_rows();  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128
+void set_mmq_straight(int v);  // 1/0: full fragments without per-fragment tests or with (the same bits); -1: env
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).

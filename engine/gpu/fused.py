@@ -213,7 +213,7 @@ class Fused:
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
                      inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1,
-                     packed: bool = False) -> torch.Tensor | None:
+                     packed: bool = False, form: int = -1) -> torch.Tensor | None:
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
@@ -223,7 +223,8 @@ class Fused:
         the next key tile into L2), -1 ($DS4_GPU_ATTN_PREFETCH): the same bits. packed (with exact_dims > 0): the keys
         read from packed copies (their exact_dims columns as bfloat16, the rest float32: half the bytes, two key
         buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
-        None where the kernel does not take the shapes."""
+        form: 2 (the inner loops without per-step branches), 1 (the v13 loops), -1 ($DS4_GPU_ATTN_FORM): the same
+        bits. None where the kernel does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -241,7 +242,8 @@ class Fused:
                               win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
                               0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d),
                               int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
-                              int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0)
+                              int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0,
+                              int(form))
         return out
 
     def pack_keys(self, x: torch.Tensor, pk_dims: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ struct MmqArgs {
   int T, rows_g;      // dense: activation rows; rows per group (experts: per expert)
   const int4* tiles;  // experts: (first activation row, rows, expert, 0) per grid.y; null: dense
   int skip_rows;      // warps skip the n8 fragments past a partial tile's rows (mmq_skip_rows())
+  int straight;       // full fragments without a test between them (mmq_straight())
 };
 
 // S256 (Q2_K, x quantized per 256 columns): the hi and lo products accumulate in the mma's int32 registers over the
@@ -168,9 +169,10 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
   }
 }
 
-// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers.
+// CTAs per SM: 128-row tiles (twice the accumulators) need more registers. (v14: the K-quants at 64 rows take 3 too: the
+// straight fragments would use 202 registers, 2 CTAs per SM, where 168 with a few bytes spilled keep 3.)
 template <int QT, int NT>
-__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
+__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 ? 2 : 3; }
 
 template <int QT, int NT, bool S256 = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
@@ -196,6 +198,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         for (int e = 0; e < 4; ++e) ih[m][n][e] = il[m][n][e] = 0;
     }
   const int nstages = a.K / MQ_KS;
+  const bool full_n = a.straight && wn + NT / 2 <= tl.an_mma;  // all of this warp's fragments hold tile rows (uniform)
   RawXb raw[mq_pairs<NT>()];
   mmq_load_x<QT, NT>(a, tl, 0, st[0]);
   mmq_load_w<QT, NT>(a, tl, 0, raw);
@@ -227,11 +230,8 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
           }
         }
       }
-#pragma unroll
-      for (int n = 0; n < NN; ++n) {
-        // activation rows past the tile (an expert's last, partial tile): their products are never stored, so the
-        // warp skips the fragment (uniform per warp; the kernel is issue-bound, so the SM's other warps gain)
-        if (wn + 8 * n >= tl.an_mma) break;
+      // One n8 fragment of activation rows: its products and their epilogue.
+      auto frag = [&](const int n) {
         const int tc = wn + 8 * n + 2 * q;
         // hi k 0-15, hi k 16-31, lo k 0-15, lo k 16-31 of activation rows wn + 8n .. + 7
         uint32_t bf[4];
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
               }
             }
           }
-          continue;
+          return;
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -280,6 +280,20 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
             y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
             if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
           }
+        }
+      };
+      if (full_n) {
+        // every fragment of the warp holds tile rows: no test between fragments, so the compiler can start the next
+        // fragment's products under this one's epilogue (v13's per-fragment test put a branch and a WARPSYNC there)
+#pragma unroll
+        for (int n = 0; n < NN; ++n) frag(n);
+      } else {
+#pragma unroll
+        for (int n = 0; n < NN; ++n) {
+          // activation rows past the tile (an expert's last, partial tile): their products are never stored, so the
+          // warp skips the fragment (uniform per warp; the kernel is issue-bound, so the SM's other warps gain)
+          if (wn + 8 * n >= tl.an_mma) break;
+          frag(n);
         }
       }
     }
@@ -338,6 +352,21 @@ bool mmq_skip_rows() {
   return v;
 }
 
+// $DS4_GPU_MMQ_STRAIGHT (default 1): a warp whose fragments all hold tile rows runs them without the per-fragment test
+// (v14); 0: the test before every fragment (v13). The same bits; read once, an A/B switch.
+// set_mmq_straight (0 or 1; -1: the environment again) overrides it for the launches that follow (the tests' A/B).
+int& mmq_straight_override() {
+  static int v = -1;
+  return v;
+}
+bool mmq_straight() {
+  static const bool v = [] {
+    const char* e = std::getenv("DS4_GPU_MMQ_STRAIGHT");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return mmq_straight_override() >= 0 ? mmq_straight_override() != 0 : v;
+}
+
 MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, int rows_g) {
   MmqArgs a;
   a.w = w;
@@ -350,10 +379,13 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
   a.rows_g = rows_g;
   a.tiles = nullptr;
   a.skip_rows = mmq_skip_rows() ? 1 : 0;
+  a.straight = mmq_straight() ? 1 : 0;
   return a;
 }
 
 }  // namespace
+
+void set_mmq_straight(int v) { mmq_straight_override() = v < 0 ? -1 : (v != 0); }
 
 int mmq_tile_rows() {
   static const int rows = [] {
