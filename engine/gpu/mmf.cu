@@ -15,8 +15,8 @@
 // as float16 integers (16 groups of 16 columns for Q2_K; 8 of 32 and 8 zeros for Q4_K) against the activations' group
 // sums (split like x; moe_gemm.py computes them).
 //
-// Tiles (v14): a CTA computes 128 weight rows x 64 activation rows with 16 warps (4 x 4; 32 x 16 each: 2 m16 x 2 n8)
-// over stages of 128 columns (half a super-block; 168 KB of shared memory, one CTA per SM), double-buffered: activation
+// Tiles: a CTA computes 64 weight rows x 128 activation rows with 8 warps (2 x 4; 32 x 32 each: 2 m16 x 4 n8) over
+// stages of 128 columns (half a super-block; 203 KB of shared memory, one CTA per SM), double-buffered: activation
 // planes by cp.async, the weights' raw blocks through registers, decoded into shared memory as float16 while the
 // previous stage multiplies. 128 activation rows per weight tile keep the decode at ~1 instruction per mma (with 64
 // rows and 64-column stages the SASS loop had ~10 per mma). Shared rows are padded to 272 bytes, so every ldmatrix
@@ -36,22 +36,15 @@ namespace ds4gpu {
 
 namespace {
 
-// v14: 16 warps (4 x 4 of 32 weight rows x 16 activation rows) on 128 x 64 tiles, one CTA per SM. v11-v12 ran 8 warps
-// (2 x 4 of 32 x 32) on 64 x 128 tiles in ~203 KB of shared memory: one CTA per SM, latency-bound (ncu: 0.47 eligible
-// warps per scheduler, 34% of the issue slots). Here 168 KB still allows one CTA, but with twice the warps.
-constexpr int MF_THREADS = 512;
-constexpr int MF_WM = 4;                                  // warps along the weight rows (the rest along activations)
-constexpr int MF_M = 128;                                 // weight rows per CTA
-constexpr int MF_N = 64;                                  // activation rows per CTA
-constexpr int MF_TN = MF_N / (MF_THREADS / 32 / MF_WM) / 8;  // n8 fragments per warp
+constexpr int MF_THREADS = 256;                           // 2 x 4 warps of 32 weight rows x 32 activation rows
+constexpr int MF_M = 64;                                  // weight rows per CTA
+constexpr int MF_N = 128;                                 // activation rows per CTA
 constexpr int MF_KS = 128;                                // columns per stage: half a super-block
 constexpr int MF_NB = MF_KS / 32;                         // 32-column blocks per stage
 constexpr int MF_SPS = 256 / MF_KS;                       // stages per super-block
 constexpr int MF_LD = MF_KS + 8;                          // halfs per shared row (272 bytes)
 constexpr int MF_ML = 16 + 8;                             // halfs per row of the min tiles (48 bytes)
 constexpr int MF_PAIRS = MF_M * MF_NB / MF_THREADS;      // (row, 32-column block) decodes per thread and stage
-static_assert(MF_PAIRS >= 1 && MF_M * MF_NB % MF_THREADS == 0, "every thread decodes whole (row, block) pairs");
-static_assert(MF_M == 32 * MF_WM && MF_TN >= 1, "warps tile the weight rows in 32s");
 
 template <int QT>
 __host__ __device__ constexpr bool mf_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
@@ -206,14 +199,14 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
   const MfTile tl = mf_tile(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int wm = (warp % MF_WM) * 32, wn = (warp / MF_WM) * (8 * MF_TN);  // this warp's weight and activation rows
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
   // the super-block's sums of the hi and the lo products apart: 16 independent mma chains per warp, not 8 pairs
-  float acc[2][MF_TN][4], blk[2][MF_TN][4], blo[2][MF_TN][4];
+  float acc[2][4][4], blk[2][4][4], blo[2][4][4];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < MF_TN; ++n)
+    for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][n][e] = blk[m][n][e] = blo[m][n][e] = 0.0f;
   const int nstages = a.K / MF_KS;
@@ -246,7 +239,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
 #pragma unroll
       for (int m = 0; m < 2; ++m) ldsm_x4(af[m], &S.w[wm + 16 * m + (lane & 15)][16 * kk + 8 * (lane >> 4)]);
 #pragma unroll
-      for (int n = 0; n < MF_TN; ++n) {
+      for (int n = 0; n < 4; ++n) {
         // hi k 0-7, hi k 8-15, lo k 0-7, lo k 8-15 of activation rows wn + 8n .. + 7
         uint32_t bf[4];
         const int t = wn + 8 * n + (lane & 7), kb = 16 * kk + 8 * ((lane >> 3) & 1);
@@ -266,7 +259,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
         for (int m = 0; m < 2; ++m) ldsm_x4(am[m], &U.mw[wm + 16 * m + (lane & 15)][8 * (lane >> 4)]);
       }
 #pragma unroll
-      for (int n = 0; n < MF_TN; ++n) {
+      for (int n = 0; n < 4; ++n) {
         uint32_t bm[4] = {0u, 0u, 0u, 0u};
         if constexpr (mf_mins<QT>()) {
           const int t = wn + 8 * n + (lane & 7), kb = 8 * ((lane >> 3) & 1);
@@ -293,7 +286,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
     }
   }
 #pragma unroll
-  for (int n = 0; n < MF_TN; ++n)
+  for (int n = 0; n < 4; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = wn + 8 * n + 2 * q + (e & 1);
