@@ -169,10 +169,9 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
   }
 }
 
-// CTAs per SM: 128-row tiles (twice the accumulators) need more registers. (v14: the K-quants at 64 rows take 3 too: the
-// straight fragments would use 202 registers, 2 CTAs per SM, where 168 with a few bytes spilled keep 3.)
+// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers.
 template <int QT, int NT>
-__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 ? 2 : 3; }
+__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
 
 template <int QT, int NT, bool S256 = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
@@ -198,7 +197,10 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         for (int e = 0; e < 4; ++e) ih[m][n][e] = il[m][n][e] = 0;
     }
   const int nstages = a.K / MQ_KS;
-  const bool full_n = a.straight && wn + NT / 2 <= tl.an_mma;  // all of this warp's fragments hold tile rows (uniform)
+  // all of this warp's fragments hold tile rows (uniform per warp). Not for the K-quants: their straight form needs 202
+  // registers (2 CTAs per SM), or 168 with spills, against v13's 136 (the Q2_K expert down measured 8.3 -> 9.4 ms per
+  // 8192-token layer that way, v14 call 3)
+  const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
   mmq_load_x<QT, NT>(a, tl, 0, st[0]);
   mmq_load_w<QT, NT>(a, tl, 0, raw);
