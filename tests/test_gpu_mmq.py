@@ -95,6 +95,7 @@ def test_mmq_experts_match_the_reference(gate_type):
     counts = [3, 0, 150, 1, 64, 65, 1, 20, 128, 129]
     x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
     tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
     y = ext.Array.empty([sum(counts), n_ff])
     y.fill(float("nan"))
     assert ext.mmq_takes(w, n_expert)
@@ -122,12 +123,14 @@ def test_mmq_experts_gathered_pair_equals_separate_products():
     base = rng.standard_normal((40, n_embd)).astype(np.float32)
     rows = rng.integers(0, 40, sum(counts))
     tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
     nt = tiles.shape[0]
     sep = [ext.Array.empty([sum(counts), n_ff]) for _ in ws]
     for w, y in zip(ws, sep):
         assert ext.mmq_experts(w, ext.Array.from_numpy(base[rows]), tiles.data_ptr(), nt, y)
     pair = [ext.Array.empty([sum(counts), n_ff]) for _ in ws]
     idx = torch.from_numpy(rows).to("cuda")
+    torch.cuda.synchronize()
     assert ext.mmq_experts(ws[0], ext.Array.from_numpy(base), tiles.data_ptr(), nt, pair[0], idx.data_ptr(), ws[1],
                            pair[1])
     for a, b in zip(sep, pair):
@@ -247,6 +250,7 @@ def test_mmq_s256_q2k_experts_match_the_reference():
     x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
     x[:, 5] *= 40.0  # an outlier column: the 256-column scale is coarser than the 32-column one there
     tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
     expert = np.repeat(np.arange(n_expert), counts)
 
     def product(w, s256, w2=None):
@@ -290,6 +294,7 @@ def test_mmq_straight_fragments_give_the_same_bits(qtype):
     counts = [64, 1, 20, 65, 128, 33]
     x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
     tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
     w = gpu.upload(f"blk.0.ffn_down_exps.straight{qtype.name}", qtype, (n_embd, n_ff, n_expert),
                    random_blocks(qtype, n_ff * n_expert, n_embd, rng))
 

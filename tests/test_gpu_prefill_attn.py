@@ -193,35 +193,6 @@ def test_straight_loops_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
     assert float((new.double() - ref).norm() / ref.norm()) < 1e-5
 
 
-@pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
-    (40, 64, 512, 900, 512, 3000, 4),     # Flash: two CTAs of 32 heads (four parts of 128 columns)
-    (30, 16, 512, 300, 100, 900, 4),      # 16 heads per CTA (eight parts of 64)
-    (9, 128, 512, 700, 512, 2600, 4),     # Pro: 64 heads per CTA (two parts)
-    (24, 8, 512, 20, 0, 2000, 128),       # 8 heads: padded rows in the interleaved queries
-    (17, 20, 64, 40, 16, 100, 4),         # d = 64: parts of 16 columns, exact_dims 0 only
-])
-def test_form3_scores_both_key_halves_per_warp(T, H, d, n_comp, k_sel, pos0, ratio):
-    """Form 3 (interleaved queries, each warp both 8-key halves, the columns in twice the parts) sums the scores in
-    another order than form 2: it stays at the float64 reference (1e-5) and within float32 rounding of form 2, with
-    float32 keys, FP8-rounded keys with exact_dims, and packed keys."""
-    from ds4.engine.gpu import ops
-    from ds4.engine.gpu.fused import Fused
-
-    K = Fused(gpu.load(), torch.device(DEV))
-    q, win, comp, sel, sinks = _case(T + 11 * H, T, H, d, 128, n_comp, k_sel, pos0, ratio)
-    for exact in (0, d - 64) if d > 64 else (0,):
-        if exact:
-            win = ops.fp8_kv_round(win, exact)
-            comp = None if comp is None else ops.fp8_kv_round(comp, exact)
-        ref = reference(q, win, comp, sel, sinks, pos0, ratio)
-        two = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=exact, form=2)
-        for packed in ((False, True) if exact else (False,)):
-            three = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=exact, packed=packed, form=3)
-            assert torch.isfinite(three).all()
-            assert float((three.double() - ref).norm() / ref.norm()) < 1e-5, (exact, packed)
-            assert float((three - two).norm() / two.norm()) < 2e-6, (exact, packed)
-
-
 @pytest.mark.parametrize("T,H", [(40, 64), (3, 8)])  # norm_rope's warp kernel (2560 rows) and its block kernel (24)
 def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
     """The attention output's RoPE tail undone in the kernel's epilogue equals norm_rope's inverse pass on the output."""

@@ -188,59 +188,6 @@ __device__ __forceinline__ void ap_pv_chunk(const uint8_t* v0, int dsb, int col0
   for (int i = 0; i < PVC; ++i) mma_tf32(acc[n0 + i], ah, bh[i]);
 }
 
-// ---- form 3 (v14): each warp scores both 8-key halves of the tile from one query split ----
-// Form 2's warp scores one half: per 8-column step it loads and splits its query fragment (two 8-byte loads, four
-// register moves into the mma's operand order, eight split instructions) for two products. Form 3 stages the queries
-// interleaved in fragment order (one 16-byte load per step, no moves) and gives each warp both halves over half the
-// columns (twice the parts, summed by the softmax), so one split feeds four products. Float sums in another order than
-// forms 1 and 2 (a different split of the columns into parts and chains): not their bits.
-template <bool SPLIT, bool PK>
-__device__ __forceinline__ void ap_score_step2(const float4 x, const uint8_t* kr0, const uint8_t* kr1, int kk, int i4,
-                                               int pk, float (&cm0)[4], float (&cc0)[4], float (&cm1)[4],
-                                               float (&cc1)[4]) {
-  uint32_t ah[4], al[4], b0h[2], b0l[2], b1h[2], b1l[2];
-  split_tf32(x.x, ah[0], al[0]);
-  split_tf32(x.y, ah[1], al[1]);
-  split_tf32(x.z, ah[2], al[2]);
-  split_tf32(x.w, ah[3], al[3]);
-  const float2 y0 = ap_key_pair<PK, SPLIT ? 2 : 1>(kr0, kk + 2 * i4, pk);
-  const float2 y1 = ap_key_pair<PK, SPLIT ? 2 : 1>(kr1, kk + 2 * i4, pk);
-  if constexpr (SPLIT) {
-    split_tf32(y0.x, b0h[0], b0l[0]);
-    split_tf32(y0.y, b0h[1], b0l[1]);
-    split_tf32(y1.x, b1h[0], b1l[0]);
-    split_tf32(y1.y, b1h[1], b1l[1]);
-  } else {
-    b0h[0] = __float_as_uint(y0.x);
-    b0h[1] = __float_as_uint(y0.y);
-    b1h[0] = __float_as_uint(y1.x);
-    b1h[1] = __float_as_uint(y1.y);
-  }
-  mma_tf32(cc0, al, b0h);
-  mma_tf32(cc1, al, b1h);
-  mma_tf32(cm0, ah, b0h);
-  mma_tf32(cm1, ah, b1h);
-  if constexpr (SPLIT) {
-    mma_tf32(cc0, ah, b0l);
-    mma_tf32(cc1, ah, b1l);
-  }
-}
-
-// The queries of m-tile mt in fragment order: float4 (mt * d / 8 + k / 8) * 32 + lane holds, for lane = 4 g + i,
-// rows 16 mt + g and + 8 at columns k + 2 i and k + 2 i + 1 as (a0, a1, a2, a3) of the m16n8k8 A fragment.
-__device__ __forceinline__ void ap_stage_q_interleaved(const PrefillAttn& a, int t, int h_base, int HG, float* Qs) {
-  const int d = a.d, steps = d / 8;
-  for (int i = threadIdx.x; i < HG * d / 4; i += AP_THREADS) {
-    const int lane = i & 31, step = (i >> 5) % steps, mt = (i >> 5) / steps;
-    const int h0 = h_base + 16 * mt + (lane >> 2), c = 8 * step + 2 * (lane & 3);
-    const float* q = a.q + ((int64_t)t * a.H + h0) * d + c;
-    const float2 z = make_float2(0.0f, 0.0f);
-    const float2 r0 = h0 < a.H ? __ldg((const float2*)q) : z;
-    const float2 r1 = h0 + 8 < a.H ? __ldg((const float2*)(q + 8 * (int64_t)d)) : z;
-    ((float4*)Qs)[i] = make_float4(r0.x, r1.x, r0.y, r1.y);
-  }
-}
-
 // Shared bytes per key row: float32 rows padded by AP_PAD floats (rows 8 banks apart: the 8-byte score loads and
 // the P.V loads are conflict-free); packed rows by 16 bytes (for d a multiple of 64 and pk_dims = d - 64: rows 4
 // banks apart, so the 4-byte bfloat16 pair loads of the scores, 8 rows x 4 lanes, hit 32 banks; the float32 RoPE
@@ -271,14 +218,12 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
   constexpr int KS = AP_WARPS / (2 * MT);  // head-dimension parts of each score job
   constexpr int NT = 8 * MT;           // output tiles of 8 columns per warp, at most (d <= 512)
   constexpr int KC = 4;                // independent score chains
-  constexpr int KS3 = AP_WARPS / MT;   // form 3: head-dimension parts (each warp both key halves)
-  constexpr int KC3 = 2;               // form 3: chains per key half
   extern __shared__ __align__(16) float sh[];
   const int d = a.d, ds = d + AP_PAD, d4 = d / 4, pk = PK ? a.pk_dims : 0, dsb = ap_smem_row_bytes<PK>(d, pk);
   float* Qs = sh;                      // [HG][ds]
   uint8_t* Kbuf = (uint8_t*)(Qs + HG * ds);  // [NBUF][AP_KT] rows of dsb bytes
-  float* Ss = (float*)(Kbuf + NBUF * AP_KT * dsb);  // [KS or KS3][HG][AP_SP] partial scores; part 0 then the weights
-  float* m_s = Ss + KS3 * HG * AP_SP;  // [HG] running max
+  float* Ss = (float*)(Kbuf + NBUF * AP_KT * dsb);  // [KS][HG][AP_SP] partial scores; part 0 then the tile's weights
+  float* m_s = Ss + KS * HG * AP_SP;   // [HG] running max
   float* l_s = m_s + HG;               // [HG] running sum
   float* f_s = l_s + HG;               // [HG] this tile's rescale, then the final factor
   int* ok_s = (int*)(f_s + HG);        // [NBUF][AP_KT] key present and visible
@@ -296,11 +241,6 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     sel_s = sel_stage;
   }
   ap_load_tile<PK>(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s);  // the first tile loads while Q is staged
-  // form 3 where its parts split evenly at the exact columns' edge (d = 512: parts of 128, exact_dims 448 or 0)
-  const bool f3 = a.form == 3 && (d / KS3) % (8 * KC3) == 0 && a.exact_dims % (8 * KC3) == 0;
-  const int n_parts = f3 ? KS3 : KS;  // partial score sums per tile
-  if (f3) ap_stage_q_interleaved(a, t, h_base, HG, Qs);
-  else
   for (int i = tid; i < HG * d4; i += AP_THREADS) {
     const int r = i / d4, c = i - r * d4, h = h_base + r;
     const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
@@ -339,50 +279,7 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
       ap_prefetch_tile<PK>(a, t, p, n_vis, n_keys, k0 + AP_KT, sel_s);
     const uint8_t* Ks = Kbuf + buf * AP_KT * dsb;
     const int* ok = ok_s + buf * AP_KT;
-    if (f3) {  // scores, form 3: m-tile warp % MT, both key halves, columns of part warp / MT
-      const int mt = warp % MT, part = warp / MT, kp = d / KS3, lo = part * kp, hi = lo + kp;
-      const float4* qi = (const float4*)Qs + mt * (d / 8) * 32 + lane;
-      const uint8_t* kr0 = Ks + g * dsb;
-      const uint8_t* kr1 = Ks + (8 + g) * dsb;
-      float cm[2][KC3][4], cc[2][KC3][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < KC3; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) cm[h][j][e] = cc[h][j][e] = 0.0f;
-      const int e_hi = min(max(a.exact_dims, lo), hi);
-      int k = lo;
-      for (; k < e_hi; k += 8 * KC3)
-#pragma unroll
-        for (int j = 0; j < KC3; ++j)
-          ap_score_step2<false, PK>(qi[((k >> 3) + j) * 32], kr0, kr1, k + 8 * j, i4, pk, cm[0][j], cc[0][j], cm[1][j],
-                                    cc[1][j]);
-      for (; k < hi; k += 8 * KC3)
-#pragma unroll
-        for (int j = 0; j < KC3; ++j)
-          ap_score_step2<true, PK>(qi[((k >> 3) + j) * 32], kr0, kr1, k + 8 * j, i4, pk, cm[0][j], cc[0][j], cm[1][j],
-                                   cc[1][j]);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float c[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float sc = 0.0f, sm = 0.0f;
-#pragma unroll
-          for (int j = 0; j < KC3; ++j) {
-            sc += cc[h][j][e];
-            sm += cm[h][j][e];
-          }
-          c[e] = sc + sm;
-        }
-        float* sp = Ss + part * HG * AP_SP + (16 * mt + g) * AP_SP + 8 * h + 2 * i4;
-        sp[0] = c[0];
-        sp[1] = c[1];
-        sp[8 * AP_SP] = c[2];
-        sp[8 * AP_SP + 1] = c[3];
-      }
-    } else {  // scores: m-tile warp % MT, keys 8 ((warp / MT) % 2) .. + 7 of the tile, columns k_lo .. k_hi - 1
+    {  // scores: m-tile warp % MT, keys 8 ((warp / MT) % 2) .. + 7 of the tile, columns k_lo .. k_hi - 1
       const int mt = warp % MT, n0 = 8 * ((warp / MT) % 2);
       const float* q0 = Qs + (16 * mt + g) * ds + 2 * i4;
       const float* q1 = q0 + 8 * ds;
@@ -440,7 +337,7 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
       for (int j = 0; j < 4; ++j) {
         float sc = srow[j];
 #pragma unroll
-        for (int q = 1; q < n_parts; ++q) sc += srow[q * HG * AP_SP + j];
+        for (int q = 1; q < KS; ++q) sc += srow[q * HG * AP_SP + j];
         v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? sc * a.scale : -INFINITY;
         mx = fmaxf(mx, v[j]);
       }
@@ -544,9 +441,9 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
 
 template <int MT, int NBUF, int MINB, bool PK = false>
 void launch_mt(const PrefillAttn& a, cudaStream_t s) {
-  constexpr int HG = 16 * MT, KS3 = AP_WARPS / MT;  // the partial scores sized for form 3's parts
+  constexpr int HG = 16 * MT, KS = AP_WARPS / (2 * MT);
   const int ds = a.d + AP_PAD;
-  const size_t shm = sizeof(float) * ((size_t)HG * ds + (size_t)KS3 * HG * AP_SP + 3 * HG) +
+  const size_t shm = sizeof(float) * ((size_t)HG * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
                      (size_t)NBUF * AP_KT * ap_smem_row_bytes<PK>(a.d, a.pk_dims) +
                      sizeof(int) * (NBUF * AP_KT + (a.prefetch && a.sel && a.comp ? a.n_sel : 0));
   static size_t shm_set = 0;
@@ -570,13 +467,11 @@ int attn_prefetch_mode() {
 }
 
 // $DS4_GPU_ATTN_FORM: 2 (default) the inner loops without per-step branches and with each step's dependent products
-// apart (ap_score_step, ap_pv_chunk); 1 the v13 loops (the same bits as 2); 3 form 2 with each warp scoring both key
-// halves from interleaved queries (ap_score_step2: other float sums). Read once.
+// apart (ap_score_step, ap_pv_chunk); 1 the v13 loops. The same bits. Read once.
 int attn_form() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_FORM");
-    const int f = e && *e ? atoi(e) : 2;
-    return f == 1 || f == 3 ? f : 2;
+    return e && *e && atoi(e) == 1 ? 1 : 2;
   }();
   return v;
 }
@@ -632,7 +527,7 @@ bool prefill_attn_takes(int H, int d) { return H > 0 && d > 0 && d % 64 == 0 && 
 void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
   PrefillAttn a = args;
   if (a.prefetch < 0 || a.prefetch > 2) a.prefetch = attn_prefetch_mode();
-  if (a.form < 1 || a.form > 3) a.form = attn_form();
+  if (a.form != 1 && a.form != 2) a.form = attn_form();
   if (a.sel && a.n_sel > 1024) a.prefetch = 0;  // the staged rows (4 KB at most) keep two CTAs per SM where two fit
   if (!prefill_attn_takes(a.H, a.d)) throw std::invalid_argument("prefill_attn: head dim must be a multiple of 64, <= 512");
   if (a.T < 0 || a.Wn < 1 || a.n_comp < 0 || (a.sel && a.n_sel < 1) || (a.comp && a.ratio < 1))
