@@ -110,7 +110,21 @@ def _mmf_column(ext, name, qtype, raw, rows, x, reps, t_peer, want, expert_tiles
     mmf()
     torch.cuda.synchronize()
     err = float((y - want).norm() / want.norm())
-    return f"{t:7.2f} {t_peer / t:11.2f}  (mmf rel to peer {err:.1e})"
+    out = f"{t:7.2f} {t_peer / t:11.2f}  (mmf rel to peer {err:.1e})"
+    if ext.mmw_takes(ew, 1):  # the warpgroup-MMA form (IQ2_XXS): the same activations, its own tile table
+        wt = torch.tensor(expert_tiles([T], ext.mmw_tile_rows()), dtype=torch.int32, device="cuda")
+
+        def mmw():
+            xa = mmf_activations(split, x, int(qtype))
+            ext.mmw_experts(ew, xa.hi.data_ptr(), xa.lo.data_ptr(), xa.s.data_ptr(), wt.data_ptr(), wt.shape[0], arr)
+
+        y.fill_(float("nan"))
+        tw = time_ms(mmw, reps)
+        mmw()
+        torch.cuda.synchronize()
+        err = float((y - want).norm() / want.norm())
+        out += f"  (mmw {tw:.2f} ms, peer / mmw {t_peer / tw:.2f}, rel to peer {err:.1e})"
+    return out
 
 
 if __name__ == "__main__":

@@ -92,6 +92,25 @@ bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, 
   return true;
 }
 
+// The IQ2_XXS experts' product on the warpgroup MMA (mmf.cu's mmw): mmf_experts' arithmetic and activations (no group
+// sums), tiles with rows <= mmw_tile_rows(). False where the kernel does not take the expert tensor.
+bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintptr_t tiles, int ntiles, Array& y) {
+  if (w.ne.size() != 3) throw std::invalid_argument("mmw_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)w.ne[2];
+  if (!mmw_takes(w.p, n_expert)) return false;
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (y.shape.size() != 2 || y.shape[1] != rows_e)
+    throw std::invalid_argument("mmw_experts '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+  if (!hi || !lo || !s) throw std::invalid_argument("mmw_experts '" + w.name + "': missing activation planes");
+  if (y.shape[0] < 1 || ntiles < 1) return true;
+  MmfActivations x;
+  x.hi = (const __half*)hi;
+  x.lo = (const __half*)lo;
+  x.scale = (const float*)s;
+  launch_mmw_experts(w.p, n_expert, x, (const int4*)tiles, ntiles, y.f(), stream());
+  return true;
+}
+
 }  // namespace
 
 void bind_prefill_products(py::module_& m) {
@@ -116,6 +135,14 @@ void bind_prefill_products(py::module_& m) {
   m.def("mmf_takes", [](const Tensor& w, int n_expert) { return mmf_takes(w.p, n_expert); }, py::arg("w"),
         py::arg("n_expert"), "Whether mmf_experts takes the expert tensor W (IQ2_XXS, Q2_K, Q4_K; columns % 256 == 0).");
   m.def("mmf_tile_rows", &mmf_tile_rows, "Activation rows per mmf tile.");
+  m.def("mmw_experts", &mmw_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("s"), py::arg("tiles"),
+        py::arg("ntiles"), py::arg("y"),
+        "mmf_experts' product for IQ2_XXS experts on the warpgroup MMA (wgmma: operands from shared memory, the "
+        "next stage decoded while the products run); hi, lo, s as mmf_experts takes them, tiles with rows <= "
+        "mmw_tile_rows(). False where the kernel does not take the expert tensor.");
+  m.def("mmw_takes", [](const Tensor& w, int n_expert) { return mmw_takes(w.p, n_expert); }, py::arg("w"),
+        py::arg("n_expert"), "Whether mmw_experts takes the expert tensor W (IQ2_XXS, columns % 256 == 0).");
+  m.def("mmw_tile_rows", &mmw_tile_rows, "Activation rows per mmw tile.");
   m.def("barrier_check", [](int mode, int ctas, int threads, uintptr_t slots, uintptr_t data, int iters,
                             uintptr_t violations) {
     launch_barrier_check(mode, ctas, threads, (unsigned*)slots, (unsigned*)data, iters, (unsigned*)violations,

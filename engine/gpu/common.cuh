@@ -268,6 +268,12 @@ bool mmf_takes(const Packed& w, int n_expert);
 int mmf_tile_rows();
 void launch_mmf_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
                         float* y, cudaStream_t stream);
+// mmf.cu's mmw: the IQ2_XXS experts' product on the warpgroup MMA (wgmma, sm_90a), mmf's arithmetic; hi, lo, scale as
+// mmf takes them (no group sums); tiles with rows <= mmw_tile_rows().
+bool mmw_takes(const Packed& w, int n_expert);
+int mmw_tile_rows();
+void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
+                        float* y, cudaStream_t stream);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

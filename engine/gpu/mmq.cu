@@ -266,21 +266,21 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
               }
             }
           }
-          return;
-        }
+        } else {
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          int ch[4], cl[4];
-          mma_s8(ch, af[m], bf[0], bf[1]);
-          mma_s8(cl, af[m], bf[2], bf[3]);
-          // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
+          for (int m = 0; m < 2; ++m) {
+            int ch[4], cl[4];
+            mma_s8(ch, af[m], bf[0], bf[1]);
+            mma_s8(cl, af[m], bf[2], bf[3]);
+            // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int h = e >> 1, j = e & 1;
-            // the batch-1 kernels' arithmetic: the exact int32 254 hi + lo, one rounding to float (I2FP: full rate)
-            float& y = acc[m][n][e];
-            y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
-            if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
+            for (int e = 0; e < 4; ++e) {
+              const int h = e >> 1, j = e & 1;
+              // the batch-1 kernels' arithmetic: the exact int32 254 hi + lo, one rounding to float (I2FP: full rate)
+              float& y = acc[m][n][e];
+              y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
+              if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
+            }
           }
         }
       };

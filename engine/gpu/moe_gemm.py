@@ -28,6 +28,7 @@ F32, F16 = torch.float32, torch.float16
 # mmq (default since v11: int8 tensor cores on the codes, mmq.cu; no dequant pass, no padding, no new GEMM shapes per
 # prompt: first 2048-token prefill of a process 2396 against 1172 t/s, 8192 tokens 2655 / 2673 against 2600 / 2636)
 # | mmf (v11, written without a device: float16 tensor cores, the codes as exact float16 integers, mmf.cu)
+# | mmw (v14, prepared: gate and up as mmf computes them on the warpgroup MMA, down on mmq; IQ2_XXS gate/up only)
 # | buckets (v9: dequant to float16 hi/lo, three GEMMs per bucket) | padded (the v5..v8 path)
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "mmq")
 # mmq: gate and up from one quantization of the token rows read in expert order (no gathered copy of x), and the k
@@ -179,30 +180,39 @@ def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]
 def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
                          kernel: str):
     """routed_experts straight from the experts' codes, the assignments sorted by expert: no padding, no weight
-    copies. kernel `mmq` (mmq.cu: int8 tensor cores, the activations rounded as decode rounds them) or `mmf` (mmf.cu:
+    copies. kernel `mmq` (mmq.cu: int8 tensor cores, the activations rounded as decode rounds them), `mmf` (mmf.cu:
     float16 tensor cores, the codes as exact float16 integers, the activations split to ~22 bits as the hi/lo GEMMs
-    split them). None where the kernel does not take the expert tensors (the caller falls back)."""
+    split them) or `mmw` (gate and up of IQ2_XXS experts as mmf computes them, on the warpgroup MMA; down on mmq).
+    None where the kernel does not take the expert tensors (the caller falls back)."""
     dev, ext = b.device, W.ext
     T, k = ids.shape
     n_expert, n_ff, n_embd = int(gate.ne[2]), int(gate.ne[1]), int(gate.ne[0])
-    takes, tile_rows = (ext.mmq_takes, ext.mmq_tile_rows) if kernel == "mmq" else (ext.mmf_takes, ext.mmf_tile_rows)
-    if not all(takes(w, n_expert) for w in (gate, up, down)):
+    if kernel == "mmw":  # gate and up (IQ2_XXS) on the warpgroup MMA, down (Q2_K) on mmq
+        takes_all = ext.mmw_takes(gate, n_expert) and ext.mmw_takes(up, n_expert) and ext.mmq_takes(down, n_expert)
+        gu_rows, down_rows = ext.mmw_tile_rows(), ext.mmq_tile_rows()
+    else:
+        takes, tile_rows = (ext.mmq_takes, ext.mmq_tile_rows) if kernel == "mmq" else (ext.mmf_takes, ext.mmf_tile_rows)
+        takes_all = all(takes(w, n_expert) for w in (gate, up, down))
+        gu_rows = down_rows = tile_rows()
+    if not takes_all:
         return None
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
-    tiles = torch.tensor(expert_tiles(counts, tile_rows()), dtype=torch.int32, device=dev)
+    tiles = torch.tensor(expert_tiles(counts, gu_rows), dtype=torch.int32, device=dev)
+    down_tiles = tiles if down_rows == gu_rows else torch.tensor(expert_tiles(counts, down_rows), dtype=torch.int32,
+                                                                 device=dev)
     n_asg = T * k
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
     u = torch.empty_like(g)
     W._sync_stream()
-    fused = kernel == "mmq" and MOE_FUSE
-    if fused:  # gate and up from one quantization of b's rows, read in expert order without a gathered copy
+    fused = kernel in ("mmq", "mmw") and MOE_FUSE  # the SwiGLU with the routing weights, the combine in slot order
+    if fused and kernel == "mmq":  # gate and up from one quantization of b's rows, read in expert order: no copy
         if not ext.mmq_experts(gate, W._arr(b.contiguous()), tiles.data_ptr(), tiles.shape[0], W._arr(g),
                                (order // k).data_ptr(), up, W._arr(u)):
             return None
     else:
-        product = _mmq_product if kernel == "mmq" else _mmf_product
+        product = {"mmq": _mmq_product, "mmf": _mmf_product, "mmw": _mmw_product}[kernel]
         xa = _activations(W, b[order // k].contiguous(), gate.qtype, kernel)  # activation rows in expert order
         if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
             return None
@@ -215,8 +225,9 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
         h *= wts.reshape(-1)[order, None]
     y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
-    product = _mmq_product if kernel == "mmq" else _mmf_product
-    if not product(W, down, _activations(W, h, down.qtype, kernel), tiles, y_sorted):
+    down_kernel = "mmq" if kernel == "mmw" else kernel
+    product = _mmq_product if down_kernel == "mmq" else _mmf_product
+    if not product(W, down, _activations(W, h, down.qtype, down_kernel), down_tiles, y_sorted):
         return None
     if fused:  # each token's k rows summed in slot order, straight from the expert order
         slot_row = torch.empty_like(order)
@@ -268,6 +279,11 @@ def _activations(W, x: torch.Tensor, qtype: int, kernel: str):
 
 def _mmq_product(W, w, x: torch.Tensor, tiles: torch.Tensor, y: torch.Tensor) -> bool:
     return W.ext.mmq_experts(w, W._arr(x), tiles.data_ptr(), tiles.shape[0], W._arr(y), s256=int(MMQ_S256))
+
+
+def _mmw_product(W, w, xa: MmfActivations, tiles: torch.Tensor, y: torch.Tensor) -> bool:
+    return W.ext.mmw_experts(w, xa.hi.data_ptr(), xa.lo.data_ptr(), xa.s.data_ptr(), tiles.data_ptr(), tiles.shape[0],
+                             W._arr(y))
 
 
 def _mmf_product(W, w, xa: MmfActivations, tiles: torch.Tensor, y: torch.Tensor) -> bool:

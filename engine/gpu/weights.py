@@ -251,7 +251,7 @@ class Weights:
         if not isinstance(gate, torch.Tensor) and not isinstance(down, torch.Tensor):
             if T >= MOE_GEMM_MIN:
                 with torch.profiler.record_function("moe_gemm"):  # a prefill phase (bench_session --gaps)
-                    if moe_gemm.MOE_GEMM in ("mmq", "mmf"):
+                    if moe_gemm.MOE_GEMM in ("mmq", "mmf", "mmw"):
                         y = moe_gemm.routed_experts_codes(self, gate, up, down, b, ids, wts, limit, moe_gemm.MOE_GEMM)
                         if y is not None:
                             return y
