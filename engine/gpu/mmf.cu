@@ -334,8 +334,9 @@ constexpr int MW_PAIRS = MW_M * (MW_KS / 32) / MW_THREADS;  // (row, 32-column b
 static_assert(MW_PAIRS == 1, "one decode per thread and stage");
 
 struct MwStage {
-  __half a[MW_M * MW_KS];      // weights (16 KB)
-  __half b[2 * MW_N * MW_KS];  // activations: rows 0 .. MW_N - 1 hi, MW_N .. 2 MW_N - 1 lo (16 KB): one N = 128 operand
+  __half a[MW_M * MW_KS];   // weights (16 KB)
+  __half bh[MW_N * MW_KS];  // activations hi (8 KB)
+  __half bl[MW_N * MW_KS];  // activations lo (8 KB)
 };
 
 __device__ __forceinline__ int mw_off(int r, int k, int rows) {  // element offset in the core-matrix layout
@@ -350,14 +351,12 @@ __device__ __forceinline__ uint64_t mw_desc(const void* p, uint32_t lbo, uint32_
          ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32);
 }
 
-// d (+)= A[64 x 16] . B[128 x 16]^T: float32 accumulators, float16 operands, both K-major (no transpose). B holds the
-// hi and the lo rows of 64 activations, so each weight fragment is read once for both (two N = 64 products read it twice
-// per column: v14's first form, 1.29 ms for the expert gate, bound by those shared-memory reads).
-__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+// d (+)= A[64 x 16] . B[64 x 16]^T: float32 accumulators, float16 operands, both K-major (no transpose).
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(da), "l"(db), "r"(accumulate));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -388,8 +387,9 @@ __device__ __forceinline__ void mw_load_x(const MfArgs& a, const MwTile& tl, int
     const int t = i / (MW_KS / 8), c = i % (MW_KS / 8);
     const bool ok = t < tl.an;
     const int64_t off = (tl.a0 + (ok ? t : 0)) * a.K + k0 + 8 * c;
-    cp16(st.b + mw_off(t, 8 * c, 2 * MW_N), a.xh + off, ok);
-    cp16(st.b + mw_off(MW_N + t, 8 * c, 2 * MW_N), a.xl + off, ok);
+    const int o = mw_off(t, 8 * c, MW_N);
+    cp16(st.bh + o, a.xh + off, ok);
+    cp16(st.bl + o, a.xl + off, ok);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -418,7 +418,7 @@ __device__ __forceinline__ void mw_decode_w(const MfArgs& a, const MwTile& tl, i
   if (b == 0 && (k0 & 255) == 0) sd[row] = ok ? half_bits(raw.s0) * 0.125f : 0.0f;
 }
 
-__global__ void __launch_bounds__(MW_THREADS, 1) mmw_kernel(MfArgs a) {
+__global__ void __launch_bounds__(MW_THREADS, 2) mmw_kernel(MfArgs a) {
   extern __shared__ __align__(128) unsigned char mw_smem[];
   MwStage* st = reinterpret_cast<MwStage*>(mw_smem);
   float* sd = reinterpret_cast<float*>(mw_smem + 2 * sizeof(MwStage));  // [2][MW_M]: d / 8 per super-block parity
@@ -427,9 +427,9 @@ __global__ void __launch_bounds__(MW_THREADS, 1) mmw_kernel(MfArgs a) {
   if (tl.an <= 0) return;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   iq2_tables_init(grid);
-  float y[32], acc[64];
+  float y[32], acc[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) y[i] = acc[i] = acc[32 + i] = 0.0f;
+  for (int i = 0; i < 32; ++i) y[i] = acc[i] = 0.0f;
   const int nstages = a.K / MW_KS;
   RawXb raw;
   mw_load_x(a, tl, 0, st[0]);
@@ -450,8 +450,10 @@ __global__ void __launch_bounds__(MW_THREADS, 1) mmw_kernel(MfArgs a) {
 #pragma unroll
       for (int j = 0; j < MW_KS / 16; ++j) {  // k16 steps: core matrices 2 j, 2 j + 1 along K
         const uint64_t da = mw_desc(S.a + mw_off(64 * wg, 16 * j, MW_M), MW_M / 8 * 128, 128);
-        const uint64_t db = mw_desc(S.b + mw_off(0, 16 * j, 2 * MW_N), 2 * MW_N / 8 * 128, 128);
-        wgmma_64x128x16(acc, da, db, q == 0 && j == 0 ? 0 : 1);
+        const uint64_t dh = mw_desc(S.bh + mw_off(0, 16 * j, MW_N), MW_N / 8 * 128, 128);
+        const uint64_t dl = mw_desc(S.bl + mw_off(0, 16 * j, MW_N), MW_N / 8 * 128, 128);
+        wgmma_64x64x16(acc, da, dh, q == 0 && j == 0 ? 0 : 1);
+        wgmma_64x64x16(acc, da, dl, 1);
       }
       wgmma_commit();
       if (s + 1 < nstages) {  // stage s + 1 into the other buffer while these run; its last readers were stage s - 1's
@@ -466,10 +468,9 @@ __global__ void __launch_bounds__(MW_THREADS, 1) mmw_kernel(MfArgs a) {
     const float* d = sd + (sb & 1) * MW_M + 64 * wg + 16 * warp + (lane >> 2);
     const float d0 = d[0], d1 = d[8];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = fmaf((i & 2) ? d1 : d0, acc[i] + acc[32 + i], y[i]);  // hi + lo products
+    for (int i = 0; i < 32; ++i) y[i] = fmaf((i & 2) ? d1 : d0, acc[i], y[i]);
   }
-  // acc[4 n + e]: weight row 16 warp + lane / 4 + 8 (e / 2) of the warpgroup, B row 8 n + 2 (lane % 4) + e % 2 (n < 8:
-  // the activations' hi rows; acc[32 + i] their lo rows), so y[i] is activation row 8 (i / 4) + 2 (lane % 4) + i % 2
+  // acc[4 n + e]: weight row 16 warp + lane / 4 + 8 (e / 2) of the warpgroup, activation row 8 n + 2 (lane % 4) + e % 2
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
     const int r = tl.r0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
