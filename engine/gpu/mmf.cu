@@ -312,13 +312,16 @@ void launch_as(const MfArgs& a, dim3 grid, cudaStream_t stream) {
   mmf_kernel<QT><<<grid, MF_THREADS, shm, stream>>>(a);
 }
 
-// ---- mmw (v14, prepared): the IQ2_XXS experts' product on Hopper's warpgroup MMA (wgmma) ----
+// ---- mmw (v14): the IQ2_XXS experts' product on Hopper's warpgroup MMA (wgmma) ----
 // mmf's arithmetic (the codes (2 ls + 1) grid sign as exact float16 integers, x / s = hi + lo as float16, float32
 // accumulation, d / 8 once per 256-column super-block), with both operands read by the tensor cores straight from
 // shared memory through matrix descriptors: no ldmatrix, no fragments in registers, and the warps free while the
 // products run. mmq (v14: ~15 instructions per IMMA, issue-bound in its per-32-column epilogue) and mmf on mma.sync
 // (latency-bound at 8 and 16 warps) both stay far below the tensor cores' rate; here the epilogue runs once per
 // super-block on a 64 x 64 warpgroup tile, and the next stage's weights are decoded while the MMAs of this one run.
+// Measured (v14, H200): correct (1e-6 from mmf), but the expert gate takes 1.29 ms against mmq's 1.06: two CTA barriers
+// per 64-column stage and two stages in flight keep the tensor cores a quarter busy. NOTES.md v14 item 7 has the plan
+// (a warp-specialized pipeline).
 //
 // A CTA: two warpgroups, 128 weight rows (64 each) x 64 activation rows, stages of 64 columns, two stage buffers.
 // Shared layout of a stage: K-major core matrices of 8 rows x 16 bytes (8 float16), no swizzle (the canonical

@@ -28,7 +28,7 @@ F32, F16 = torch.float32, torch.float16
 # mmq (default since v11: int8 tensor cores on the codes, mmq.cu; no dequant pass, no padding, no new GEMM shapes per
 # prompt: first 2048-token prefill of a process 2396 against 1172 t/s, 8192 tokens 2655 / 2673 against 2600 / 2636)
 # | mmf (v11, written without a device: float16 tensor cores, the codes as exact float16 integers, mmf.cu)
-# | mmw (v14, prepared: gate and up as mmf computes them on the warpgroup MMA, down on mmq; IQ2_XXS gate/up only)
+# | mmw (v14: gate and up as mmf computes them on the warpgroup MMA, down on mmq; IQ2_XXS only; 1.2x slower than mmq)
 # | buckets (v9: dequant to float16 hi/lo, three GEMMs per bucket) | padded (the v5..v8 path)
 MOE_GEMM = os.environ.get("DS4_GPU_MOE_GEMM", "mmq")
 # mmq: gate and up from one quantization of the token rows read in expert order (no gathered copy of x), and the k
