@@ -371,25 +371,23 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
 
 
 class _Counting:
-    """The extension module with its mmq calls counted (everything else passes through)."""
+    """The extension module with its product calls counted: whether each took the shapes, into calls, and per kernel
+    into by_kernel (everything else passes through)."""
+
+    COUNTED = ("mmq", "mmq_experts", "mmf_experts", "mmw_experts")
 
     def __init__(self, ext, calls):
-        self._ext, self._calls = ext, calls
-
-    def mmq(self, *a):
-        took = self._ext.mmq(*a)
-        self._calls.append(took)
-        return took
-
-    def mmq_experts(self, *a, **kw):
-        took = self._ext.mmq_experts(*a, **kw)
-        self._calls.append(took)
-        return took
-
-    def mmf_experts(self, *a):
-        took = self._ext.mmf_experts(*a)
-        self._calls.append(took)
-        return took
+        self._ext, self._calls, self.by_kernel = ext, calls, {}
 
     def __getattr__(self, name):
-        return getattr(self._ext, name)
+        fn = getattr(self._ext, name)
+        if name not in self.COUNTED:
+            return fn
+
+        def counted(*a, **kw):
+            took = fn(*a, **kw)
+            self._calls.append(took)
+            self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
+            return took
+
+        return counted

@@ -65,18 +65,28 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   return true;
 }
 
+// The experts of an expert tensor ([cols, rows, experts]), for the products' argument checks.
+int experts_of(const Tensor& w, const char* fn) {
+  if (w.ne.size() != 3) throw std::invalid_argument(std::string(fn) + " '" + w.name + "': expert tensors are [cols, rows, experts]");
+  return (int)w.ne[2];
+}
+
+// y must hold one row of each expert's rows per activation row.
+void check_expert_y(const Tensor& w, int n_expert, const Array& y, const char* fn) {
+  const int64_t rows_e = w.p.nrows / n_expert;
+  if (y.shape.size() != 2 || y.shape[1] != rows_e)
+    throw std::invalid_argument(std::string(fn) + " '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+}
+
 // The routed experts' prefill products on the float16 tensor cores (mmf.cu): activation rows sorted by expert, split
 // by split_half (hi, lo: device addresses of [R, cols] float16; s: [R] float32), K-quants also the split group sums
 // (sum_hi, sum_lo: [R, cols / 256, 16] float16; 0 for IQ2_XXS); tiles as mmq_experts' with rows <= mmf_tile_rows().
 // False where the kernel does not take the expert tensor.
 bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, uintptr_t sum_lo, uintptr_t s,
                  uintptr_t tiles, int ntiles, Array& y) {
-  if (w.ne.size() != 3) throw std::invalid_argument("mmf_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
-  const int n_expert = (int)w.ne[2];
+  const int n_expert = experts_of(w, "mmf_experts");
   if (!mmf_takes(w.p, n_expert)) return false;
-  const int64_t rows_e = w.p.nrows / n_expert;
-  if (y.shape.size() != 2 || y.shape[1] != rows_e)
-    throw std::invalid_argument("mmf_experts '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+  check_expert_y(w, n_expert, y, "mmf_experts");
   const bool mins = w.p.qtype != QT_IQ2_XXS;
   if (!hi || !lo || !s || (mins && (!sum_hi || !sum_lo)))
     throw std::invalid_argument("mmf_experts '" + w.name + "': missing activation planes" +
@@ -95,12 +105,9 @@ bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, 
 // The IQ2_XXS experts' product on the warpgroup MMA (mmf.cu's mmw): mmf_experts' arithmetic and activations (no group
 // sums), tiles with rows <= mmw_tile_rows(). False where the kernel does not take the expert tensor.
 bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintptr_t tiles, int ntiles, Array& y) {
-  if (w.ne.size() != 3) throw std::invalid_argument("mmw_experts '" + w.name + "': expert tensors are [cols, rows, experts]");
-  const int n_expert = (int)w.ne[2];
+  const int n_expert = experts_of(w, "mmw_experts");
   if (!mmw_takes(w.p, n_expert)) return false;
-  const int64_t rows_e = w.p.nrows / n_expert;
-  if (y.shape.size() != 2 || y.shape[1] != rows_e)
-    throw std::invalid_argument("mmw_experts '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
+  check_expert_y(w, n_expert, y, "mmw_experts");
   if (!hi || !lo || !s) throw std::invalid_argument("mmw_experts '" + w.name + "': missing activation planes");
   if (y.shape[0] < 1 || ntiles < 1) return true;
   MmfActivations x;

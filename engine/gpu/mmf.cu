@@ -95,12 +95,14 @@ struct MfTile {
   int an, r0;
 };
 
+// This CTA's tile of M weight rows x at most N activation rows (mmf: 64 x 128, mmw: 128 x 64).
+template <int M = MF_M, int N = MF_N>
 __device__ __forceinline__ MfTile mf_tile(const MfArgs& a) {
   const int4 e = a.tiles[blockIdx.y];
   MfTile t;
-  t.r0 = blockIdx.x * MF_M;
+  t.r0 = blockIdx.x * M;
   t.a0 = e.x;
-  t.an = min(e.y, MF_N);  // a longer tile would overrun the shared planes: its extra rows are not computed
+  t.an = min(e.y, N);  // a longer tile would overrun the shared planes: its extra rows are not computed
   t.wrow0 = (int64_t)e.z * a.rows_g;
   return t;
 }
@@ -369,23 +371,8 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // generic-proxy writes of shared memory (stores, cp.async) made visible to the async proxy that wgmma reads through
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-struct MwTile {
-  int64_t a0, wrow0;
-  int an, r0;
-};
-
-__device__ __forceinline__ MwTile mw_tile(const MfArgs& a) {
-  const int4 e = a.tiles[blockIdx.y];
-  MwTile t;
-  t.r0 = blockIdx.x * MW_M;
-  t.a0 = e.x;
-  t.an = min(e.y, MW_N);
-  t.wrow0 = (int64_t)e.z * a.rows_g;
-  return t;
-}
-
 // The activation planes of stage k0 (cp.async, rows past the tile zero-filled): 16-byte pieces are core-matrix rows.
-__device__ __forceinline__ void mw_load_x(const MfArgs& a, const MwTile& tl, int k0, MwStage& st) {
+__device__ __forceinline__ void mw_load_x(const MfArgs& a, const MfTile& tl, int k0, MwStage& st) {
   for (int i = threadIdx.x; i < MW_N * (MW_KS / 8); i += MW_THREADS) {
     const int t = i / (MW_KS / 8), c = i % (MW_KS / 8);
     const bool ok = t < tl.an;
@@ -398,14 +385,14 @@ __device__ __forceinline__ void mw_load_x(const MfArgs& a, const MwTile& tl, int
 }
 
 // This thread's (weight row, 32-column block) of stage k0: row tid / 2, block tid % 2.
-__device__ __forceinline__ void mw_load_w(const MfArgs& a, const MwTile& tl, int k0, RawXb& raw) {
+__device__ __forceinline__ void mw_load_w(const MfArgs& a, const MfTile& tl, int k0, RawXb& raw) {
   const int row = threadIdx.x >> 1, b = threadIdx.x & 1;
   const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);
   load_xb<QT_IQ2_XXS>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw);
 }
 
 // Its codes (2 ls + 1) grid sign as float16 integers into the stage; at a super-block's first block, d / 8 into sd.
-__device__ __forceinline__ void mw_decode_w(const MfArgs& a, const MwTile& tl, int k0, const RawXb& raw,
+__device__ __forceinline__ void mw_decode_w(const MfArgs& a, const MfTile& tl, int k0, const RawXb& raw,
                                             const unsigned long long* grid, MwStage& st, float* sd) {
   const int row = threadIdx.x >> 1, b = threadIdx.x & 1;
   const bool ok = tl.r0 + row < a.rows_g;
@@ -426,7 +413,7 @@ __global__ void __launch_bounds__(MW_THREADS, 2) mmw_kernel(MfArgs a) {
   MwStage* st = reinterpret_cast<MwStage*>(mw_smem);
   float* sd = reinterpret_cast<float*>(mw_smem + 2 * sizeof(MwStage));  // [2][MW_M]: d / 8 per super-block parity
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(sd + 2 * MW_M);
-  const MwTile tl = mw_tile(a);
+  const MfTile tl = mf_tile<MW_M, MW_N>(a);
   if (tl.an <= 0) return;
   const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
   iq2_tables_init(grid);
@@ -483,6 +470,23 @@ __global__ void __launch_bounds__(MW_THREADS, 2) mmw_kernel(MfArgs a) {
 }
 
 
+// The kernels' arguments for experts of w (mmf and mmw alike; mmw reads no group sums).
+MfArgs mf_args(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, float* y) {
+  MfArgs a;
+  a.w = w;
+  a.K = (int)w.ncols;
+  a.nb = (int)(w.ncols / 256);
+  a.xh = x.hi;
+  a.xl = x.lo;
+  a.mh = x.sum_hi;
+  a.ml = x.sum_lo;
+  a.s = x.scale;
+  a.y = y;
+  a.rows_g = (int)(w.nrows / n_expert);
+  a.tiles = tiles;
+  return a;
+}
+
 }  // namespace
 
 int mmw_tile_rows() { return MW_N; }
@@ -496,16 +500,7 @@ void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, 
   if (!mmw_takes(w, n_expert)) throw std::invalid_argument("mmw_experts: IQ2_XXS experts only");
   if (ntiles <= 0) return;
   if (ntiles > 65535) throw std::invalid_argument("mmw_experts: more than 65535 activation tiles");
-  MfArgs a;
-  a.w = w;
-  a.K = (int)w.ncols;
-  a.nb = (int)(w.ncols / 256);
-  a.xh = x.hi;
-  a.xl = x.lo;
-  a.s = x.scale;
-  a.y = y;
-  a.rows_g = (int)(w.nrows / n_expert);
-  a.tiles = tiles;
+  const MfArgs a = mf_args(w, n_expert, x, tiles, y);
   const size_t shm = 2 * sizeof(MwStage) + 2 * MW_M * sizeof(float) + 256 * sizeof(unsigned long long);
   static bool shm_set = false;
   if (!shm_set) {
@@ -528,18 +523,7 @@ void launch_mmf_experts(const Packed& w, int n_expert, const MmfActivations& x, 
   if (!mmf_takes(w, n_expert)) throw std::invalid_argument("mmf_experts: IQ2_XXS, Q2_K or Q4_K experts only");
   if (ntiles <= 0) return;
   if (ntiles > 65535) throw std::invalid_argument("mmf_experts: more than 65535 activation tiles");
-  MfArgs a;
-  a.w = w;
-  a.K = (int)w.ncols;
-  a.nb = (int)(w.ncols / 256);
-  a.xh = x.hi;
-  a.xl = x.lo;
-  a.mh = x.sum_hi;
-  a.ml = x.sum_lo;
-  a.s = x.scale;
-  a.y = y;
-  a.rows_g = (int)(w.nrows / n_expert);
-  a.tiles = tiles;
+  const MfArgs a = mf_args(w, n_expert, x, tiles, y);
   const dim3 grid((a.rows_g + MF_M - 1) / MF_M, ntiles, 1);
   switch (w.qtype) {
     case QT_Q2_K: launch_as<QT_Q2_K>(a, grid, stream); break;
