@@ -102,7 +102,7 @@ bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, 
   return true;
 }
 
-// The IQ2_XXS experts' product on the warpgroup MMA (mmf.cu's mmw): mmf_experts' arithmetic and activations (no group
+// The IQ2_XXS experts' product on the warpgroup MMA (mmw.cu): mmf_experts' arithmetic and activations (no group
 // sums), tiles with rows <= mmw_tile_rows(). False where the kernel does not take the expert tensor.
 bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintptr_t tiles, int ntiles, Array& y) {
   const int n_expert = experts_of(w, "mmw_experts");

@@ -268,7 +268,7 @@ bool mmf_takes(const Packed& w, int n_expert);
 int mmf_tile_rows();
 void launch_mmf_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
                         float* y, cudaStream_t stream);
-// mmf.cu's mmw: the IQ2_XXS experts' product on the warpgroup MMA (wgmma, sm_90a), mmf's arithmetic; hi, lo, scale as
+// mmw.cu: the IQ2_XXS experts' product on the warpgroup MMA (wgmma, sm_90a), mmf's arithmetic; hi, lo, scale as
 // mmf takes them (no group sums); tiles with rows <= mmw_tile_rows().
 bool mmw_takes(const Packed& w, int n_expert);
 int mmw_tile_rows();

@@ -30,6 +30,7 @@
 
 #include "common.cuh"
 #include "mma_ops.cuh"
+#include "mf_common.cuh"
 #include "mv_core.cuh"
 
 namespace ds4gpu {
@@ -49,16 +50,6 @@ constexpr int MF_PAIRS = MF_M * MF_NB / MF_THREADS;      // (row, 32-column bloc
 template <int QT>
 __host__ __device__ constexpr bool mf_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
 
-struct MfArgs {
-  Packed w;
-  int K, nb;                      // columns; 256-column super-blocks per row
-  const __half *xh, *xl;          // [R, K]: x / s = hi + lo
-  const __half *mh, *ml;          // [R, K / 256, 16]: the group sums of x / s, split (K-quants)
-  const float* s;                 // [R]
-  float* y;                       // [R, rows_g]
-  int rows_g;
-  const int4* tiles;              // (first activation row, rows <= MF_N, expert, 0) per grid.y
-};
 
 struct MfStage {
   __half w[MF_M][MF_LD];
@@ -74,38 +65,6 @@ struct MfSuper {
 
 
 
-
-__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
-
-// Four int8 codes (signed, or unsigned 0..255) times mult as four exact float16: each byte becomes the low byte of a
-// float16 1024 + b (bits 0x64bb; signed bytes biased by 128 first), then 1024 (or 1152) comes off and mult goes on,
-// both exact below 2048.
-template <bool SIGNED>
-__device__ __forceinline__ uint2 codes_half(uint32_t w, __half2 mult) {
-  if constexpr (SIGNED) w ^= 0x80808080u;
-  const __half2 off = __half2half2(__ushort_as_half(SIGNED ? (unsigned short)0x6480 : (unsigned short)0x6400));
-  const __half2 a = __hsub2(bits_h2(__byte_perm(w, 0x64646464u, 0x4140)), off);
-  const __half2 b = __hsub2(bits_h2(__byte_perm(w, 0x64646464u, 0x4342)), off);
-  return make_uint2(h2_bits(__hmul2(a, mult)), h2_bits(__hmul2(b, mult)));
-}
-
-struct MfTile {
-  int64_t a0, wrow0;
-  int an, r0;
-};
-
-// This CTA's tile of M weight rows x at most N activation rows (mmf: 64 x 128, mmw: 128 x 64).
-template <int M = MF_M, int N = MF_N>
-__device__ __forceinline__ MfTile mf_tile(const MfArgs& a) {
-  const int4 e = a.tiles[blockIdx.y];
-  MfTile t;
-  t.r0 = blockIdx.x * M;
-  t.a0 = e.x;
-  t.an = min(e.y, N);  // a longer tile would overrun the shared planes: its extra rows are not computed
-  t.wrow0 = (int64_t)e.z * a.rows_g;
-  return t;
-}
 
 // Activation planes of stage k0 (and at a super-block's first stage, its group sums) by cp.async; rows past the
 // tile are zero-filled, so they add nothing.
@@ -198,7 +157,7 @@ __global__ void __launch_bounds__(MF_THREADS, 1) mmf_kernel(MfArgs a) {
   MfStage* st = reinterpret_cast<MfStage*>(mf_smem);
   MfSuper* sup = reinterpret_cast<MfSuper*>(mf_smem + 2 * sizeof(MfStage));
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mf_smem + 2 * sizeof(MfStage) + 2 * sizeof(MfSuper));
-  const MfTile tl = mf_tile(a);
+  const MfTile tl = mf_tile<MF_M, MF_N>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;  // this warp's weight rows and activation rows in the tile
@@ -314,202 +273,7 @@ void launch_as(const MfArgs& a, dim3 grid, cudaStream_t stream) {
   mmf_kernel<QT><<<grid, MF_THREADS, shm, stream>>>(a);
 }
 
-// ---- mmw (v14): the IQ2_XXS experts' product on Hopper's warpgroup MMA (wgmma) ----
-// mmf's arithmetic (the codes (2 ls + 1) grid sign as exact float16 integers, x / s = hi + lo as float16, float32
-// accumulation, d / 8 once per 256-column super-block), with both operands read by the tensor cores straight from
-// shared memory through matrix descriptors: no ldmatrix, no fragments in registers, and the warps free while the
-// products run. mmq (v14: ~15 instructions per IMMA, issue-bound in its per-32-column epilogue) and mmf on mma.sync
-// (latency-bound at 8 and 16 warps) both stay far below the tensor cores' rate; here the epilogue runs once per
-// super-block on a 64 x 64 warpgroup tile, and the next stage's weights are decoded while the MMAs of this one run.
-// Measured (v14, H200): correct (1e-6 from mmf), but the expert gate takes 1.29 ms against mmq's 1.06: two CTA barriers
-// per 64-column stage and two stages in flight keep the tensor cores a quarter busy. NOTES.md v14 item 7 has the plan
-// (a warp-specialized pipeline).
-//
-// A CTA: two warpgroups, 128 weight rows (64 each) x 64 activation rows, stages of 64 columns, two stage buffers.
-// Shared layout of a stage: K-major core matrices of 8 rows x 16 bytes (8 float16), no swizzle (the canonical
-// INTERLEAVE layout): element (r, k) of the weights at byte ((k / 8) (MW_M / 8) + r / 8) 128 + (r % 8) 16 + (k % 8) 2,
-// so the core matrices adjacent in K are MW_M / 8 x 128 bytes apart (the descriptor's leading byte offset) and those
-// adjacent in rows 128 bytes (its stride byte offset); the activation planes alike with MW_N rows.
-constexpr int MW_THREADS = 256;
-constexpr int MW_M = 128;                                // weight rows per CTA (64 per warpgroup)
-constexpr int MW_N = 64;                                 // activation rows per CTA (one wgmma's N)
-constexpr int MW_KS = 64;                                // columns per stage
-constexpr int MW_SPB = 256 / MW_KS;                      // stages per super-block
-constexpr int MW_PAIRS = MW_M * (MW_KS / 32) / MW_THREADS;  // (row, 32-column block) decodes per thread and stage
-static_assert(MW_PAIRS == 1, "one decode per thread and stage");
-
-struct MwStage {
-  __half a[MW_M * MW_KS];   // weights (16 KB)
-  __half bh[MW_N * MW_KS];  // activations hi (8 KB)
-  __half bl[MW_N * MW_KS];  // activations lo (8 KB)
-};
-
-__device__ __forceinline__ int mw_off(int r, int k, int rows) {  // element offset in the core-matrix layout
-  return (((k >> 3) * (rows >> 3) + (r >> 3)) << 6) + ((r & 7) << 3) + (k & 7);
-}
-
-// Matrix descriptor (PTX ISA "matrix descriptor format"): start address, leading and stride byte offsets (all >> 4),
-// base offset 0, no swizzle.
-__device__ __forceinline__ uint64_t mw_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-  return (uint64_t)((a & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16) |
-         ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32);
-}
-
-// d (+)= A[64 x 16] . B[64 x 16]^T: float32 accumulators, float16 operands, both K-major (no transpose).
-__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// generic-proxy writes of shared memory (stores, cp.async) made visible to the async proxy that wgmma reads through
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// The activation planes of stage k0 (cp.async, rows past the tile zero-filled): 16-byte pieces are core-matrix rows.
-__device__ __forceinline__ void mw_load_x(const MfArgs& a, const MfTile& tl, int k0, MwStage& st) {
-  for (int i = threadIdx.x; i < MW_N * (MW_KS / 8); i += MW_THREADS) {
-    const int t = i / (MW_KS / 8), c = i % (MW_KS / 8);
-    const bool ok = t < tl.an;
-    const int64_t off = (tl.a0 + (ok ? t : 0)) * a.K + k0 + 8 * c;
-    const int o = mw_off(t, 8 * c, MW_N);
-    cp16(st.bh + o, a.xh + off, ok);
-    cp16(st.bl + o, a.xl + off, ok);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-// This thread's (weight row, 32-column block) of stage k0: row tid / 2, block tid % 2.
-__device__ __forceinline__ void mw_load_w(const MfArgs& a, const MfTile& tl, int k0, RawXb& raw) {
-  const int row = threadIdx.x >> 1, b = threadIdx.x & 1;
-  const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);
-  load_xb<QT_IQ2_XXS>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw);
-}
-
-// Its codes (2 ls + 1) grid sign as float16 integers into the stage; at a super-block's first block, d / 8 into sd.
-__device__ __forceinline__ void mw_decode_w(const MfArgs& a, const MfTile& tl, int k0, const RawXb& raw,
-                                            const unsigned long long* grid, MwStage& st, float* sd) {
-  const int row = threadIdx.x >> 1, b = threadIdx.x & 1;
-  const bool ok = tl.r0 + row < a.rows_g;
-  XbCodes d;
-  decode_xb<QT_IQ2_XXS>(raw, Iq2Tables{grid}, d);
-  const __half2 m = __half2half2(__int2half_rn(2 * (int)(raw.q[1] >> 28) + 1));
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // columns 32 b + 8 j .. + 7: one core-matrix row
-    const uint2 lo = codes_half<true>(d.c[2 * j], m), hi = codes_half<true>(d.c[2 * j + 1], m);
-    const uint4 v = ok ? make_uint4(lo.x, lo.y, hi.x, hi.y) : make_uint4(0u, 0u, 0u, 0u);
-    *(uint4*)(st.a + mw_off(row, 32 * b + 8 * j, MW_M)) = v;
-  }
-  if (b == 0 && (k0 & 255) == 0) sd[row] = ok ? half_bits(raw.s0) * 0.125f : 0.0f;
-}
-
-__global__ void __launch_bounds__(MW_THREADS, 2) mmw_kernel(MfArgs a) {
-  extern __shared__ __align__(128) unsigned char mw_smem[];
-  MwStage* st = reinterpret_cast<MwStage*>(mw_smem);
-  float* sd = reinterpret_cast<float*>(mw_smem + 2 * sizeof(MwStage));  // [2][MW_M]: d / 8 per super-block parity
-  unsigned long long* grid = reinterpret_cast<unsigned long long*>(sd + 2 * MW_M);
-  const MfTile tl = mf_tile<MW_M, MW_N>(a);
-  if (tl.an <= 0) return;
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  iq2_tables_init(grid);
-  float y[32], acc[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) y[i] = acc[i] = 0.0f;
-  const int nstages = a.K / MW_KS;
-  RawXb raw;
-  mw_load_x(a, tl, 0, st[0]);
-  mw_load_w(a, tl, 0, raw);
-  __syncthreads();  // the grid table
-  mw_decode_w(a, tl, 0, raw, grid, st[0], sd);
-  // super-blocks outside, their stages unrolled inside: no loop edge between two stages' products (at one, ptxas
-  // waited for the products in flight before looping back), and the stage buffer index is a constant
-  for (int sb = 0; sb < nstages / MW_SPB; ++sb) {
-#pragma unroll
-    for (int q = 0; q < MW_SPB; ++q) {
-      const int s = sb * MW_SPB + q;
-      MwStage& S = st[q & 1];
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      fence_async_smem();  // this thread's stores and copies of stage s, for the tensor cores
-      __syncthreads();     // every thread's
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < MW_KS / 16; ++j) {  // k16 steps: core matrices 2 j, 2 j + 1 along K
-        const uint64_t da = mw_desc(S.a + mw_off(64 * wg, 16 * j, MW_M), MW_M / 8 * 128, 128);
-        const uint64_t dh = mw_desc(S.bh + mw_off(0, 16 * j, MW_N), MW_N / 8 * 128, 128);
-        const uint64_t dl = mw_desc(S.bl + mw_off(0, 16 * j, MW_N), MW_N / 8 * 128, 128);
-        wgmma_64x64x16(acc, da, dh, q == 0 && j == 0 ? 0 : 1);
-        wgmma_64x64x16(acc, da, dl, 1);
-      }
-      wgmma_commit();
-      if (s + 1 < nstages) {  // stage s + 1 into the other buffer while these run; its last readers were stage s - 1's
-        mw_load_w(a, tl, (s + 1) * MW_KS, raw);
-        wgmma_wait<1>();
-        __syncthreads();  // both warpgroups' stage s - 1 products are done
-        mw_load_x(a, tl, (s + 1) * MW_KS, st[(q + 1) & 1]);
-        mw_decode_w(a, tl, (s + 1) * MW_KS, raw, grid, st[(q + 1) & 1], sd + ((s + 1) / MW_SPB & 1) * MW_M);
-      }
-    }
-    wgmma_wait<0>();  // the super-block's sums times d / 8 onto y
-    const float* d = sd + (sb & 1) * MW_M + 64 * wg + 16 * warp + (lane >> 2);
-    const float d0 = d[0], d1 = d[8];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = fmaf((i & 2) ? d1 : d0, acc[i], y[i]);
-  }
-  // acc[4 n + e]: weight row 16 warp + lane / 4 + 8 (e / 2) of the warpgroup, activation row 8 n + 2 (lane % 4) + e % 2
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int r = tl.r0 + 64 * wg + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
-    const int t = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-    if (r < a.rows_g && t < tl.an) a.y[(tl.a0 + t) * a.rows_g + r] = y[i] * a.s[tl.a0 + t];
-  }
-}
-
-
-// The kernels' arguments for experts of w (mmf and mmw alike; mmw reads no group sums).
-MfArgs mf_args(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, float* y) {
-  MfArgs a;
-  a.w = w;
-  a.K = (int)w.ncols;
-  a.nb = (int)(w.ncols / 256);
-  a.xh = x.hi;
-  a.xl = x.lo;
-  a.mh = x.sum_hi;
-  a.ml = x.sum_lo;
-  a.s = x.scale;
-  a.y = y;
-  a.rows_g = (int)(w.nrows / n_expert);
-  a.tiles = tiles;
-  return a;
-}
-
 }  // namespace
-
-int mmw_tile_rows() { return MW_N; }
-
-bool mmw_takes(const Packed& w, int n_expert) {
-  return w.qtype == QT_IQ2_XXS && n_expert >= 1 && w.nrows % n_expert == 0 && w.ncols % 256 == 0;
-}
-
-void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
-                        float* y, cudaStream_t stream) {
-  if (!mmw_takes(w, n_expert)) throw std::invalid_argument("mmw_experts: IQ2_XXS experts only");
-  if (ntiles <= 0) return;
-  if (ntiles > 65535) throw std::invalid_argument("mmw_experts: more than 65535 activation tiles");
-  const MfArgs a = mf_args(w, n_expert, x, tiles, y);
-  const size_t shm = 2 * sizeof(MwStage) + 2 * MW_M * sizeof(float) + 256 * sizeof(unsigned long long);
-  static bool shm_set = false;
-  if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmw_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-    shm_set = true;
-  }
-  mmw_kernel<<<dim3((a.rows_g + MW_M - 1) / MW_M, ntiles, 1), MW_THREADS, shm, stream>>>(a);
-  DS4_CHECK_LAUNCH("mmw");
-}
 
 int mmf_tile_rows() { return MF_N; }
 
