@@ -23,8 +23,9 @@ def _split(x):
     return weights.to_half(x, True)
 
 
-def run_mmf(w, x: np.ndarray, counts: list[int], kernel: str = "mmf") -> np.ndarray:
-    """The experts' product of x's rows (sorted by expert, counts per expert) on mmf or mmw."""
+def run_mmf(w, x: np.ndarray, counts: list[int], kernel: str = "mmf", pipe: int = 0) -> np.ndarray:
+    """The experts' product of x's rows (sorted by expert, counts per expert) on mmf or mmw (pipe: its
+    warp-specialized form)."""
     import torch
 
     from ds4.engine.gpu import moe_gemm
@@ -41,19 +42,20 @@ def run_mmf(w, x: np.ndarray, counts: list[int], kernel: str = "mmf") -> np.ndar
         took = ext.mmf_experts(w, ptr(xa.hi), ptr(xa.lo), ptr(xa.sum_hi), ptr(xa.sum_lo), ptr(xa.s), tiles.data_ptr(),
                                tiles.shape[0], y)
     else:
-        took = ext.mmw_experts(w, ptr(xa.hi), ptr(xa.lo), ptr(xa.s), tiles.data_ptr(), tiles.shape[0], y)
+        took = ext.mmw_experts(w, ptr(xa.hi), ptr(xa.lo), ptr(xa.s), tiles.data_ptr(), tiles.shape[0], y, pipe)
     assert took
     return y.numpy()
 
 
 @pytest.mark.parametrize("kernel,qtype,n_embd", [
     *[("mmf", q, n) for q in (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K) for n in (256, 1024)],
-    *[("mmw", Q.IQ2_XXS, n) for n in (256, 1024, 4096)],
+    *[(k, Q.IQ2_XXS, n) for k in ("mmw", "mmw-pipe") for n in (256, 1024, 4096)],
 ])
 def test_experts_match_the_reference(kernel, qtype, n_embd):
     """Tiles of at most the kernel's tile rows: an unused expert, experts of one row, partial and several tiles; 200
-    rows per expert (a partial tile of weight rows); one super-block and four (mmw: sixteen too). mmw also against mmf
-    (the same arithmetic in another order of sums)."""
+    rows per expert (a partial tile of weight rows); one super-block and four (mmw: sixteen too). mmw (lock-step and
+    warp-specialized) also against mmf (the same arithmetic in another order of sums)."""
+    kernel, pipe = kernel.split("-")[0], int(kernel.endswith("pipe"))
     ext = gpu.load()
     rng = np.random.default_rng(11)
     n_ff, counts = 200, [3, 0, 150, 1, 128, 129, 1, 20, 300, 64]
@@ -63,7 +65,7 @@ def test_experts_match_the_reference(kernel, qtype, n_embd):
     assert (ext.mmf_takes if kernel == "mmf" else ext.mmw_takes)(w, n_expert)
     x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
     x[5] *= 1e-3  # rows of very different sizes: each keeps its own scale
-    got = run_mmf(w, x, counts, kernel)
+    got = run_mmf(w, x, counts, kernel, pipe)
     assert np.isfinite(got).all()
     wd = dequant(qtype, raw, n_embd).reshape(n_expert, n_ff, n_embd)
     expert = np.repeat(np.arange(n_expert), counts)

@@ -114,16 +114,18 @@ def _mmf_column(ext, name, qtype, raw, rows, x, reps, t_peer, want, expert_tiles
     if ext.mmw_takes(ew, 1):  # the warpgroup-MMA form (IQ2_XXS): the same activations, its own tile table
         wt = torch.tensor(expert_tiles([T], ext.mmw_tile_rows()), dtype=torch.int32, device="cuda")
 
-        def mmw():
-            xa = mmf_activations(split, x, int(qtype))
-            ext.mmw_experts(ew, xa.hi.data_ptr(), xa.lo.data_ptr(), xa.s.data_ptr(), wt.data_ptr(), wt.shape[0], arr)
+        for pipe in (0, 1):  # the lock-step form and the warp-specialized one
+            def mmw():
+                xa = mmf_activations(split, x, int(qtype))
+                ext.mmw_experts(ew, xa.hi.data_ptr(), xa.lo.data_ptr(), xa.s.data_ptr(), wt.data_ptr(), wt.shape[0],
+                                arr, pipe)
 
-        y.fill_(float("nan"))
-        tw = time_ms(mmw, reps)
-        mmw()
-        torch.cuda.synchronize()
-        err = float((y - want).norm() / want.norm())
-        out += f"  (mmw {tw:.2f} ms, peer / mmw {t_peer / tw:.2f}, rel to peer {err:.1e})"
+            y.fill_(float("nan"))
+            tw = time_ms(mmw, reps)
+            mmw()
+            torch.cuda.synchronize()
+            err = float((y - want).norm() / want.norm())
+            out += f"  (mmw{' pipe' if pipe else ''} {tw:.2f} ms, peer / mmw {t_peer / tw:.2f}, rel to peer {err:.1e})"
     return out
 
 

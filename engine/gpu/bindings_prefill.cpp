@@ -104,7 +104,8 @@ bool mmf_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t sum_hi, 
 
 // The IQ2_XXS experts' product on the warpgroup MMA (mmw.cu): mmf_experts' arithmetic and activations (no group
 // sums), tiles with rows <= mmw_tile_rows(). False where the kernel does not take the expert tensor.
-bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintptr_t tiles, int ntiles, Array& y) {
+bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintptr_t tiles, int ntiles, Array& y,
+                 int pipe) {
   const int n_expert = experts_of(w, "mmw_experts");
   if (!mmw_takes(w.p, n_expert)) return false;
   check_expert_y(w, n_expert, y, "mmw_experts");
@@ -114,7 +115,7 @@ bool mmw_experts(const Tensor& w, uintptr_t hi, uintptr_t lo, uintptr_t s, uintp
   x.hi = (const __half*)hi;
   x.lo = (const __half*)lo;
   x.scale = (const float*)s;
-  launch_mmw_experts(w.p, n_expert, x, (const int4*)tiles, ntiles, y.f(), stream());
+  launch_mmw_experts(w.p, n_expert, x, (const int4*)tiles, ntiles, y.f(), stream(), pipe);
   return true;
 }
 
@@ -143,10 +144,11 @@ void bind_prefill_products(py::module_& m) {
         py::arg("n_expert"), "Whether mmf_experts takes the expert tensor W (IQ2_XXS, Q2_K, Q4_K; columns % 256 == 0).");
   m.def("mmf_tile_rows", &mmf_tile_rows, "Activation rows per mmf tile.");
   m.def("mmw_experts", &mmw_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("s"), py::arg("tiles"),
-        py::arg("ntiles"), py::arg("y"),
+        py::arg("ntiles"), py::arg("y"), py::arg("pipe") = -1,
         "mmf_experts' product for IQ2_XXS experts on the warpgroup MMA (wgmma: operands from shared memory, the "
         "next stage decoded while the products run); hi, lo, s as mmf_experts takes them, tiles with rows <= "
-        "mmw_tile_rows(). False where the kernel does not take the expert tensor.");
+        "mmw_tile_rows(); pipe: 1 the warp-specialized form (a producer warpgroup, mbarrier stages), 0 the lock-step "
+        "one, -1 $DS4_GPU_MMW_PIPE. False where the kernel does not take the expert tensor.");
   m.def("mmw_takes", [](const Tensor& w, int n_expert) { return mmw_takes(w.p, n_expert); }, py::arg("w"),
         py::arg("n_expert"), "Whether mmw_experts takes the expert tensor W (IQ2_XXS, columns % 256 == 0).");
   m.def("mmw_tile_rows", &mmw_tile_rows, "Activation rows per mmw tile.");
