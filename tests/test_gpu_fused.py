@@ -55,8 +55,9 @@ def test_rms_norm(K):
 
 
 # T = 1 and 3: one launch (the last mix block of a token finishes it; run twice, so the per-token count
-# must have been reset); 3 at D = 6144: the two-launch path (D too wide for it); 70: the mix as one GEMM.
-@pytest.mark.parametrize("T,D", [(1, 4096), (3, 1024), (3, 6144), (70, 512)])
+# must have been reset); 3 at D = 6144: the two-launch path (D too wide for it); 70 and 300: the mix as one GEMM,
+# then the rows kernel (the norm from the rows it holds; D = 4480 fills its registers), at 6144 the v14 pass 2.
+@pytest.mark.parametrize("T,D", [(1, 4096), (3, 1024), (3, 6144), (70, 512), (300, 4096), (70, 4480), (70, 6144)])
 @pytest.mark.parametrize("head", [False, True])
 def test_hc_pre(K, head, T, D):
     g = torch.Generator().manual_seed(1)
@@ -208,6 +209,33 @@ def test_norm_rope_two_jobs_in_one_launch(K):
     assert torch.all(rings[0][torch.arange(128, device=DEV) != 300 % 128] == 7.0)
     with pytest.raises(ValueError, match="out"):
         K.norm_rope(q_lin, d, H, pos, norm=True, freq=freq, rope_dim=rd, also={**kv_job, "out": None})
+
+
+def test_norm_rope_warp_kernel_fp8_and_qat_rows(K):
+    """Prefill's FP8 KV rows and the indexer's FP4 query rows (256+ rows) on the warp kernel: the Hadamard + FP4
+    rows are the block kernel's bits (no sum to reorder); the FP8 rows differ from it only through the norm's
+    summation order, i.e. in a few codes next to a rounding boundary."""
+    g = torch.Generator().manual_seed(15)
+    T, Hi, di, rd = 6, 64, 128, 64
+    freq, pos = freq_table(rd, 160000.0), torch.arange(2000, 2000 + T, device=DEV)
+    x = rnd(g, T, Hi * di, scale=3.0)
+    got = K.norm_rope(x, di, Hi, pos, freq=freq, rope_dim=rd, qat=True).reshape(T, Hi, di)  # 384 rows
+    block = torch.cat([K.norm_rope(x[t:t + 1], di, Hi, pos[t:t + 1], freq=freq, rope_dim=rd, qat=True)
+                       .reshape(1, Hi, di) for t in range(T)])
+    assert torch.equal(got, block)
+    cos, sin = ops.cos_sin(freq, pos)
+    ref = ops.indexer_qat(ops.apply_tail(x.reshape(T, Hi, di), cos, sin, rd))
+    assert (got == ref).float().mean() > 0.98 and rel(got, ref) < 2e-2
+
+    R, d = 300, 512
+    kv, w, kpos = rnd(g, R, d, scale=2.0), rnd(g, d), torch.arange(R, device=DEV)
+    kw = dict(norm=True, w=w, freq=freq_table(rd), rope_dim=rd, fp8_nope=d - rd)
+    got = K.norm_rope(kv, d, 1, kpos, **kw)
+    block = torch.cat([K.norm_rope(kv[i:i + 100], d, 1, kpos[i:i + 100], **kw) for i in range(0, R, 100)])
+    assert (got == block).float().mean() > 0.99 and rel(got, block) < 1e-3
+    c, s = ops.cos_sin(freq_table(rd), kpos)
+    ref = ops.fp8_kv_round(ops.apply_tail(ops.rms_norm(kv, w, 1e-6), c, s, rd), d - rd)
+    assert (got == ref).float().mean() > 0.98 and rel(got, ref) < 1e-3
 
 
 def test_norm_rope_indexer_qat(K):

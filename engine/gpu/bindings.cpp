@@ -617,10 +617,13 @@ PYBIND11_MODULE(_ext, m) {
                   ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head,
                   ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream(), parts);
   }, "mHC pre; parts > 0: part already holds that many partial mixes per token [T, parts, M + 1] (the last "
-     "column: the sum of squares), so only pass 2 runs",
+     "column: the sum of squares), so only pass 2 runs; parts = -1: part is the mix [T, M] and the kernel sums the "
+     "squares itself (prefill, where hc_pre_rows_takes)",
      py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
      py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
      py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
+  m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),
+        "whether hc_pre takes parts = -1 (the mix [T, M] from a GEMM, the norm in the kernel) for this shape");
   m.def("hc_one_launch_takes", &hc_one_launch_takes, py::arg("T"), py::arg("n"), py::arg("D"), py::arg("head"),
         "whether hc_post_pre (and the one-launch hc_pre) take this shape");
   m.def("hc_post_pre", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post_in, uintptr_t comb_in, uintptr_t Xo,

@@ -175,6 +175,7 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
 // then hc_pre of Xo. Only where hc_one_launch_takes(T, n, D, head); Xo must not overlap the inputs (not in
 // place, unlike hc_post); X, Xo, y1, y2 16-byte aligned. One stream per device (per-device arrival counts).
 bool hc_one_launch_takes(int T, int n, int D, bool head);
+bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (prefill rows form)
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,

@@ -5,6 +5,7 @@
 #include <math.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "block_ops.cuh"
 #include "common.cuh"
@@ -167,8 +168,58 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
 // (element lane + 32 k), the norm's sum by shuffles and RoPE's pairs (even, odd) in adjacent lanes, so no
 // block barrier and 8 rows per 256-thread block. The block kernel keeps ~16 rows per SM in flight, each waiting
 // on its barriers: at 0.5M rows per prefill chunk that ran at a third of the bandwidth. Same formulas as
-// row_post; the norm's sum runs in another order (the block kernel stays for decode and the FP8/FP4 rows).
+// row_post; the norm's sum runs in another order (the block kernel stays for decode and the ring rows). The FP8 and
+// Hadamard + FP4 steps too (v15: the indexer's 0.5M query rows per 8192-token chunk ran ~2 ms on the block kernel).
 constexpr int NR_WARP_MAX_D = 1024, NR_WARP_THREADS = 256, NR_WARP_MIN_ROWS = 256;
+
+// row_post's FP8 step on a row held by one warp (element lane + 32 k): block b of 64 is k = 2b, 2b + 1.
+template <int KMAX>
+__device__ __forceinline__ void warp_row_fp8(float (&v)[KMAX], int blocks) {
+#pragma unroll
+  for (int b = 0; b < KMAX / 2; ++b) {
+    if (b >= blocks) break;
+    const float amax = fmaxf(warp_max_f(fmaxf(fabsf(v[2 * b]), fabsf(v[2 * b + 1]))), 1e-4f);
+    const float scale = pow2_ceil(amax / 448.0f);
+    const float q0 = fminf(fmaxf(v[2 * b] / scale, -448.0f), 448.0f);
+    const float q1 = fminf(fmaxf(v[2 * b + 1] / scale, -448.0f), 448.0f);
+    v[2 * b] = round_minifloat(q0, 3, -6) * scale;
+    v[2 * b + 1] = round_minifloat(q1, 3, -6) * scale;
+  }
+}
+
+// row_post's Hadamard + FP4 step on a row held by one warp: the butterflies in the same order and with the same
+// operands (lower a[i] + a[i + h], upper a[i - h] - a[i]), pairs in other lanes (h < 32) or other registers.
+template <int KMAX>
+__device__ __forceinline__ void warp_row_qat(float (&v)[KMAX], int nk, int lane, float had_scale) {
+#pragma unroll
+  for (int h = 1; h < 32; h *= 2) {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const float p = __shfl_xor_sync(0xffffffffu, v[k], h);
+      if (k < nk) v[k] = (lane & h) ? p - v[k] : v[k] + p;
+    }
+  }
+#pragma unroll
+  for (int hk = 1; hk < KMAX; hk *= 2) {
+    if (hk >= nk) break;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      if ((k & hk) || k + hk >= nk) continue;
+      const float lo = v[k], hi = v[k + hk];
+      v[k] = lo + hi;
+      v[k + hk] = lo - hi;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    if (k >= nk) break;
+    const float x = v[k] * had_scale;
+    const float amax = fmaxf(warp_max_f(fabsf(x)), 6.0f * 1.1754943508222875e-38f);
+    const float scale = pow2_ceil(amax / 6.0f);
+    v[k] = round_minifloat(fminf(fmaxf(x / scale, -6.0f), 6.0f), 1, 0) * scale;
+  }
+}
+
 __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRopeJob j, const int64_t* pos) {
   pdl_begin();
   constexpr int KMAX = NR_WARP_MAX_D / 32;
@@ -212,17 +263,20 @@ __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRop
       }
     }
   }
+  if (o.fp8_nope > 0) warp_row_fp8<KMAX>(v, o.fp8_nope / 64);
+  if (o.qat) warp_row_qat<KMAX>(v, nk, lane, o.had_scale);
   float* yr = j.out + row * d;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k)
     if (k < nk) yr[lane + 32 * k] = v[k];
 }
 
-// $DS4_GPU_NR_WARP=0: every norm_rope on the block kernel (benchmark A/B).
-static bool norm_rope_warp_on() {
-  static const bool v = [] {
+// $DS4_GPU_NR_WARP (benchmark A/B): 2 (default) the warp kernel for 256+ rows, FP8 and FP4 rows included; 1 the v9
+// choice (FP8 and FP4 rows on the block kernel); 0 every norm_rope on the block kernel.
+static int norm_rope_warp_level() {
+  static const int v = [] {
     const char* e = getenv("DS4_GPU_NR_WARP");
-    return !(e && e[0] == '0');
+    return e && e[0] ? atoi(e) : 2;
   }();
   return v;
 }
@@ -663,8 +717,9 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
     check_row_post(j->o, j->d);
     if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
   }
-  if (jb.rows == 0 && a.rows >= NR_WARP_MIN_ROWS && a.ring_cap <= 0 && !a.o.fp8_nope && !a.o.qat && a.d % 32 == 0 &&
-      a.d <= NR_WARP_MAX_D && (a.d - a.o.rope_dim) % 2 == 0 && norm_rope_warp_on()) {
+  if (jb.rows == 0 && a.rows >= NR_WARP_MIN_ROWS && a.ring_cap <= 0 && a.d % 32 == 0 &&
+      a.d <= NR_WARP_MAX_D && (a.d - a.o.rope_dim) % 2 == 0 &&
+      norm_rope_warp_level() >= ((a.o.fp8_nope || a.o.qat) ? 2 : 1)) {
     const int per_block = NR_WARP_THREADS / 32;
     launch_k(norm_rope_warp_kernel, dim3((unsigned)((a.rows + per_block - 1) / per_block)), dim3(NR_WARP_THREADS), 0,
              s, a, pos);

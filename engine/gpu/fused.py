@@ -58,7 +58,11 @@ class Fused:
         post = torch.empty((T, n), dtype=F32, device=self.device)
         comb = torch.empty((T, n, n), dtype=F32, device=self.device)
         parts = 0
-        if T >= HC_GEMM_MIN:  # prefill: the mix as one float32 GEMM, not T decode-shaped reductions
+        if T >= HC_GEMM_MIN and self.ext.hc_pre_rows_takes(n, D, head):
+            # prefill: the mix as one float32 GEMM; the kernel sums flatten(X)'s squares from the rows it holds
+            part = torch.mm(X.reshape(T, n * D), Wf.T)
+            parts = -1
+        elif T >= HC_GEMM_MIN:  # the mix as one float32 GEMM, not T decode-shaped reductions; the norm by torch
             flat = X.reshape(T, n * D)
             part = torch.empty((T, 1, M + 1), dtype=F32, device=self.device)
             torch.mm(flat, Wf.T, out=part[:, 0, :M])

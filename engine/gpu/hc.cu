@@ -428,6 +428,74 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
   }
 }
 
+// mHC pre, pass 2, for prefill rows (the mix from one float32 GEMM, P = 1, no norm column): one 256-thread block per
+// token; the 224 column threads hold the token's n <= 4 streams in registers, so the sum of squares of flatten(X)
+// comes from them (the GEMM path's separate norm pass over X is gone), and out does not wait for Sinkhorn, which
+// the last warp runs beside it (hc_mix_pre_kernel's split). hc_pre_kernel's 1024 threads waited on warp 0's ~40
+// dependent shuffles per token: ~435 us per 8192-token call on the H200 (v14 profile).
+__global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float* X, const float* mix,
+                                                                     const float* scale, const float* base,
+                                                                     const float* norm_w, int n, int D, int M,
+                                                                     int iters, float eps_rms, float eps_hc, bool head,
+                                                                     float* out, float* post_out, float* comb_out) {
+  pdl_begin();
+  __shared__ float mixs[8 * 10 + 1];
+  __shared__ float red[32];
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int D4 = D / 4;
+  const float* Xt = X + (int64_t)t * n * D;
+  float4 xs[HC1_MAXU][4];
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int d4 = tid + k * HC1_COLS;
+      xs[k][i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (tid < HC1_COLS && d4 < D4 && i < n) xs[k][i] = __ldg((const float4*)(Xt + (int64_t)i * D) + d4);
+    }
+  if (tid < M) mixs[tid] = mix[(int64_t)t * M + tid];
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      ss += xs[k][i].x * xs[k][i].x + xs[k][i].y * xs[k][i].y + xs[k][i].z * xs[k][i].z + xs[k][i].w * xs[k][i].w;
+  ss = block_sum(ss, red);  // its barriers also publish mixs
+  const float r = rsqrtf(ss / (float)(n * D) + eps_rms);
+  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
+    if (head) return;
+    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
+    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
+    return;
+  }
+  float pre[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
+  float4 u[HC1_MAXU];
+  float su = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
+      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
+    }
+    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+  }
+  su = cols_sum(su, red);  // block_sum ended on a barrier: red is free
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    const int d4 = tid + k * HC1_COLS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      ((float4*)(out + (int64_t)t * D))[d4] =
+          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
+    }
+  }
+}
+
 // mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
 __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2, const float* post,
                                const float* comb, int n, int D, float* Xo) {
@@ -510,6 +578,15 @@ static bool hc_one_launch() {
   return v;
 }
 
+// $DS4_GPU_HC_ROWS=0: prefill's mHC pre on the v14 form (torch norm pass + hc_pre_kernel), benchmark A/B.
+bool hc_pre_rows_takes(int n, int D, bool head) {
+  static const bool on = [] {
+    const char* e = getenv("DS4_GPU_HC_ROWS");
+    return !(e && e[0] == '0');
+  }();
+  return on && n <= 4 && (head || n == 4) && D % 4 == 0 && D / 4 <= HC1_MAXU * HC1_COLS;
+}
+
 bool hc_one_launch_takes(int T, int n, int D, bool head) {
   return hc_one_launch() && T <= HC1_MAX_T && n <= 4 && (head || n == 4) && D % 8 == 0 &&
          D <= 4 * HC1_MAXU * HC1_COLS && hc_parts(n, D) * ((head ? n : (2 + n) * n) + 1) <= HC1_MAX_PART;
@@ -549,8 +626,15 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
   if (n > 8) throw std::invalid_argument("hc_pre: at most 8 streams");
   if (D % 4 || D > 4 * HC_MAXU * HC_THREADS) throw std::invalid_argument("hc_pre: D must be a multiple of 4, <= 16384");
   const int M = head ? n : (2 + n) * n;
+  if (parts < 0) {  // prefill rows: part is the mix [T, M] from one GEMM, without the norm column
+    if (!hc_pre_rows_takes(n, D, head)) throw std::invalid_argument("hc_pre: rows form does not take this shape");
+    launch_k(hc_pre_rows_kernel, dim3(T), dim3(HC1_THREADS), 0, s, X, (const float*)part, scale, base, norm_w, n, D, M,
+             iters, eps_rms, eps_hc, head, out, post, comb);
+    DS4_CHECK_LAUNCH("hc_pre_rows");
+    return;
+  }
   int P = parts;
-  if (P <= 0) {
+  if (P == 0) {
     P = hc_parts(n, D);
     if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
     if (hc_one_launch_takes(T, n, D, head)) {
