@@ -176,6 +176,42 @@ def test_swiglu_with_row_weights_is_swiglu_then_the_multiply():
         ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, weighted.data_ptr(), w.data_ptr(), 7, 0)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mmq_experts_swiglu_source_equals_swiglu_then_the_product(weighted):
+    """The routed down product quantizing swiglu(g, u) (times the routing weights through the expert order) straight
+    from g and u gives every bit of the SwiGLU launch followed by the product of its stored output."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(57)
+    n_embd, n_ff, n_expert = 512, 256, 6
+    counts = [70, 0, 1, 64, 129, 9]
+    R = sum(counts)
+    g0 = torch.Generator().manual_seed(57)
+    g, u = (torch.randn(R, n_ff, generator=g0).cuda() * 5 for _ in range(2))
+    wts = torch.rand(R, generator=g0).cuda() if weighted else None
+    order = torch.randperm(R, generator=g0).cuda() if weighted else None
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    raw = random_blocks(Q.Q2_K, n_embd * n_expert, n_ff, rng)
+    w = gpu.upload("blk.0.ffn_down_exps.swiglu_q", Q.Q2_K, (n_ff, n_embd, n_expert), raw)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    h = torch.empty_like(g)
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, h.data_ptr(), ptr(wts), n_ff, ptr(order))
+    torch.cuda.synchronize()  # torch's stream against the extension's
+    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
+    want, got = (torch.full((R, n_embd), float("nan"), device="cuda") for _ in range(2))
+    torch.cuda.synchronize()
+    assert ext.mmq_experts(w, arr(h), tiles.data_ptr(), tiles.shape[0], arr(want), s256=0)
+    assert ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(got), s256=0, up=arr(u), limit=7.0,
+                           row_w=ptr(wts), row_of=ptr(order))
+    ext.synchronize()
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="up must have"):
+        ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(got), up=arr(u[:5]))
+
+
 def hilo_model(x: np.ndarray, group: int):
     """hi, lo int8 [R, n] and s [R, n / group] float32 of quantize_x's formulas with one scale per `group` columns."""
     R, n = x.shape

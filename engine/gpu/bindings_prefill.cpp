@@ -35,7 +35,8 @@ bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
 // copy). w2 / y2: a second expert tensor of the same shape and type on the same activations (gate and up: x is
 // quantized once). False (nothing launched) where the kernel does not take the expert tensors.
 bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, Array& y, uintptr_t rows,
-                 const Tensor* w2, Array* y2, int s256) {
+                 const Tensor* w2, Array* y2, int s256, const Array* up, float limit, uintptr_t row_w,
+                 uintptr_t row_of) {
   auto check = [](const Tensor& t) {
     if (t.ne.size() != 3) throw std::invalid_argument("mmq_experts '" + t.name + "': expert tensors are [cols, rows, experts]");
     return mmq_takes(t.p, (int)t.ne[2]);
@@ -53,13 +54,17 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
                                 "] (or [T, " + std::to_string(w.p.ncols) + "] with rows) and y [R, " +
                                 std::to_string(rows_e) + "]");
   const int64_t n = x.shape[1];
+  if (up && (up->shape != x.shape || rows || w2))
+    throw std::invalid_argument("mmq_experts '" + w.name + "': up must have x's shape, without rows or w2");
   if (R < 1 || ntiles < 1) return true;
   g_scratch.reserve(xq_bytes(R, n));
   g_scratch.begin();
   XQ xq = take_xq(R, n);
   // S256 (Q2_K alone: one quantization serves both products of a pair only when both take it)
-  const bool big = (s256 < 0 ? mmq_s256_default() : s256 != 0) && w.p.qtype == QT_Q2_K && !w2 && n % 256 == 0;
-  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream(), (const int64_t*)rows, big ? 256 : 32);
+  const bool big = (s256 < 0 ? mmq_s256_default() : s256 != 0) && w.p.qtype == QT_Q2_K && !w2 && !up && n % 256 == 0;
+  XSwiglu sw;
+  if (up) sw = XSwiglu{up->f(), limit, (const float*)row_w, (const int64_t*)row_of};
+  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream(), (const int64_t*)rows, big ? 256 : 32, sw);
   launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream(), big);
   if (w2) launch_mmq_experts(w2->p, n_expert, xq, (const int4*)tiles, ntiles, y2->f(), stream());
   return true;
@@ -130,10 +135,13 @@ void bind_prefill_products(py::module_& m) {
         py::arg("groups") = 1, "Whether mmq takes W as groups block-diagonal matrices (experts: groups = experts).");
   m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         py::arg("rows") = 0, py::arg("w2") = nullptr, py::arg("y2") = nullptr, py::arg("s256") = -1,
+        py::arg("up") = nullptr, py::arg("limit") = 0.0f, py::arg("row_w") = 0, py::arg("row_of") = 0,
         "y[i] = W_e . x[i] for activation rows sorted by expert: tiles (device address, int32 [ntiles, 4]) = (first "
         "row, rows <= mmq_tile_rows(), expert e, 0); rows (device address, int64 [R]): activation row i is x[rows[i]]; "
         "w2, y2: y2[i] = W2_e . x[i] from the same quantized rows; s256 (Q2_K without w2): x quantized per 256 "
-        "columns and the super-block's sums kept in the mma's int32 registers (1 on, 0 off, -1 $DS4_GPU_MMQ_S256). "
+        "columns and the super-block's sums kept in the mma's int32 registers (1 on, 0 off, -1 $DS4_GPU_MMQ_S256); up "
+        "(x's shape): the rows are swiglu(x, up) clamped at limit, times row_w[row_of[i]] (row_w, row_of: device "
+        "addresses or 0), quantized without a float copy. "
         "False where the kernel does not take the expert tensors.");
   m.def("mmf_experts", &mmf_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("sum_hi"), py::arg("sum_lo"),
         py::arg("s"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),

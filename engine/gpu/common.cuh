@@ -110,8 +110,16 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 // rows != null: quantized row r is x row rows[r] (x then has at least max(rows) + 1 rows of n values).
 // group 32 (decode's quantization) or 256 (mmq's S256 form: one scale per 256 columns, still stored per 32-column
 // block, so every reader of the planes takes either; n a multiple of group).
+// SwiGLU source of quantize_x (prefill's routed down input, never stored as floats): x is the gate product g, and
+// the quantized row r is swiglu(g[r], up[r]) * row_w[row_of[r]] with fused.cu swiglu_kernel's operations.
+struct XSwiglu {
+  const float* up = nullptr;  // null: x as it is
+  float limit = 0.0f;
+  const float* row_w = nullptr;
+  const int64_t* row_of = nullptr;
+};
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr,
-                       int group = 32);
+                       int group = 32, XSwiglu sw = XSwiglu());
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
 // lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,

@@ -38,6 +38,9 @@ MOE_FUSE = os.environ.get("DS4_GPU_MOE_FUSE", "1") != "0"
 # super-block sums in the mma's int32 registers (mmq.cu S256; prepared in v13, off until measured): prefill then
 # rounds that input per 256 columns, not decode's 32
 MMQ_S256 = os.environ.get("DS4_GPU_MMQ_S256", "0") == "1"
+# mmq experts (fused, with a per-32 down input): the down product quantizes swiglu(g, u) times the routing weights
+# straight from g and u (quantize_x's SwiGLU source), so h is never written as floats (v15; 0: the v14 SwiGLU launch)
+MMQ_SWIGLU_Q = os.environ.get("DS4_GPU_MMQ_SWIGLU_Q", "1") != "0"
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
 # caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
@@ -216,19 +219,25 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         xa = _activations(W, b[order // k].contiguous(), gate.qtype, kernel)  # activation rows in expert order
         if not (product(W, gate, xa, tiles, g) and product(W, up, xa, tiles, u)):
             return None
-    h = torch.empty_like(g)
-    if fused:  # the routing weight of each row read through the expert order inside the SwiGLU launch
-        flat_w = wts.reshape(-1).contiguous()
-        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr(), flat_w.data_ptr(), n_ff,
-                   order.data_ptr())
-    else:
-        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
-        h *= wts.reshape(-1)[order, None]
     y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
     down_kernel = "mmq" if kernel == "mmw" else kernel
-    product = _mmq_product if down_kernel == "mmq" else _mmf_product
-    if not product(W, down, _activations(W, h, down.qtype, down_kernel), down_tiles, y_sorted):
-        return None
+    if fused and down_kernel == "mmq" and MMQ_SWIGLU_Q and not MMQ_S256:  # h quantized from g and u, never stored
+        flat_w = wts.reshape(-1).contiguous()
+        if not ext.mmq_experts(down, W._arr(g), down_tiles.data_ptr(), down_tiles.shape[0], W._arr(y_sorted),
+                               up=W._arr(u), limit=float(limit), row_w=flat_w.data_ptr(), row_of=order.data_ptr()):
+            return None
+    else:
+        h = torch.empty_like(g)
+        if fused:  # the routing weight of each row read through the expert order inside the SwiGLU launch
+            flat_w = wts.reshape(-1).contiguous()
+            ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr(), flat_w.data_ptr(), n_ff,
+                       order.data_ptr())
+        else:
+            ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), float(limit), h.data_ptr())
+            h *= wts.reshape(-1)[order, None]
+        product = _mmq_product if down_kernel == "mmq" else _mmf_product
+        if not product(W, down, _activations(W, h, down.qtype, down_kernel), down_tiles, y_sorted):
+            return None
     if fused:  # each token's k rows summed in slot order, straight from the expert order
         slot_row = torch.empty_like(order)
         slot_row[order] = torch.arange(n_asg, device=dev)

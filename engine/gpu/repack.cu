@@ -1,5 +1,6 @@
 // GGUF blocks -> the device layout of common.cuh (run once per tensor at upload), and the
 // per-call quantization of activations to the two-plane int8 form the matvec kernels read.
+#include "block_ops.cuh"
 #include "common.cuh"
 
 namespace ds4gpu {
@@ -129,7 +130,9 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 // The 16-column sums keep the one-warp-per-block form's addition tree bit for bit (the decode kernels that quantize
 // x themselves, moe.cu gu_quantize_x and mv_stream.cuh, use that tree): column pairs differing in bit 3 first, then
 // bit 2 (both across threads), then bit 1 and bit 0 (inside the thread).
-__global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, const int64_t* rows, int nb) {
+// SWIGLU: the values are swiglu(x, sw.up) * sw.row_w[sw.row_of[row]] (swiglu_kernel's operations, so the same bits).
+template <bool SWIGLU>
+__global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, const int64_t* rows, int nb, XSwiglu sw) {
   pdl_begin();
   const int lane = threadIdx.x & 31, sub = lane & 7;  // sub: this thread's columns 4 sub .. 4 sub + 3 of the block
   const int64_t xb = (blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32) * 4 + lane / 8;
@@ -137,7 +140,19 @@ __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, con
   const int64_t b = live ? xb : nxb_total - 1;
   const int64_t src = rows ? rows[b / nb] * nb + b % nb : b;
   const float4 v4 = reinterpret_cast<const float4*>(x + src * 32)[sub];
-  const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  float v[4] = {v4.x, v4.y, v4.z, v4.w};
+  if constexpr (SWIGLU) {
+    const float4 u4 = reinterpret_cast<const float4*>(sw.up + src * 32)[sub];
+    const float u[4] = {u4.x, u4.y, u4.z, u4.w};
+    const int64_t r = src / nb;
+    const float rw = sw.row_w ? sw.row_w[sw.row_of ? sw.row_of[r] : r] : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a = fminf(v[i], sw.limit), c = fminf(fmaxf(u[i], -sw.limit), sw.limit);
+      v[i] = a * sigmoidf_(a) * c;
+      if (sw.row_w) v[i] = v[i] * rw;
+    }
+  }
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float s = amax / 127.0f;
@@ -202,7 +217,9 @@ __global__ void quantize_x256_kernel(const float* x, int64_t nsb_total, XQ out, 
   if ((lane & 1) == 0) out.sum16[sb * 16 + lane / 2] = sum;
 }
 
-void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows, int group) {
+void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows, int group,
+                       XSwiglu sw) {
+  if (sw.up && (group != 32 || rows)) throw std::invalid_argument("quantize_x: SwiGLU source needs group 32, no rows");
   if (group == 256) {
     if (n % 256) throw std::invalid_argument("quantize_x: group 256 needs a length that is a multiple of 256");
     const int64_t total = (int64_t)nvec * (n / 256);
@@ -217,7 +234,10 @@ void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t str
   const int64_t total = (int64_t)nvec * n / 32;
   const int threads = 256, blocks_per_cta = threads / 8;
   const unsigned grid = (unsigned)((total + blocks_per_cta - 1) / blocks_per_cta);
-  launch_k(quantize_x_kernel, dim3(grid), dim3(threads), 0, stream, x, total, out, rows, n / 32);
+  if (sw.up)
+    launch_k(quantize_x_kernel<true>, dim3(grid), dim3(threads), 0, stream, x, total, out, rows, n / 32, sw);
+  else
+    launch_k(quantize_x_kernel<false>, dim3(grid), dim3(threads), 0, stream, x, total, out, rows, n / 32, sw);
   DS4_CHECK_LAUNCH("quantize_x");
 }
 
