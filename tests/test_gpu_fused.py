@@ -232,7 +232,8 @@ def test_norm_rope_warp_kernel_fp8_and_qat_rows(K):
     kw = dict(norm=True, w=w, freq=freq_table(rd), rope_dim=rd, fp8_nope=d - rd)
     got = K.norm_rope(kv, d, 1, kpos, **kw)
     block = torch.cat([K.norm_rope(kv[i:i + 100], d, 1, kpos[i:i + 100], **kw) for i in range(0, R, 100)])
-    assert (got == block).float().mean() > 0.99 and rel(got, block) < 1e-3
+    nope = d - rd  # the RoPE tail is not rounded: there the norm's order shows in the last bits
+    assert (got[:, :nope] == block[:, :nope]).float().mean() > 0.999 and rel(got, block) < 1e-3
     c, s = ops.cos_sin(freq_table(rd), kpos)
     ref = ops.fp8_kv_round(ops.apply_tail(ops.rms_norm(kv, w, 1e-6), c, s, rd), d - rd)
     assert (got == ref).float().mean() > 0.98 and rel(got, ref) < 1e-3

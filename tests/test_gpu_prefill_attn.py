@@ -211,6 +211,27 @@ def test_inverse_rope_in_the_epilogue_gives_the_same_bits(T, H):
         K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=(freq, 12))
 
 
+@pytest.mark.parametrize("T,H,d,scaled", [(40, 64, 512, True), (40, 64, 512, False), (70, 4, 128, True)])
+def test_query_post_in_the_staging_gives_the_same_bits(T, H, d, scaled):
+    """Raw q_b rows normed, rotated and rescaled as the kernel stages them (q_post) give the bits of norm_rope's
+    warp kernel (256+ rows, as in prefill) followed by the attention of its output."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    pos0, ratio = 2000, 4
+    z, win, comp, sel, sinks = _case(T * H + d, T, H, d, 128, 700, 64, pos0, ratio)
+    z = z * 7.0
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    pos = torch.arange(pos0, pos0 + T, device=DEV)
+    rs = (torch.rand(T, generator=torch.Generator().manual_seed(T)) + 0.5).to(DEV) if scaled else None
+    post = dict(norm=True, eps=1e-6, freq=freq, rope_dim=64, in_scale=rs)
+    q = K.norm_rope(z.reshape(T, H * d), d, H, pos, **post).view(T, H, d)
+    want = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
+    got = K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, q_post=post)
+    assert torch.equal(got, want)
+    assert not torch.equal(K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio), want)  # it took effect
+
+
 def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS, then
     also DS4_GPU_ATTN_OUT_ROPE, then also DS4_GPU_ATTN_PACKED, are the bits of the full form."""

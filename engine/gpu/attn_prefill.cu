@@ -13,6 +13,7 @@
 
 #include <algorithm>
 
+#include "block_ops.cuh"
 #include "common.cuh"
 
 namespace ds4gpu {
@@ -211,6 +212,48 @@ __host__ __device__ inline int ap_smem_row_bytes(int d, int pk_dims) {
 // v2 (v10): double-buffered tiles, scores in independent chains, softmax on 4 threads per head row; v3: TF32
 // splits by truncation, paired loads, rows padded to 8 floats mod 32 (conflict-free reads for both products), and
 // for 64 heads two CTAs of 32 per query (DS4_GPU_ATTN_HEADS=64: one of 64).
+// With q_post_on, the staged query rows (raw q_b product rows) post-processed in shared memory as norm_rope_warp_kernel
+// processes them in registers: one warp per head row, element lane + 32 k, the same operations in the same order
+// (so the same bits; tests/test_gpu_prefill_attn.py holds them equal). In shared memory and rolled loops rather than
+// row_warp.cuh's register row: held in registers, the staging cost the main loop's allocation (54 spill loads and
+// stores among its products against 10).
+template <int HG>
+__device__ __forceinline__ void ap_q_post(const PrefillAttn& a, int t, float p, int h_base, float* Qs, int ds) {
+  const int lane = threadIdx.x & 31, nk = a.d / 32;
+  const RowPost& o = a.q_post;
+  const float in_s = a.q_in_scale ? a.q_in_scale[t] : 1.0f;
+  for (int r = threadIdx.x >> 5; r < HG && h_base + r < a.H; r += AP_WARPS) {
+    float* row = Qs + r * ds + lane;
+    float ss = 0.0f;
+#pragma unroll 1
+    for (int k = 0; k < nk; ++k) {
+      float x = row[32 * k];
+      if (a.q_in_scale) row[32 * k] = x = x * in_s;
+      ss += x * x;
+    }
+    if (o.norm) {
+      ss = warp_sum_f(ss);
+      const float rn = rsqrtf(ss / (float)a.d + o.eps);
+#pragma unroll 1
+      for (int k = 0; k < nk; ++k) row[32 * k] = o.w ? row[32 * k] * rn * o.w[lane + 32 * k] : row[32 * k] * rn;
+    }
+    if (o.freq) {
+      const int n_nope = a.d - o.rope_dim;
+#pragma unroll 1
+      for (int k = n_nope / 32; k < nk; ++k) {
+        const int e = lane + 32 * k;
+        const float v = row[32 * k], partner = __shfl_xor_sync(0xffffffffu, v, 1);
+        if (e >= n_nope) {
+          const float ang = p * o.freq[(e - n_nope) / 2];
+          const float c = cosf(ang), sn = o.inverse ? -sinf(ang) : sinf(ang);
+          row[32 * k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn), __fmul_rn(v, c))
+                                   : __fsub_rn(__fmul_rn(v, c), __fmul_rn(partner, sn));
+        }
+      }
+    }
+  }
+}
+
 template <int MT, int NBUF, int MINB, bool PK>
 __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
@@ -246,6 +289,10 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     *(float4*)(Qs + r * ds + 4 * c) = v;
+  }
+  if (a.q_post_on) {
+    __syncthreads();  // rows staged by other warps
+    ap_q_post<HG>(a, t, (float)p, h_base, Qs, ds);
   }
   if (tid < HG) {
     m_s[tid] = -INFINITY;

@@ -239,6 +239,12 @@ struct PrefillAttn {
   const uint16_t* win_pk = nullptr;
   const uint16_t* comp_pk = nullptr;
   int pk_dims = 0;
+  // q_post_on: q holds the q_b product's raw rows; the kernel stages each head row as norm_rope_warp_kernel would
+  // write it (times q_in_scale[t] when given, then q_post: norm, RoPE at the query's position), so the session skips
+  // that pass over [T, H, d] (the same bits)
+  bool q_post_on = false;
+  RowPost q_post;
+  const float* q_in_scale = nullptr;
 };
 // attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk) at out
 void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s);

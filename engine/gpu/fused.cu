@@ -10,28 +10,11 @@
 #include "block_ops.cuh"
 #include "common.cuh"
 #include "router.cuh"
+#include "row_warp.cuh"
 
 namespace ds4gpu {
 
 namespace {
-
-// The smallest power of two >= v (v > 0), as ops._pow2_ceil.
-__device__ __forceinline__ float pow2_ceil(float v) {
-  int e;
-  float m = frexpf(v, &e);
-  if (m == 0.5f) e -= 1;
-  return ldexpf(1.0f, e);
-}
-
-// Round to a minifloat grid with `mant` mantissa bits and smallest exponent min_exp (ops._round_minifloat).
-__device__ __forceinline__ float round_minifloat(float x, int mant, int min_exp) {
-  float ax = fabsf(x);
-  int e;
-  frexpf(ax > 0.0f ? ax : 1.0f, &e);
-  e = max(e - 1, min_exp);
-  float step = ldexpf(1.0f, e - mant);
-  return rintf(x / step) * step;
-}
 
 // In-place post-processing of one row v[d] in shared memory by the whole block (NT threads):
 // optional RMS norm (times w), RoPE on the last rope_dim dims at position `p` (freq[rope_dim/2]),
@@ -172,54 +155,6 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
 // Hadamard + FP4 steps too (v15: the indexer's 0.5M query rows per 8192-token chunk ran ~2 ms on the block kernel).
 constexpr int NR_WARP_MAX_D = 1024, NR_WARP_THREADS = 256, NR_WARP_MIN_ROWS = 256;
 
-// row_post's FP8 step on a row held by one warp (element lane + 32 k): block b of 64 is k = 2b, 2b + 1.
-template <int KMAX>
-__device__ __forceinline__ void warp_row_fp8(float (&v)[KMAX], int blocks) {
-#pragma unroll
-  for (int b = 0; b < KMAX / 2; ++b) {
-    if (b >= blocks) break;
-    const float amax = fmaxf(warp_max_f(fmaxf(fabsf(v[2 * b]), fabsf(v[2 * b + 1]))), 1e-4f);
-    const float scale = pow2_ceil(amax / 448.0f);
-    const float q0 = fminf(fmaxf(v[2 * b] / scale, -448.0f), 448.0f);
-    const float q1 = fminf(fmaxf(v[2 * b + 1] / scale, -448.0f), 448.0f);
-    v[2 * b] = round_minifloat(q0, 3, -6) * scale;
-    v[2 * b + 1] = round_minifloat(q1, 3, -6) * scale;
-  }
-}
-
-// row_post's Hadamard + FP4 step on a row held by one warp: the butterflies in the same order and with the same
-// operands (lower a[i] + a[i + h], upper a[i - h] - a[i]), pairs in other lanes (h < 32) or other registers.
-template <int KMAX>
-__device__ __forceinline__ void warp_row_qat(float (&v)[KMAX], int nk, int lane, float had_scale) {
-#pragma unroll
-  for (int h = 1; h < 32; h *= 2) {
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const float p = __shfl_xor_sync(0xffffffffu, v[k], h);
-      if (k < nk) v[k] = (lane & h) ? p - v[k] : v[k] + p;
-    }
-  }
-#pragma unroll
-  for (int hk = 1; hk < KMAX; hk *= 2) {
-    if (hk >= nk) break;
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      if ((k & hk) || k + hk >= nk) continue;
-      const float lo = v[k], hi = v[k + hk];
-      v[k] = lo + hi;
-      v[k + hk] = lo - hi;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < KMAX; ++k) {
-    if (k >= nk) break;
-    const float x = v[k] * had_scale;
-    const float amax = fmaxf(warp_max_f(fabsf(x)), 6.0f * 1.1754943508222875e-38f);
-    const float scale = pow2_ceil(amax / 6.0f);
-    v[k] = round_minifloat(fminf(fmaxf(x / scale, -6.0f), 6.0f), 1, 0) * scale;
-  }
-}
-
 __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRopeJob j, const int64_t* pos) {
   pdl_begin();
   constexpr int KMAX = NR_WARP_MAX_D / 32;
@@ -238,33 +173,7 @@ __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRop
     for (int k = 0; k < KMAX; ++k)
       if (k < nk) v[k] *= in_s;
   }
-  if (o.norm) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) ss += v[k] * v[k];
-    ss = warp_sum_f(ss);
-    const float r = rsqrtf(ss / (float)d + o.eps);
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k)
-      if (k < nk) v[k] = o.w ? v[k] * r * o.w[lane + 32 * k] : v[k] * r;
-  }
-  if (o.freq) {
-    const int n_nope = d - o.rope_dim;
-    const float p = pos ? (float)pos[row / j.rows_per_token] : 0.0f;
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int e = lane + 32 * k;
-      const float partner = __shfl_xor_sync(0xffffffffu, v[k], 1);
-      if (k < nk && e >= n_nope) {
-        const float ang = p * o.freq[(e - n_nope) / 2];
-        const float c = cosf(ang), sn = o.inverse ? -sinf(ang) : sinf(ang);
-        v[k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn), __fmul_rn(v[k], c))
-                          : __fsub_rn(__fmul_rn(v[k], c), __fmul_rn(partner, sn));
-      }
-    }
-  }
-  if (o.fp8_nope > 0) warp_row_fp8<KMAX>(v, o.fp8_nope / 64);
-  if (o.qat) warp_row_qat<KMAX>(v, nk, lane, o.had_scale);
+  warp_row_post<KMAX>(v, d, lane, o, pos ? (float)pos[row / j.rows_per_token] : 0.0f);
   float* yr = j.out + row * d;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k)

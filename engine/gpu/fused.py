@@ -217,7 +217,7 @@ class Fused:
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
                      inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1,
-                     packed: bool = False, form: int = -1) -> torch.Tensor | None:
+                     packed: bool = False, form: int = -1, q_post: dict | None = None) -> torch.Tensor | None:
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
@@ -228,7 +228,9 @@ class Fused:
         read from packed copies (their exact_dims columns as bfloat16, the rest float32: half the bytes, two key
         buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
         form: 2 (the inner loops without per-step branches), 1 (the v13 loops), -1 ($DS4_GPU_ATTN_FORM): the same
-        bits. None where the kernel does not take the shapes."""
+        bits. q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
+        norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). None where
+        the kernel does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -242,12 +244,17 @@ class Fused:
         if packed and exact_dims > 0:
             win_pk, comp_pk = self.pack_keys(win, int(exact_dims)), None if comp is None else self.pack_keys(
                 comp, int(exact_dims))
+        qp = dict(q_post or {})
+        q_freq, q_scale = qp.get("freq"), qp.get("in_scale")
+        q_freq = None if q_freq is None else q_freq.contiguous()
+        q_scale = None if q_scale is None else q_scale.to(F32).contiguous()
         self.ext.prefill_attn(_p(q), _p(win), _p(comp), _p(sel), _p(sinks.contiguous()), _p(out), T, H, d,
                               win.shape[0] - T + 1, 0 if comp is None else comp.shape[0],
                               0 if sel is None else sel.shape[1], int(ratio), int(pos0), 1.0 / math.sqrt(d),
                               int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
                               int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0,
-                              int(form))
+                              int(form), bool(qp.get("norm", False)), float(qp.get("eps", 1e-6)), _p(q_freq),
+                              int(qp.get("rope_dim", 0)), _p(q_scale))
         return out
 
     def pack_keys(self, x: torch.Tensor, pk_dims: int) -> torch.Tensor:

@@ -42,6 +42,9 @@ ATTN_OUT_ROPE = os.environ.get("DS4_GPU_ATTN_OUT_ROPE", "1") != "0"
 # rows (the FP8-simulated columns as bfloat16, exact; the rest float32: 1152 instead of 2048 bytes per Flash row), so
 # the 32-head form gets two key buffers at two CTAs per SM; the same bits.
 ATTN_PACKED = os.environ.get("DS4_GPU_ATTN_PACKED", "0") == "1"
+# fused prefill attention: the queries' RMS norm, RoPE and q_b rescale applied as the kernel stages them (v15: the same
+# bits as norm_rope's pass over [T, H, d], which it replaces); 0: the v14 norm_rope pass
+ATTN_Q_POST = os.environ.get("DS4_GPU_ATTN_Q_POST", "1") != "0"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -67,8 +70,10 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
     T = a.shape[0]
     r = cfg.ratio(li)
     pos = torch.arange(pos0, pos0 + T, device=ses.device)
+    fused_attn = FUSED_ATTN and ses.K is not None and not ses.tc_attn
+    defer_q = fused_attn and ATTN_Q_POST and ses.K.ext.prefill_attn_takes(ses.cfg.n_head, ses.cfg.head_dim)
     with section("qkv"):
-        q, kv, cos, sin = ses._qkv(li, a, c, pos, kv_lin)
+        q, kv, cos, sin, q_post = ses._qkv(li, a, c, pos, kv_lin, defer_q=defer_q)
     Wn, cap = ses.raw_window, ses.raw_cap
     old = torch.arange(max(0, pos0 - Wn + 1), pos0, device=ses.device)
     pad = torch.zeros((Wn - 1 - len(old), kv.shape[1]), dtype=F32, device=ses.device)
@@ -94,15 +99,17 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
             comp_valid = sel < n_vis[:, None]
         else:
             comp_valid = torch.arange(n_comp, device=ses.device)[None, :] < n_vis[:, None]
-    if FUSED_ATTN and ses.K is not None and not on:
+    if fused_attn:
         with section("attend"):
             exact = cfg.n_nope if (ATTN_EXACT_KEYS and cfg.fp8_kv) else 0
             inv = (ses._freq[r != 0], cfg.rope_dim) if ATTN_OUT_ROPE else None
             o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv,
-                                   packed=ATTN_PACKED)
+                                   packed=ATTN_PACKED, q_post=q_post)
         if o is not None:
             with section("attn_out"):
                 return ses._attn_out(li, o, cos, sin, pos, rope_done=inv is not None)
+    if q_post is not None:  # the fused kernel declined after all: finish the queries here
+        q = ses.K.norm_rope(q.reshape(T, -1), q.shape[-1], q.shape[1], pos, **q_post).reshape(q.shape)
     comp = None if comp is None else tc.maybe_split(comp, on)
     o = torch.empty_like(q)
     H, d = q.shape[1], q.shape[2]

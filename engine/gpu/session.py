@@ -535,7 +535,9 @@ class Session(Timeline):
         return [C.blk(li, t) for t in (L.FFN_GATE_SHEXP, L.FFN_UP_SHEXP, L.FFN_DOWN_SHEXP)]
 
     # -- attention pieces shared by both paths
-    def _qkv(self, li, a, c, pos, kv_lin):
+    def _qkv(self, li, a, c, pos, kv_lin, defer_q: bool = False):
+        """(q, kv, cos, sin, q_post). defer_q (fused kernels only): q is the q_b product's raw rows and q_post the
+        norm_rope keywords that finish them (the fused prefill attention applies them as it stages q); else None."""
         cfg, W = self.cfg, self.W
         T, H, d = a.shape[0], cfg.n_head, cfg.head_dim
         freq = self._freq[cfg.ratio(li) != 0]
@@ -543,18 +545,18 @@ class Session(Timeline):
         if self.K is not None:
             # DS4_GPU_FOLD_RESCALE=1: the q_b GEMM's per-row rescale applied by norm_rope as it loads the rows
             z, rs = W.mm_unscaled(C.blk(li, L.ATTN_Q_B), c) if FOLD_RESCALE else (W.mm(C.blk(li, L.ATTN_Q_B), c), None)
-            q = self.K.norm_rope(z, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=cfg.rope_dim,
-                                 in_scale=rs).reshape(T, H, d)
+            q_post = dict(norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=cfg.rope_dim, in_scale=rs)
+            q = z.reshape(T, H, d) if defer_q else self.K.norm_rope(z, d, H, pos, **q_post).reshape(T, H, d)
             kv = self.K.norm_rope(kv_lin, d, 1, pos, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                                   freq=freq, rope_dim=cfg.rope_dim, fp8_nope=cfg.n_nope if cfg.fp8_kv else 0)
-            return q, kv, cos, sin
+            return q, kv, cos, sin, (q_post if defer_q else None)
         q = ops.rms_norm(W.mm(C.blk(li, L.ATTN_Q_B), c).reshape(T, H, d), None, cfg.rms_eps)
         q = self._f("apply_tail")(q, cos, sin, cfg.rope_dim)
         kv = ops.rms_norm(kv_lin, W.vec(C.blk(li, L.ATTN_KV_A_NORM)), cfg.rms_eps)
         kv = self._f("apply_tail")(kv, cos, sin, cfg.rope_dim)
         if cfg.fp8_kv:
             kv = self._f("fp8_kv_round")(kv, cfg.n_nope)
-        return q, kv, cos, sin
+        return q, kv, cos, sin, None
 
     def _finish_rows(self, li, pooled, row_pos, indexer: bool):
         cfg = self.cfg
@@ -627,7 +629,7 @@ class Session(Timeline):
             return fused.attn_step(self, li, a, c, kv_lin, pos)
         cfg, st = self.cfg, self.layers[li]
         r = cfg.ratio(li)
-        q, kv, cos, sin = self._qkv(li, a, c, pos, kv_lin)
+        q, kv, cos, sin, _ = self._qkv(li, a, c, pos, kv_lin)
         cap = self.raw_cap
         st["raw"].index_copy_(0, pos % cap, kv)
         j = torch.arange(cap, device=self.device)
