@@ -190,6 +190,30 @@ def test_split_half_is_the_scaled_hi_lo_of_each_row(n) -> None:
         assert float(((back - xt.double()).abs() / xt.double().abs().amax(1, keepdim=True).clamp_min(1e-30)).max()) < 2e-7
 
 
+def test_split_memo_reuses_only_the_same_unchanged_rows() -> None:
+    """to_half's memo: the same tensor at the same version is split once; an in-place change, another tensor with
+    equal values, or more tensors than the memo holds each get a fresh split, equal to an uncached one."""
+    from ds4.engine.gpu.weights import SPLIT_MEMO
+
+    if SPLIT_MEMO < 2:
+        pytest.skip("DS4_GPU_SPLIT_MEMO is off")
+    W = _weights()
+    x = torch.randn(64, 1024, device="cuda")
+    first = W.to_half(x)
+    assert W.to_half(x)[0] is first[0] and W.split_hits == 1
+    y = x.clone()
+    assert W.to_half(y)[0] is not first[0]  # equal values, other memory
+    x.mul_(2.0)  # in place: a new version
+    again = W.to_half(x)
+    assert again[0] is not first[0] and torch.equal(again[2], first[2] * 2.0)
+    for _ in range(SPLIT_MEMO):
+        W.to_half(torch.randn(8, 1024, device="cuda"))
+    assert W.to_half(x)[0] is not again[0]  # pushed out
+    wide = torch.randn(4, 16384, device="cuda")  # wider than the memo takes
+    assert W.to_half(wide)[0] is not W.to_half(wide)[0]
+    assert W.split_hits == 1
+
+
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("rows_per_token,T", [(64, 40), (4, 10)])  # the warp kernel (2560 rows), the block kernel (40)
 def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int, norm: bool) -> None:

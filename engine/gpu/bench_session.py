@@ -177,7 +177,8 @@ def main(argv=None) -> int:
         fill = moe_gemm.TILE_FILL
         if fill["slots"]:  # the routed experts' tiles so far in this process: the share of rows that are padding
             print(f"routed-expert tiles: {fill['rows']} rows in {fill['slots']} slots "
-                  f"({1 - fill['rows'] / fill['slots']:.1%} padding)", flush=True)
+                  f"({1 - fill['rows'] / fill['slots']:.1%} padding); activation splits reused: "
+                  f"{W.split_hits}", flush=True)
         res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc,
                                "runs_s": runs})
         more = f"; later runs {', '.join(f'{n / r:.0f}' for r in runs[1:])} t/s" if len(runs) > 1 else ""

@@ -39,6 +39,7 @@ MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") == "1"  # decode: dependent m
 # prefill routed experts: the padded batch holds up to this many times the mean load per expert (the rest of a
 # busy expert goes to plain GEMMs); padding rows cost GEMM work, overflow costs launches (A/B, v8: not measured)
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
+SPLIT_MEMO = int(os.environ.get("DS4_GPU_SPLIT_MEMO", "3"))  # to_half's splits kept for reuse (0: none, the v14 form)
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
 
 
@@ -67,6 +68,10 @@ class Weights:
         self._mats: dict[str, object] = {}
         self._vecs: dict[str, torch.Tensor] = {}
         self.folded_norms = 0  # mm(..., norm=) launches whose matvec applied the RMS norm itself (see mm)
+        # to_half's last splits: a prefill layer multiplies the same activations by several weights (its input by
+        # q_a, kv, the compressors and the indexer's projection; the FFN input by the router and the shared expert)
+        self._splits: list[tuple[tuple, torch.Tensor, tuple]] = []
+        self.split_hits = 0
 
     # ---- storage ---------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor:
@@ -294,16 +299,28 @@ class Weights:
         return hi, lo, scale
 
     def to_half(self, x: torch.Tensor):
-        """to_half in one kernel (split_half of dequant.cu) for float32 rows on the device."""
+        """to_half in one kernel (split_half of dequant.cu) for float32 rows on the device. The last few splits are
+        kept (DS4_GPU_SPLIT_MEMO, v15): the same tensor at the same version is split once. Each entry holds its
+        tensor, so its memory cannot be handed to another tensor while cached; torch bumps the version on in-place
+        writes (the extension's kernels write only tensors they were given as outputs, which are fresh)."""
         if self.ext is None:
             return to_half(x, EXACT_GEMM)
         x = x.contiguous()
+        key = (x.data_ptr(), x._version, tuple(x.shape), x.dtype)
+        memo = SPLIT_MEMO > 0 and x.shape[-1] <= 8192  # not the attention output's [T, H d]: used once, and large
+        if memo:
+            for k, _, split in self._splits:
+                if k == key:
+                    self.split_hits += 1
+                    return split
         rows, n = x.shape
         hi = torch.empty((rows, n), dtype=torch.float16, device=self.device)
         lo = torch.empty_like(hi) if EXACT_GEMM else None
         s = torch.empty((rows, 1), dtype=F32, device=self.device)
         self._sync_stream()
         self.ext.split_half(x.data_ptr(), rows, n, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), s.data_ptr())
+        if memo:
+            self._splits = [(key, x, (hi, lo, s))] + self._splits[:SPLIT_MEMO - 1]
         return hi, lo, s
 
     def _gemm(self, w, x: torch.Tensor, groups: int) -> torch.Tensor:
