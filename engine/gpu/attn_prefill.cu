@@ -219,36 +219,58 @@ __host__ __device__ inline int ap_smem_row_bytes(int d, int pk_dims) {
 // stores among its products against 10).
 template <int HG>
 __device__ __forceinline__ void ap_q_post(const PrefillAttn& a, int t, float p, int h_base, float* Qs, int ds) {
-  const int lane = threadIdx.x & 31, nk = a.d / 32;
+  constexpr int R = (HG + AP_WARPS - 1) / AP_WARPS;  // rows per warp, processed side by side (independent chains)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nk = a.d / 32;
   const RowPost& o = a.q_post;
   const float in_s = a.q_in_scale ? a.q_in_scale[t] : 1.0f;
-  for (int r = threadIdx.x >> 5; r < HG && h_base + r < a.H; r += AP_WARPS) {
-    float* row = Qs + r * ds + lane;
-    float ss = 0.0f;
+  float* row[R];
+  bool live[R];
+  float ss[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = warp + i * AP_WARPS;
+    live[i] = r < HG && h_base + r < a.H;  // rows past H stay zero
+    row[i] = Qs + (live[i] ? r : 0) * ds + lane;
+    ss[i] = 0.0f;
+  }
+#pragma unroll 1
+  for (int k = 0; k < nk; ++k) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!live[i]) continue;
+      float x = row[i][32 * k];
+      if (a.q_in_scale) row[i][32 * k] = x = x * in_s;
+      ss[i] += x * x;
+    }
+  }
+  if (o.norm) {
+    float rn[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) rn[i] = rsqrtf(warp_sum_f(ss[i]) / (float)a.d + o.eps);
 #pragma unroll 1
     for (int k = 0; k < nk; ++k) {
-      float x = row[32 * k];
-      if (a.q_in_scale) row[32 * k] = x = x * in_s;
-      ss += x * x;
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+        if (live[i]) row[i][32 * k] = o.w ? row[i][32 * k] * rn[i] * o.w[lane + 32 * k] : row[i][32 * k] * rn[i];
     }
-    if (o.norm) {
-      ss = warp_sum_f(ss);
-      const float rn = rsqrtf(ss / (float)a.d + o.eps);
+  }
+  if (o.freq) {
+    const int n_nope = a.d - o.rope_dim;
 #pragma unroll 1
-      for (int k = 0; k < nk; ++k) row[32 * k] = o.w ? row[32 * k] * rn * o.w[lane + 32 * k] : row[32 * k] * rn;
-    }
-    if (o.freq) {
-      const int n_nope = a.d - o.rope_dim;
-#pragma unroll 1
-      for (int k = n_nope / 32; k < nk; ++k) {
-        const int e = lane + 32 * k;
-        const float v = row[32 * k], partner = __shfl_xor_sync(0xffffffffu, v, 1);
-        if (e >= n_nope) {
-          const float ang = p * o.freq[(e - n_nope) / 2];
-          const float c = cosf(ang), sn = o.inverse ? -sinf(ang) : sinf(ang);
-          row[32 * k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn), __fmul_rn(v, c))
-                                   : __fsub_rn(__fmul_rn(v, c), __fmul_rn(partner, sn));
-        }
+    for (int k = n_nope / 32; k < nk; ++k) {
+      const int e = lane + 32 * k;
+      float c = 1.0f, sn = 0.0f;
+      if (e >= n_nope) {
+        const float ang = p * o.freq[(e - n_nope) / 2];
+        c = cosf(ang);
+        sn = o.inverse ? -sinf(ang) : sinf(ang);
+      }
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const float v = row[i][32 * k], partner = __shfl_xor_sync(0xffffffffu, v, 1);
+        if (live[i] && e >= n_nope)
+          row[i][32 * k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn), __fmul_rn(v, c))
+                                      : __fsub_rn(__fmul_rn(v, c), __fmul_rn(partner, sn));
       }
     }
   }

@@ -254,6 +254,8 @@ class Session(Timeline):
         except BaseException:
             self.invalidate()
             raise
+        finally:
+            self.W.clear_splits()  # the chunk's activation splits: not held into decode
         self._tokens.extend(tokens)
         self._logits = out[-1].clone()
         return out

@@ -298,6 +298,10 @@ class Weights:
         self.ext.dequant(w, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), scale)
         return hi, lo, scale
 
+    def clear_splits(self) -> None:
+        """Forget to_half's kept splits (the session calls this after each prefill chunk)."""
+        self._splits = []
+
     def to_half(self, x: torch.Tensor):
         """to_half in one kernel (split_half of dequant.cu) for float32 rows on the device. The last few splits are
         kept (DS4_GPU_SPLIT_MEMO, v15): the same tensor at the same version is split once. Each entry holds its
