@@ -176,6 +176,31 @@ def test_swiglu_with_row_weights_is_swiglu_then_the_multiply():
         ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, weighted.data_ptr(), w.data_ptr(), 7, 0)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 150, 1, 64, 65, 1, 20, 128, 129], [0] * 7 + [5], [64] * 256,
+                                    list(np.random.default_rng(3).integers(0, 400, 1000))])
+def test_expert_tiles_on_the_device_equal_the_host_table(counts):
+    """ext.expert_tiles builds moe_gemm.expert_tiles' table from device counts, then empty tiles up to max_tiles."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    nt = ext.mmq_tile_rows()
+    want = expert_tiles([int(c) for c in counts], nt)
+    max_tiles = -(-sum(counts) // nt) + len(counts)
+    assert len(want) <= max_tiles
+    c = torch.tensor(counts, dtype=torch.int64, device="cuda")
+    tiles = torch.full((max_tiles, 4), -1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    ext.expert_tiles(c.data_ptr(), len(counts), nt, tiles.data_ptr(), max_tiles)
+    ext.synchronize()
+    got = tiles.cpu().numpy()
+    np.testing.assert_array_equal(got[:len(want)], np.array(want, dtype=np.int32).reshape(-1, 4))
+    assert (got[len(want):] == 0).all()
+    with pytest.raises(ValueError, match="experts"):
+        ext.expert_tiles(c.data_ptr(), 2000, nt, tiles.data_ptr(), max_tiles)
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_mmq_experts_swiglu_source_equals_swiglu_then_the_product(weighted):
     """The routed down product quantizing swiglu(g, u) (times the routing weights through the expert order) straight

@@ -212,9 +212,10 @@ def test_split_memo_reuses_only_the_same_unchanged_rows() -> None:
     wide = torch.randn(4, 16384, device="cuda")  # wider than the memo takes
     assert W.to_half(wide)[0] is not W.to_half(wide)[0]
     assert W.split_hits == 1
-    W.to_half(x)
+    kept = W.to_half(x)  # x was split again by the pushed-out check: a hit
+    assert W.split_hits == 2
     W.clear_splits()  # the session's call after each prefill chunk
-    assert W.split_hits == 1 and W._splits == []
+    assert W._splits == [] and W.to_half(x)[0] is not kept[0]
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -133,6 +133,12 @@ void bind_prefill_products(py::module_& m) {
         "weights it does not take (F16, columns not a multiple of 128).");
   m.def("mmq_takes", [](const Tensor& w, int groups) { return mmq_takes(w.p, groups); }, py::arg("w"),
         py::arg("groups") = 1, "Whether mmq takes W as groups block-diagonal matrices (experts: groups = experts).");
+  m.def("expert_tiles", [](uintptr_t counts, int E, int nt, uintptr_t tiles, int max_tiles) {
+    launch_expert_tiles(reinterpret_cast<const int64_t*>(counts), E, nt, reinterpret_cast<int4*>(tiles), max_tiles,
+                        stream());
+  }, "mmq_experts' tile table (int32 [max_tiles, 4] at tiles) from the experts' row counts (int64 [E] at counts) on the "
+     "device: moe_gemm.expert_tiles' tiles of at most nt rows, then empty ones",
+     py::arg("counts"), py::arg("E"), py::arg("nt"), py::arg("tiles"), py::arg("max_tiles"));
   m.def("mmq_experts", &mmq_experts, py::arg("w"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         py::arg("rows") = 0, py::arg("w2") = nullptr, py::arg("y2") = nullptr, py::arg("s256") = -1,
         py::arg("up") = nullptr, py::arg("limit") = 0.0f, py::arg("row_w") = 0, py::arg("row_of") = 0,

@@ -255,7 +255,10 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // 128. launch_mmq_experts: activation rows sorted by expert, tiles[i] = (first row, rows <= mmq_tile_rows(), expert, 0), y rows
 // [rows of x, rows per expert].
 bool mmq_takes(const Packed& w, int groups);
-int mmq_tile_rows();  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128
+int mmq_tile_rows();
+// mmq.cu: the tile table of launch_mmq_experts built on the device from the experts' row counts (int64 [E]), padded
+// with empty tiles to max_tiles (>= ceil(rows / nt) + E holds every expert's tiles)
+void launch_expert_tiles(const int64_t* counts, int E, int nt, int4* tiles, int max_tiles, cudaStream_t stream);  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128
 void set_mmq_straight(int v);  // 1/0: full fragments without per-fragment tests or with (the same bits); -1: env
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the

@@ -41,6 +41,9 @@ MMQ_S256 = os.environ.get("DS4_GPU_MMQ_S256", "0") == "1"
 # mmq experts (fused, with a per-32 down input): the down product quantizes swiglu(g, u) times the routing weights
 # straight from g and u (quantize_x's SwiGLU source), so h is never written as floats (v15; 0: the v14 SwiGLU launch)
 MMQ_SWIGLU_Q = os.environ.get("DS4_GPU_MMQ_SWIGLU_Q", "1") != "0"
+# mmq experts: the tile table built on the device from the expert counts (ext.expert_tiles; v15), so the layer
+# has no host sync (v14: ~45 ms of an 8192-token prefill idle while Python built the table); 0: built on the host
+DEVICE_TILES = os.environ.get("DS4_GPU_DEVICE_TILES", "1") != "0"
 SPREAD = float(os.environ.get("DS4_GPU_MOE_SPREAD", "1.25"))  # a bucket's cap over its members' counts, at most
 SMALL_ROWS = 64  # experts with at most this many rows share one bucket (their padding is a few rows each)
 # caps rounded up to a multiple of this: fewer distinct GEMM shapes across prompts (cuBLAS picks a kernel per new
@@ -201,11 +204,19 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         return None
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
-    tiles = torch.tensor(expert_tiles(counts, gu_rows), dtype=torch.int32, device=dev)
-    down_tiles = tiles if down_rows == gu_rows else torch.tensor(expert_tiles(counts, down_rows), dtype=torch.int32,
-                                                                 device=dev)
     n_asg = T * k
+    if DEVICE_TILES and kernel == "mmq":  # the tile table built on the device: no host sync in the layer
+        counts_d = torch.bincount(flat, minlength=n_expert)
+        max_tiles = -(-n_asg // gu_rows) + n_expert
+        tiles = torch.empty((max_tiles, 4), dtype=torch.int32, device=dev)
+        W._sync_stream()
+        ext.expert_tiles(counts_d.data_ptr(), n_expert, gu_rows, tiles.data_ptr(), max_tiles)
+        down_tiles = tiles
+    else:
+        counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()  # the layer's one host sync
+        tiles = torch.tensor(expert_tiles(counts, gu_rows), dtype=torch.int32, device=dev)
+        down_tiles = tiles if down_rows == gu_rows else torch.tensor(expert_tiles(counts, down_rows),
+                                                                     dtype=torch.int32, device=dev)
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
     u = torch.empty_like(g)
     W._sync_stream()
