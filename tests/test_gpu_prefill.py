@@ -83,6 +83,32 @@ def test_gemm_matches_the_reference(qtype: Q, groups: int) -> None:
     assert err <= (1e-5 if EXACT_GEMM else TOL), f"{qtype.name} groups={groups}: rel err {err:.2e}"
 
 
+def test_mm_split_per_group_matches_the_gemm() -> None:
+    """The grouped product from a producer's split with one scale per row and group (the fused attention's output)
+    equals the product of the float32 rows to float32 rounding, and keeps a tiny group's own precision."""
+    from ds4.engine.gpu.weights import EXACT_GEMM, to_half
+
+    rows, cols, groups, T = 512, 1024, 8, 40
+    rng = np.random.default_rng(81)
+    raw = random_blocks(Q.Q8_0, rows, cols, rng)
+    W = _weights()
+    W._mats["o_a"] = gpu.upload("gemm.split.o_a", Q.Q8_0, (cols, rows), raw)
+    x = torch.from_numpy(rng.standard_normal((T, groups * cols)).astype(np.float32)).cuda()
+    x[:, 3 * cols:4 * cols] *= 1e-4  # a small group beside large ones
+    hi, lo, s = to_half(x.view(T, groups, cols), EXACT_GEMM)
+    got = W.mm_split("o_a", (hi.reshape(T, -1), None if lo is None else lo.reshape(T, -1), s.reshape(T, groups)),
+                     groups)
+    wd = dequant(Q.Q8_0, raw, cols)
+    per = rows // groups
+    xn = x.cpu().numpy().astype(np.float64)
+    ref = np.concatenate([xn[:, g * cols:(g + 1) * cols] @ wd[g * per:(g + 1) * per].T for g in range(groups)], 1)
+    g3 = slice(3 * per, 4 * per)
+    assert rel_err(got.cpu().numpy().astype(np.float64), ref) <= (1e-5 if EXACT_GEMM else TOL)
+    assert rel_err(got[:, g3].cpu().numpy().astype(np.float64), ref[:, g3]) <= (1e-5 if EXACT_GEMM else TOL)
+    with pytest.raises(ValueError, match="mm_split"):
+        W.mm_split("o_a", (hi.reshape(T, -1), lo, s.reshape(T, groups)[:, :4]), groups)
+
+
 N_EXPERT = 16
 
 

@@ -232,6 +232,28 @@ def test_query_post_in_the_staging_gives_the_same_bits(T, H, d, scaled):
     assert not torch.equal(K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio), want)  # it took effect
 
 
+@pytest.mark.parametrize("T,H,hpg", [(40, 64, 8), (9, 20, 4), (12, 32, 16)])
+def test_split_output_is_to_half_per_head_group(T, H, hpg):
+    """The output written as the o_a GEMM's float16 split: per query and group of hpg heads, the bits of
+    weights.to_half on that group's columns of the float32 output (the same kernel run, inverse RoPE included)."""
+    from ds4.engine.gpu.fused import Fused
+    from ds4.engine.gpu.weights import to_half
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    d, pos0, ratio = 128, 500, 4
+    q, win, comp, sel, sinks = _case(T + H + hpg, T, H, d, 128, 60, 16, pos0, ratio)
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    inv = (freq, 64)
+    y = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=inv)
+    hi, lo, s = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=inv, split_heads=hpg)
+    G = H // hpg
+    want_hi, want_lo, want_s = to_half(y.reshape(T, G, hpg * d), True)
+    assert torch.equal(s, want_s.reshape(T, G))
+    assert torch.equal(hi, want_hi.reshape(T, H * d)) and torch.equal(lo, want_lo.reshape(T, H * d))
+    with pytest.raises(ValueError, match="split output"):
+        K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, inverse_rope=inv, split_heads=3)
+
+
 def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     """`small` with the rounding simulations on (FP8 KV): every position's logits with DS4_GPU_ATTN_EXACT_KEYS, then
     also DS4_GPU_ATTN_OUT_ROPE, then also DS4_GPU_ATTN_PACKED, are the bits of the full form."""

@@ -276,6 +276,54 @@ __device__ __forceinline__ void ap_q_post(const PrefillAttn& a, int t, float p, 
   }
 }
 
+// out_hi: the output as the o_a GEMM's float16 split, one scale per (query, group of out_hpg heads): s = the group's
+// largest |y| (at least 1e-30), hi = half(y / s), lo = half(y / s - hi): weights.to_half's operations on each group's
+// columns, so the GEMM needs no split pass over [T, H d]. The group maxima meet in shared memory (atomicMax on the
+// bits of non-negative floats orders them as floats).
+template <int NT, int HG>
+__device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int h_base, int h0, int h1, int tile0, int ntw,
+                                               int i4, const float (&acc)[NT][4], float m0, float m1, float* gmax) {
+  const int hpg = a.out_hpg, d = a.d;
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+  if (i4 == 0) {
+    if (h0 < a.H) atomicMax((int*)&gmax[(h0 - h_base) / hpg], __float_as_int(m0));
+    if (h1 < a.H) atomicMax((int*)&gmax[(h1 - h_base) / hpg], __float_as_int(m1));
+  }
+  __syncthreads();
+  const float s0 = fmaxf(gmax[(h0 - h_base) / hpg], 1e-30f), s1 = fmaxf(gmax[(h1 - h_base) / hpg], 1e-30f);
+  const auto split = [](float y, float s, __half& hi, __half& lo) {
+    const float xn = __fdiv_rn(y, s);
+    hi = __float2half_rn(xn);
+    lo = __float2half_rn(__fsub_rn(xn, __half2float(hi)));
+  };
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    if (n >= ntw) break;
+    const int col = (tile0 + n) * 8 + 2 * i4;
+    __half h[4], l[4];
+    split(acc[n][0], s0, h[0], l[0]);
+    split(acc[n][1], s0, h[1], l[1]);
+    split(acc[n][2], s1, h[2], l[2]);
+    split(acc[n][3], s1, h[3], l[3]);
+    if (h0 < a.H) {
+      const int64_t o = ((int64_t)t * a.H + h0) * d + col;
+      *(__half2*)(a.out_hi + o) = __halves2half2(h[0], h[1]);
+      *(__half2*)(a.out_lo + o) = __halves2half2(l[0], l[1]);
+    }
+    if (h1 < a.H) {
+      const int64_t o = ((int64_t)t * a.H + h1) * d + col;
+      *(__half2*)(a.out_hi + o) = __halves2half2(h[2], h[3]);
+      *(__half2*)(a.out_lo + o) = __halves2half2(l[2], l[3]);
+    }
+  }
+  const int tid = threadIdx.x;
+  if (tid < HG / hpg && h_base + tid * hpg < a.H)
+    a.out_s[(int64_t)t * (a.H / hpg) + h_base / hpg + tid] = fmaxf(gmax[tid], 1e-30f);
+}
+
 template <int MT, int NBUF, int MINB, bool PK>
 __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
@@ -479,19 +527,22 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
     }
   }
   __syncthreads();
+  float* gmax = Ss;  // out_hi: the largest |y| of each head group of this CTA (the scores' scratch is free now)
   if (tid < HG) {  // the sink: one more score, then 1 / denominator
     const int h = h_base + tid;
     const float sink = h < a.H ? a.sinks[h] : 0.0f;
     const float m = m_s[tid], M = fmaxf(m, sink);
     const float fac = m == -INFINITY ? 0.0f : expf(m - M);
     f_s[tid] = fac / (l_s[tid] * fac + expf(sink - M));
+    gmax[tid] = 0.0f;
   }
   __syncthreads();
   const int h0 = h_base + 16 * mt_o + g, h1 = h0 + 8;
   const float f0 = f_s[16 * mt_o + g], f1 = f_s[16 * mt_o + g + 8];
   const int rope_from = d - a.out_rope_dim;
+  float m0 = 0.0f, m1 = 0.0f;
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
+  for (int n = 0; n < NT; ++n) {  // the output in acc: y0 = (acc[n][0], acc[n][1]) of head h0, y1 of head h1
     if (n >= ntw) break;
     const int col = (cp * ntw + n) * 8 + 2 * i4;
     float2 y0 = make_float2(acc[n][0] * f0, acc[n][1] * f0), y1 = make_float2(acc[n][2] * f1, acc[n][3] * f1);
@@ -503,14 +554,23 @@ __global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillA
       y1 = make_float2(__fsub_rn(__fmul_rn(y1.x, c), __fmul_rn(y1.y, sn)),
                        __fadd_rn(__fmul_rn(y1.x, sn), __fmul_rn(y1.y, c)));
     }
+    if (a.out_hi) {
+      acc[n][0] = y0.x, acc[n][1] = y0.y, acc[n][2] = y1.x, acc[n][3] = y1.y;
+      m0 = fmaxf(m0, fmaxf(fabsf(y0.x), fabsf(y0.y)));
+      m1 = fmaxf(m1, fmaxf(fabsf(y1.x), fabsf(y1.y)));
+      continue;
+    }
     if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = y0;
     if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = y1;
   }
+  if (a.out_hi) ap_store_split<NT, HG>(a, t, h_base, h0, h1, cp * ntw, ntw, i4, acc, m0, m1, gmax);
 }
 
 template <int MT, int NBUF, int MINB, bool PK = false>
 void launch_mt(const PrefillAttn& a, cudaStream_t s) {
   constexpr int HG = 16 * MT, KS = AP_WARPS / (2 * MT);
+  if (a.out_hi && HG % a.out_hpg)
+    throw std::invalid_argument("prefill_attn: a head group of the split output spans two CTAs");
   const int ds = a.d + AP_PAD;
   const size_t shm = sizeof(float) * ((size_t)HG * ds + (size_t)KS * HG * AP_SP + 3 * HG) +
                      (size_t)NBUF * AP_KT * ap_smem_row_bytes<PK>(a.d, a.pk_dims) +
@@ -613,6 +673,8 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
     for (const void* ptr : {(const void*)a.win_pk, (const void*)a.comp_pk})
       if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: packed rows must be 16-byte aligned");
   }
+  if (a.out_hi && (!a.out_lo || !a.out_s || a.out_hpg < 1 || a.H % a.out_hpg || 16 % a.out_hpg != 0 && a.out_hpg % 16))
+    throw std::invalid_argument("prefill_attn: the split output needs hi, lo, s and head groups that tile 16-head blocks");
   if (a.T == 0) return;
   if (a.win_pk) {  // packed keys: two key buffers in every form (the half-size rows leave room for them)
     if (a.H <= 16 || heads_per_cta() == 16) launch_mt<1, 2, 2, true>(a, s);

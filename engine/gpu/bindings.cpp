@@ -652,7 +652,8 @@ PYBIND11_MODULE(_ext, m) {
                            int T, int H, int d, int Wn, int n_comp, int n_sel, int ratio, int64_t pos0, float scale,
                            int exact_dims, uintptr_t out_freq, int out_rope_dim, int prefetch, uintptr_t win_pk,
                            uintptr_t comp_pk, int pk_dims, int form, bool q_norm, float q_eps, uintptr_t q_freq,
-                           int q_rope_dim, uintptr_t q_in_scale) {
+                           int q_rope_dim, uintptr_t q_in_scale, uintptr_t out_hi, uintptr_t out_lo, uintptr_t out_s,
+                           int out_hpg) {
     PrefillAttn a;
     a.q = ptr<const float>(q);
     a.win = ptr<const float>(win);
@@ -676,6 +677,10 @@ PYBIND11_MODULE(_ext, m) {
     a.q_post.freq = ptr<const float>(q_freq);
     a.q_post.rope_dim = q_rope_dim;
     a.q_in_scale = ptr<const float>(q_in_scale);
+    a.out_hi = ptr<__half>(out_hi);
+    a.out_lo = ptr<__half>(out_lo);
+    a.out_s = ptr<float>(out_s);
+    a.out_hpg = out_hpg;
     launch_prefill_attn(a, stream());
   }, "prefill attention of T queries (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d], comp [n_comp, d] or 0, "
      "sel [T, n_sel] int64 or 0 (all comp rows), sinks [H], out [T, H, d]; exact_dims: key columns [0, exact_dims) "
@@ -685,13 +690,16 @@ PYBIND11_MODULE(_ext, m) {
      "(and comp_pk where comp): the keys from packed rows (pack_keys) with pk_dims == exact_dims; form: 2 the inner loops "
      "without per-step branches, 1 the v13 loops (the same bits), -1: $DS4_GPU_ATTN_FORM; q_norm, q_eps, q_freq, "
      "q_rope_dim, q_in_scale ([T] or 0): q holds raw rows that the kernel stages as norm_rope(q, norm=q_norm, "
-     "freq=q_freq, rope_dim=q_rope_dim, in_scale=q_in_scale) at the query positions writes them (the same bits)",
+     "freq=q_freq, rope_dim=q_rope_dim, in_scale=q_in_scale) at the query positions writes them (the same bits); "
+     "out_hi, out_lo ([T, H, d] float16), out_s ([T, H / out_hpg] float32): the output written as to_half's split "
+     "per group of out_hpg heads instead of out",
      py::arg("q"), py::arg("win"), py::arg("comp"), py::arg("sel"), py::arg("sinks"), py::arg("out"), py::arg("T"),
      py::arg("H"), py::arg("d"), py::arg("Wn"), py::arg("n_comp"), py::arg("n_sel"), py::arg("ratio"), py::arg("pos0"),
      py::arg("scale"), py::arg("exact_dims") = 0, py::arg("out_freq") = 0, py::arg("out_rope_dim") = 0,
      py::arg("prefetch") = -1, py::arg("win_pk") = 0, py::arg("comp_pk") = 0, py::arg("pk_dims") = 0,
      py::arg("form") = -1, py::arg("q_norm") = false, py::arg("q_eps") = 1e-6f, py::arg("q_freq") = 0,
-     py::arg("q_rope_dim") = 0, py::arg("q_in_scale") = 0);
+     py::arg("q_rope_dim") = 0, py::arg("q_in_scale") = 0, py::arg("out_hi") = 0, py::arg("out_lo") = 0,
+     py::arg("out_s") = 0, py::arg("out_hpg") = 0);
   m.def("pack_keys", [](uintptr_t x, int64_t rows, int d, int pk_dims, uintptr_t out) {
     launch_pack_keys(ptr<const float>(x), rows, d, pk_dims, ptr<uint16_t>(out), stream());
   }, "float32 key rows [rows, d] as packed rows at out: pk_dims bfloat16 values (by truncation: exact for FP8-simulated "

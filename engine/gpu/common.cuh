@@ -245,6 +245,13 @@ struct PrefillAttn {
   bool q_post_on = false;
   RowPost q_post;
   const float* q_in_scale = nullptr;
+  // out_hi != null: the output written as the float16 split of the o_a GEMM instead of out: out_hi + out_lo
+  // [T, H, d] = y / s with s = out_s [T, H / out_hpg] the largest |y| of each group of out_hpg heads (to_half's
+  // operations per group); out_hpg divides 16 or is a multiple of it, and the heads of a CTA
+  __half* out_hi = nullptr;
+  __half* out_lo = nullptr;
+  float* out_s = nullptr;
+  int out_hpg = 0;
 };
 // attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk) at out
 void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s);

@@ -217,7 +217,8 @@ class Fused:
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
                      inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1,
-                     packed: bool = False, form: int = -1, q_post: dict | None = None) -> torch.Tensor | None:
+                     packed: bool = False, form: int = -1, q_post: dict | None = None,
+                     split_heads: int = 0):
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
@@ -229,8 +230,10 @@ class Fused:
         buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
         form: 2 (the inner loops without per-step branches), 1 (the v13 loops), -1 ($DS4_GPU_ATTN_FORM): the same
         bits. q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
-        norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). None where
-        the kernel does not take the shapes."""
+        norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). split_heads
+        > 0: the output as (hi, lo, s), weights.to_half's float16 split with one scale per query and group of
+        split_heads heads (hi, lo [T, H d], s [T, H / split_heads]), for the grouped o_a GEMM. None where the kernel
+        does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
             return None
@@ -238,7 +241,14 @@ class Fused:
         comp = None if comp is None else comp.contiguous()
         sel = None if sel is None else sel.to(torch.int64).contiguous()
         freq = None if inverse_rope is None else inverse_rope[0].contiguous()  # held until the launch
-        out = torch.empty_like(q)
+        hi = lo = s_out = None
+        if split_heads > 0:
+            out = None
+            hi = torch.empty((T, H * d), dtype=torch.float16, device=self.device)
+            lo = torch.empty_like(hi)
+            s_out = torch.empty((T, H // split_heads), dtype=F32, device=self.device)
+        else:
+            out = torch.empty_like(q)
         self._stream()
         win_pk = comp_pk = None
         if packed and exact_dims > 0:
@@ -254,8 +264,8 @@ class Fused:
                               int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
                               int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0,
                               int(form), bool(qp.get("norm", False)), float(qp.get("eps", 1e-6)), _p(q_freq),
-                              int(qp.get("rope_dim", 0)), _p(q_scale))
-        return out
+                              int(qp.get("rope_dim", 0)), _p(q_scale), _p(hi), _p(lo), _p(s_out), int(split_heads))
+        return (hi, lo, s_out) if split_heads > 0 else out
 
     def pack_keys(self, x: torch.Tensor, pk_dims: int) -> torch.Tensor:
         """Key rows x [n, d] float32 as packed rows (int16 [n, pk_dims + 2 (d - pk_dims)]: pk_dims bfloat16 values by

@@ -45,6 +45,9 @@ ATTN_PACKED = os.environ.get("DS4_GPU_ATTN_PACKED", "0") == "1"
 # fused prefill attention: the queries' RMS norm, RoPE and q_b rescale applied as the kernel stages them (v15: the same
 # bits as norm_rope's pass over [T, H, d], which it replaces); 0: the v14 norm_rope pass
 ATTN_Q_POST = os.environ.get("DS4_GPU_ATTN_Q_POST", "1") != "0"
+# fused prefill attention (with the output's inverse RoPE in its epilogue): the output written as the o_a GEMM's
+# float16 split, one scale per query and output group (v15), so no split pass over [T, H, d]; 0: float32 output
+ATTN_OUT_SPLIT = os.environ.get("DS4_GPU_ATTN_OUT_SPLIT", "1") != "0"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -103,8 +106,11 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
         with section("attend"):
             exact = cfg.n_nope if (ATTN_EXACT_KEYS and cfg.fp8_kv) else 0
             inv = (ses._freq[r != 0], cfg.rope_dim) if ATTN_OUT_ROPE else None
+            hpg = cfg.n_head // cfg.o_groups
+            split = hpg if (ATTN_OUT_SPLIT and inv is not None and 16 % hpg == 0
+                            and ses.W.takes_split(C.blk(li, L.ATTN_OUTPUT_A), T)) else 0
             o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv,
-                                   packed=ATTN_PACKED, q_post=q_post)
+                                   packed=ATTN_PACKED, q_post=q_post, split_heads=split)
         if o is not None:
             with section("attn_out"):
                 return ses._attn_out(li, o, cos, sin, pos, rope_done=inv is not None)

@@ -595,10 +595,14 @@ class Session(Timeline):
         return self._attn_out(li, o, cos, sin)
 
     def _attn_out(self, li, o, cos, sin, pos=None, rope_done: bool = False):
-        """Attention output [T, H, d] (RoPE tail undone) through the grouped output projection → [T, D].
+        """Attention output [T, H, d] (RoPE tail undone), or its split (hi, lo, s) per output group from the fused
+        prefill attention, through the grouped output projection → [T, D].
         pos (prefill on CUDA): the inverse RoPE runs in the norm_rope kernel, as decode's does; rope_done: the
         attention kernel undid it already."""
         cfg, W = self.cfg, self.W
+        if isinstance(o, tuple):  # the fused prefill attention's output, already split per head group (mm_split)
+            low = W.mm_split(C.blk(li, L.ATTN_OUTPUT_A), o, cfg.o_groups)
+            return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
         T, H, d = o.shape
         if rope_done:
             pass

@@ -174,6 +174,29 @@ class Weights:
         xh, xl, s = self.to_half(x)
         return split_product(xh, xl, hi.T, None if lo is None else lo.T), s / scale
 
+    def takes_split(self, name: str, T: int) -> bool:
+        """Whether mm(name, x) of T rows multiplies to_half's exact split of x by the weight's hi/lo GEMMs, so a
+        kernel that produces x may hand over the split itself (mm_split)."""
+        w = self.mat(name)
+        return self.ext is not None and not isinstance(w, torch.Tensor) and T >= GEMM_MIN and EXACT_GEMM \
+            and not MMQ_GEMM
+
+    def mm_split(self, name: str, split: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: int) -> torch.Tensor:
+        """mm(name, x, groups) from x's split made by its producer: hi, lo [T, groups·in] float16 with
+        hi + lo = x / s per group, s [T, groups] (to_half's operations with one scale per row and group)."""
+        w = self.mat(name)
+        xh, xl, s = split
+        T = xh.shape[0]
+        if tuple(s.shape) != (T, groups) or xh.shape[1] != groups * w.ncols:
+            raise ValueError(f"mm_split '{name}': split of {tuple(xh.shape)} with scales {tuple(s.shape)} for "
+                             f"{groups} groups of {w.ncols} columns")
+        hi, lo, scale = self.half(w, EXACT_GEMM)
+        n_in, n_out = w.ncols, w.nrows // groups
+        xg = lambda t: t.view(T, groups, n_in).transpose(0, 1)  # noqa: E731
+        wg = lambda t: None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)  # noqa: E731
+        y = split_product(xg(xh), xg(xl), wg(hi), wg(lo))  # [groups, T, n_out]
+        return (y.transpose(0, 1) * (s / scale)[:, :, None]).reshape(T, groups * n_out)
+
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
         if self.ext is None:
