@@ -270,6 +270,7 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", False)
     monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", False)
+    monkeypatch.setattr(prefill, "ATTN_OUT_SPLIT", False)  # per-group split scales: other bits (its own tests)
     want = GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", True)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
