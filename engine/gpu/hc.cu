@@ -338,6 +338,48 @@ __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, 
     for (int b = 0; b < 4; ++b) comb[4 * a + b] = v[a][b];
 }
 
+// The end of both pass-2 forms, once r (the RMS factor of flatten(X)) and the mix (mixs) are known: the last warp writes
+// post and comb (Sinkhorn in one thread) while the HC1_COLS column threads, which hold their columns of the n <= 4
+// streams in xs, form out = rms_norm(sum_i pre_i X_i) * norm_w without waiting for it.
+__device__ __forceinline__ void hc1_finish(const float4 (&xs)[HC1_MAXU][4], const float* mixs, float r,
+                                           const float* scale, const float* base, const float* norm_w, int n, int D,
+                                           int iters, float eps_rms, float eps_hc, bool head, int t, float* out,
+                                           float* post_out, float* comb_out, float* red) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, D4 = D / 4;
+  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
+    if (head) return;
+    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
+    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
+    return;
+  }
+  float pre[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
+  float4 u[HC1_MAXU];
+  float su = 0.0f;
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
+      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
+    }
+    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
+  }
+  su = cols_sum(su, red);
+  const float r2 = rsqrtf(su / (float)D + eps_rms);
+#pragma unroll
+  for (int k = 0; k < HC1_MAXU; ++k) {
+    const int d4 = tid + k * HC1_COLS;
+    if (d4 < D4) {
+      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      ((float4*)(out + (int64_t)t * D))[d4] =
+          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X, const float* Wf, int M, int P,
                                                                  float* part, const float* scale, const float* base,
                                                                  const float* norm_w, int n, int D, int iters,
@@ -394,38 +436,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
   }
   __syncthreads();
   const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
-  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
-    if (head) return;
-    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
-    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
-    return;
-  }
-  float pre[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
-  float4 u[HC1_MAXU];
-  float su = 0.0f;
-#pragma unroll
-  for (int k = 0; k < HC1_MAXU; ++k) {
-    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
-      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
-    }
-    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
-  }
-  su = cols_sum(su, red);
-  const float r2 = rsqrtf(su / (float)D + eps_rms);
-#pragma unroll
-  for (int k = 0; k < HC1_MAXU; ++k) {
-    const int d4 = tid + k * HC1_COLS;
-    if (d4 < D4) {
-      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-      ((float4*)(out + (int64_t)t * D))[d4] =
-          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
-    }
-  }
+  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red);
 }
 
 // mHC pre, pass 2, for prefill rows (the mix from one float32 GEMM, P = 1, no norm column): one 256-thread block per
@@ -441,7 +452,7 @@ __global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float
   pdl_begin();
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float red[32];
-  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+  const int t = blockIdx.x, tid = threadIdx.x;
   const int D4 = D / 4;
   const float* Xt = X + (int64_t)t * n * D;
   float4 xs[HC1_MAXU][4];
@@ -462,38 +473,7 @@ __global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float
       ss += xs[k][i].x * xs[k][i].x + xs[k][i].y * xs[k][i].y + xs[k][i].z * xs[k][i].z + xs[k][i].w * xs[k][i].w;
   ss = block_sum(ss, red);  // its barriers also publish mixs
   const float r = rsqrtf(ss / (float)(n * D) + eps_rms);
-  if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
-    if (head) return;
-    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
-    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
-    return;
-  }
-  float pre[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pre[i] = i < n ? sigmoidf_(mixs[i] * r * scale[0] + base[i]) + eps_hc : 0.0f;
-  float4 u[HC1_MAXU];
-  float su = 0.0f;
-#pragma unroll
-  for (int k = 0; k < HC1_MAXU; ++k) {
-    u[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      u[k].x += pre[i] * xs[k][i].x; u[k].y += pre[i] * xs[k][i].y;
-      u[k].z += pre[i] * xs[k][i].z; u[k].w += pre[i] * xs[k][i].w;
-    }
-    su += u[k].x * u[k].x + u[k].y * u[k].y + u[k].z * u[k].z + u[k].w * u[k].w;
-  }
-  su = cols_sum(su, red);  // block_sum ended on a barrier: red is free
-  const float r2 = rsqrtf(su / (float)D + eps_rms);
-#pragma unroll
-  for (int k = 0; k < HC1_MAXU; ++k) {
-    const int d4 = tid + k * HC1_COLS;
-    if (d4 < D4) {
-      float4 w = norm_w ? __ldg((const float4*)norm_w + d4) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-      ((float4*)(out + (int64_t)t * D))[d4] =
-          make_float4(u[k].x * r2 * w.x, u[k].y * r2 * w.y, u[k].z * r2 * w.z, u[k].w * r2 * w.w);
-    }
-  }
+  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red);
 }
 
 // mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
