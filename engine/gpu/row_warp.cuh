@@ -1,8 +1,9 @@
-// Row post-processing with one warp per row (element lane + 32 k of a row in register v[k]), shared by fused.cu's
-// norm_rope_warp_kernel and attn_prefill.cu's query staging, so both give the same bits: RMS norm (times w), RoPE
-// on the tail (pairs in adjacent lanes), FP8 e4m3 rounding of the first fp8_nope columns in blocks of 64, Hadamard
-// + FP4 e2m1 in blocks of 32. Same formulas as fused.cu's block-wide row_post; only the norm's sum runs in another
-// order (a lane's own elements in k order, then the warp's butterfly).
+// Row post-processing with one warp per row (element lane + 32 k of a row in register v[k]), for fused.cu's
+// norm_rope_warp_kernel: RMS norm (times w), RoPE on the tail (pairs in adjacent lanes), FP8 e4m3 rounding of the
+// first fp8_nope columns in blocks of 64, Hadamard + FP4 e2m1 in blocks of 32. Same formulas as fused.cu's block-wide
+// row_post; only the norm's sum runs in another order (a lane's own elements in k order, then the warp's butterfly).
+// attn_prefill.cu's ap_q_post repeats the norm and RoPE steps on rows in shared memory (registers there cost the
+// attention's main loop its allocation); tests/test_gpu_prefill_attn.py holds the two to the same bits.
 #pragma once
 
 #include <math.h>
