@@ -82,6 +82,17 @@ size_t xq_bytes(int64_t nvec, int64_t n) {
   return 2 * align256(nvec * n) + align256(nvec * n / 32 * 4) + align256(nvec * n / 16 * 4);
 }
 
+// The planes of take_xq laid out from base (xq_bytes(nvec, n) bytes: a caller-owned buffer).
+XQ xq_at(uint8_t* base, int64_t nvec, int64_t n) {
+  XQ q;
+  q.hi = (int8_t*)base;
+  q.lo = q.hi + align256(nvec * n);
+  q.scale = (float*)(q.lo + align256(nvec * n));
+  q.sum16 = (float*)((uint8_t*)q.scale + align256(nvec * n / 32 * 4));
+  q.n = (int)n;
+  return q;
+}
+
 XQ take_xq(int64_t nvec, int64_t n) {
   XQ q;
   q.hi = (int8_t*)g_scratch.take(nvec * n);
@@ -278,7 +289,7 @@ bool matvec(const Tensor& w, const Array& x, Array& y, int groups, uintptr_t nor
 }
 
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
-         const Array& weights, Array& y, float clamp) {
+         const Array& weights, Array& y, float clamp, uintptr_t xq_in) {
   if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
   int n_expert = (int)gate.ne[2];
   if (x.shape.size() != 2 || ids.shape.size() != 2 || weights.shape != ids.shape || y.shape != x.shape)
@@ -291,7 +302,12 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
   s.xq_in = take_xq(T, D);
   s.h = (float*)g_scratch.take(T * k * F * 4);
   s.xq_h = take_xq(T * k, F);
-  launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream());
+  if (xq_in) {  // x already quantized (quantize_x_into, e.g. on a side stream beside the router)
+    if (gate.qtype == QT_F16 || T != 1) throw std::invalid_argument("moe: a quantized x takes one token and quantized experts");
+    s.xq_in = xq_at(reinterpret_cast<uint8_t*>(xq_in), T, D);
+  }
+  launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream(),
+             xq_in != 0);
 }
 
 // The gate/up half of moe on its own: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j] (tests, bench).
@@ -565,8 +581,14 @@ PYBIND11_MODULE(_ext, m) {
         "y[b, r] = W[r] . x[b, r // (rows / groups)]; x is [B, groups * ncols], B <= 8. norm_w (device address, "
         "batch 1): y = W . (rms_norm(x, eps) * norm_w); True when the norm was folded into the matvec launch, False "
         "when it ran as its own launch (or there is none): the same bits.");
+  m.def("xq_bytes", &xq_bytes, py::arg("nvec"), py::arg("n"), "Bytes of the quantized planes of nvec vectors of n.");
+  m.def("quantize_x_into", [](uintptr_t x, int64_t T, int64_t n, uintptr_t buf) {
+    if (n % 32) throw std::invalid_argument("quantize_x_into: n must be a multiple of 32");
+    launch_quantize_x(ptr<const float>(x), (int)T, (int)n, xq_at(reinterpret_cast<uint8_t*>(buf), T, n), stream());
+  }, py::arg("x"), py::arg("T"), py::arg("n"), py::arg("buf"),
+        "The activation planes of quantize_x (hi, lo, scales, sums) of x [T, n] into buf (xq_bytes(T, n) bytes).");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
-        py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f,
+        py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f, py::arg("xq_in") = 0,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
   m.def("moe_gateup", &moe_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("ids"), py::arg("weights"),
         py::arg("h"), py::arg("clamp") = 10.0f,
@@ -706,6 +728,8 @@ PYBIND11_MODULE(_ext, m) {
      "values), then d - pk_dims float32 (2 pk_dims + 4 (d - pk_dims) bytes per row)",
      py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("pk_dims"), py::arg("out"));
   m.def("prefill_attn_takes", &prefill_attn_takes, py::arg("H"), py::arg("d"));
+  m.def("argmax", [](uintptr_t x, int64_t n, uintptr_t out) { launch_argmax(ptr<const float>(x), n, ptr<int64_t>(out), stream()); },
+        py::arg("x"), py::arg("n"), py::arg("out"));
   m.def("router", [](uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok, int T, int E, int k, float scale,
                      uintptr_t ids, uintptr_t wts) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),

@@ -53,6 +53,7 @@ extern Scratch g_scratch;
 
 size_t xq_bytes(int64_t nvec, int64_t n);  // scratch bytes of take_xq
 XQ take_xq(int64_t nvec, int64_t n);       // quantized-activation planes for nvec vectors of n columns, from scratch
+XQ xq_at(uint8_t* base, int64_t nvec, int64_t n);  // the same planes laid out from base (xq_bytes(nvec, n) bytes)
 
 struct Tensor {
   std::string name;

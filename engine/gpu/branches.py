@@ -64,6 +64,16 @@ class SideStream:
             self._route()  # back to the main stream
             self.pending = True
 
+    def mark(self) -> torch.cuda.Event:
+        """Inside fork(): an event at this point of the side stream, for wait()."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait(self, ev: torch.cuda.Event) -> None:
+        """The current stream waits for the side stream's work up to mark()'s point only (join() waits for all)."""
+        torch.cuda.current_stream(self.device).wait_event(ev)
+
     def join(self) -> None:
         if self.pending:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -160,7 +160,7 @@ void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int toke
                         cudaStream_t stream);
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
-                const MoeScratch& scratch, cudaStream_t stream);
+                const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false);  // true: scratch.xq_in holds x
 
 // fused.cu and hc.cu (mHC): the non-matvec chains of a layer (see the kernels there for the exact semantics).
 struct RowPost {
@@ -205,6 +205,7 @@ void launch_router(const float* logits, const float* bias, const int64_t* table,
 // row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
                    const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);
+void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s);
 void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
                           const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s);
 int attn_chunks(int n_keys);

@@ -222,7 +222,7 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // frontier; on the last token of a window pool the candidates (softmax over the window per column),
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
 __global__ void compress_step_kernel(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc,
-                                     float* rows, const int64_t* pos, int r, int width, RowPost o) {
+                                     float* rows, const int64_t* pos, int r, int width, RowPost o, bool regs) {
   pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
@@ -239,40 +239,126 @@ __global__ void compress_step_kernel(const float* kv, const float* sc, const flo
   const int nc = r == 4 ? 8 : r;
   float* v = sh;
   float* tmp = sh + d;
-  for (int j = threadIdx.x; j < d; j += blockDim.x) {
-    float mx = -INFINITY;
-    for (int i = 0; i < nc; ++i) {
-      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
-      mx = fmaxf(mx, s_sc[at]);
+  if (r == 4 && regs) {
+    // ratio 4: the 8 candidates of a column are loaded together (all in flight at once), then pooled in the order
+    // of the loop below, with the same expressions: the same bits, one L2 round trip instead of ~24 per column
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+      float sc8[8], kv8[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int64_t at = (int64_t)i * width + (i >= 4 ? d + j : j);
+        sc8[i] = s_sc[at];
+        kv8[i] = s_kv[at];
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, sc8[i]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += expf(sc8[i] - mx);
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
+      v[j] = isfinite(acc) ? acc : 0.0f;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < nc; ++i) {
-      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
-      sum += expf(s_sc[at] - mx);
+  } else {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+      float mx = -INFINITY;
+      for (int i = 0; i < nc; ++i) {
+        int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+        mx = fmaxf(mx, s_sc[at]);
+      }
+      float sum = 0.0f;
+      for (int i = 0; i < nc; ++i) {
+        int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+        sum += expf(s_sc[at] - mx);
+      }
+      float acc = 0.0f;
+      for (int i = 0; i < nc; ++i) {
+        int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
+        acc += s_kv[at] * (expf(s_sc[at] - mx) / sum);
+      }
+      v[j] = isfinite(acc) ? acc : 0.0f;
     }
-    float acc = 0.0f;
-    for (int i = 0; i < nc; ++i) {
-      int64_t at = (int64_t)i * width + ((r == 4 && i >= 4) ? d + j : j);
-      acc += s_kv[at] * (expf(s_sc[at] - mx) / sum);
-    }
-    v[j] = isfinite(acc) ? acc : 0.0f;
   }
   __syncthreads();
   // shift the frontier: ratio 4 keeps the finished window as the next one's previous half
   const int keep = r == 4 ? 4 : 0;
-  for (int j = threadIdx.x; j < width; j += blockDim.x) {
-    for (int i = 0; i < keep; ++i) {
-      s_kv[(int64_t)i * width + j] = s_kv[(int64_t)(i + 4) * width + j];
-      s_sc[(int64_t)i * width + j] = s_sc[(int64_t)(i + 4) * width + j];
+  if (r == 4 && regs) {
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {  // the four rows' loads before any store
+      float kv4[4], sc4[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        kv4[i] = s_kv[(int64_t)(i + 4) * width + j];
+        sc4[i] = s_sc[(int64_t)(i + 4) * width + j];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s_kv[(int64_t)i * width + j] = kv4[i];
+        s_sc[(int64_t)i * width + j] = sc4[i];
+        s_kv[(int64_t)(i + 4) * width + j] = 0.0f;
+        s_sc[(int64_t)(i + 4) * width + j] = -INFINITY;
+      }
     }
-    for (int i = keep; i < (r == 4 ? 8 : r); ++i) {
-      s_kv[(int64_t)i * width + j] = 0.0f;
-      s_sc[(int64_t)i * width + j] = -INFINITY;
+  } else {
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+      for (int i = 0; i < keep; ++i) {
+        s_kv[(int64_t)i * width + j] = s_kv[(int64_t)(i + 4) * width + j];
+        s_sc[(int64_t)i * width + j] = s_sc[(int64_t)(i + 4) * width + j];
+      }
+      for (int i = keep; i < (r == 4 ? 8 : r); ++i) {
+        s_kv[(int64_t)i * width + j] = 0.0f;
+        s_sc[(int64_t)i * width + j] = -INFINITY;
+      }
     }
   }
   const int64_t row = (p + 1) / r - 1;
   row_post(v, tmp, d, (float)(row * r), o, red);
   for (int j = threadIdx.x; j < d; j += blockDim.x) rows[row * d + j] = v[j];
+}
+
+// Greedy decode's argmax over the logits in one block: torch.argmax's answer (the first NaN if there is one, else the
+// first of the largest values). Each thread keeps its best (value, index) over a strided float4 walk, then a warp
+// and a block reduction with the same rule. One launch where torch's reduction took ~28 us of the decode step.
+constexpr int ARGMAX_THREADS = 1024;
+__device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
+  if (v != v) return bv == bv || i < bi;  // NaN beats numbers; among NaNs the first
+  if (bv != bv) return false;
+  return v > bv || (v == bv && i < bi);
+}
+__device__ __forceinline__ void argmax_warp(float& bv, int64_t& bi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (argmax_better(ov, oi, bv, bi)) bv = ov, bi = oi;
+  }
+}
+__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float* x, int64_t n, int64_t* out) {
+  pdl_begin();
+  __shared__ float s_v[ARGMAX_THREADS / 32];
+  __shared__ int64_t s_i[ARGMAX_THREADS / 32];
+  float bv = -INFINITY;
+  int64_t bi = n;  // past the end: any real element at -inf still beats it
+  const int64_t n4 = (((uintptr_t)x & 15) == 0) ? n / 4 : 0;
+  for (int64_t q = threadIdx.x; q < n4; q += ARGMAX_THREADS) {
+    const float4 f = __ldg((const float4*)x + q);
+    const float fv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (argmax_better(fv[c], 4 * q + c, bv, bi)) bv = fv[c], bi = 4 * q + c;
+  }
+  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += ARGMAX_THREADS)
+    if (argmax_better(x[i], i, bv, bi)) bv = x[i], bi = i;
+  argmax_warp(bv, bi);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) s_v[warp] = bv, s_i[warp] = bi;
+  __syncthreads();
+  if (warp == 0) {
+    bv = s_v[lane];
+    bi = s_i[lane];
+    argmax_warp(bv, bi);
+    if (lane == 0) *out = bi;
+  }
 }
 
 // Which key kk of the attention list (raw ring rows, then compressed rows) a decode query sees.
@@ -655,12 +741,28 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
   DS4_CHECK_LAUNCH("swiglu");
 }
 
+void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s) {
+  if (n < 1) throw std::invalid_argument("argmax: empty input");
+  launch_k(argmax_kernel, dim3(1), dim3(ARGMAX_THREADS), 0, s, x, n, out);
+  DS4_CHECK_LAUNCH("argmax");
+}
+
+// $DS4_GPU_COMPRESS_REGS (v16, default 1): ratio-4 pooling and frontier shift with each column's candidates loaded
+// together (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass.
+static bool compress_regs() {
+  static const bool on = [] {
+    const char* e = std::getenv("DS4_GPU_COMPRESS_REGS");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
                           const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s) {
   const int d = r == 4 ? width / 2 : width;
   check_row_post(o, d);
   launch_k(compress_step_kernel, dim3(1), dim3(256), 2 * d * sizeof(float), s, kv, sc, ape, s_kv, s_sc, rows, pos, r,
-           width, o);
+           width, o, compress_regs());
   DS4_CHECK_LAUNCH("compress_step");
 }
 

@@ -23,6 +23,14 @@ HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once
 ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "0") == "1"
+# decode: the indexer's head-weight matvec (w = proj a) launched with the compressor steps, on their side branch
+# (v16), instead of after the indexer's query; 0: the v15 order
+EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "1") != "0"
+# decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
+# router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
+EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
+# greedy decode: argmax_kernel of fused.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
+ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
 
 def _p(t: torch.Tensor | None) -> int:
@@ -35,6 +43,15 @@ class Fused:
 
     def _stream(self) -> None:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def argmax_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[0] = torch.argmax(x) (int64; NaN counts as the largest value, ties go to the first index)."""
+        if not (ARGMAX and x.dtype == F32 and out.dtype == torch.long and x.numel() > 0):
+            out.copy_(torch.argmax(x).view(1))
+            return
+        x = x.contiguous()
+        self._stream()
+        self.ext.argmax(_p(x), x.numel(), _p(out))
 
     # ---- row-wise ops ------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -348,6 +365,9 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     outs = W.mm_many(mats, a) if all(not isinstance(w, torch.Tensor) for w in ws) and \
         len({(w.qtype, w.ncols) for w in ws}) == 1 else \
         [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:
+        # the indexer's head weights need only a: on this (side) branch they leave the indexer's chain
+        sess._idx_proj[li] = W.mm(C.blk(li, L.IDX_PROJ), a)
     for j, indexer in enumerate(jobs):
         names = names_of[indexer]
         kv_c, sc_c = outs[2 * j], outs[2 * j + 1]
@@ -367,7 +387,9 @@ def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: t
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
     qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm), di, Hi, pos, freq=sess._freq[True],
                      rope_dim=cfg.rope_dim, qat=cfg.indexer_qat)
-    wi = W.mm(C.blk(li, L.IDX_PROJ), a)
+    wi = sess._idx_proj.pop(li, None)  # launched with the compressor steps (EARLY_IDX_PROJ)
+    if wi is None:
+        wi = W.mm(C.blk(li, L.IDX_PROJ), a)
     keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
     # one block: faster than torch.topk up to some 50k rows (H200), slower at 262144
     return K.topk(keys, cfg.indexer_top_k, pos, 4) if keys.numel() <= TOPK_KERNEL_MAX_ROWS else \

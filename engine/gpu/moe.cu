@@ -351,14 +351,14 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
 
 void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const float* x, const int32_t* ids,
                        const float* weights, int tokens, int k, float clamp, const MoeScratch& s,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, bool x_quantized) {
   if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
   if (gate.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
   if (n_expert < 1 || gate.nrows % n_expert)
     throw std::invalid_argument("expert count does not divide the stacked rows");
   if (up.ncols != gate.ncols || up.nrows != gate.nrows) throw std::invalid_argument("gate and up shapes differ");
   const int n_embd = (int)gate.ncols, n_ff = (int)(gate.nrows / n_expert), pairs = tokens * k;
-  launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
+  if (!x_quantized) launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
   switch (gate.qtype) {
     case QT_Q8_0: launch_gateup_rows<QT_Q8_0>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
     case QT_Q4_K: launch_gateup_rows<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
@@ -374,7 +374,7 @@ void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const
 
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
-                const MoeScratch& s, cudaStream_t stream) {
+                const MoeScratch& s, cudaStream_t stream, bool x_quantized) {
   if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
   if (gate.qtype == QT_F16 || down.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
   if (n_expert < 1 || gate.nrows % n_expert || down.nrows % n_expert)
@@ -383,11 +383,11 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   if (down.ncols != n_ff || down.nrows / n_expert != n_embd || up.ncols != gate.ncols || up.nrows != gate.nrows)
     throw std::invalid_argument("gate/up/down shapes do not form one expert FFN");
   const int pairs = tokens * k;
-  if (gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
+  if (!x_quantized && gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
     launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
     if (gateup_x_quant() == 2) launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   } else {
-    launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream);
+    launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream, x_quantized);
     launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   }
   switch (down.qtype) {

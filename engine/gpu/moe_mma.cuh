@@ -19,10 +19,10 @@ bool launch_gateup_mma(const Packed& gate, const Packed& up, int n_ff, int n_exp
                        const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                        cudaStream_t stream);
 
-// The first half of launch_moe: x quantized into s.xq_in, then gate/up + SwiGLU into s.h ([tokens k, n_ff]),
-// through whichever kernel launch_moe would use.
+// The first half of launch_moe: x quantized into s.xq_in (unless x_quantized: it is there already), then gate/up +
+// SwiGLU into s.h ([tokens k, n_ff]), through whichever kernel launch_moe would use.
 void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const float* x, const int32_t* ids,
                        const float* weights, int tokens, int k, float clamp, const MoeScratch& s,
-                       cudaStream_t stream);
+                       cudaStream_t stream, bool x_quantized = false);
 
 }  // namespace ds4gpu

@@ -104,6 +104,8 @@ class Session(Timeline):
         self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self._next = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._idx_proj: dict[int, torch.Tensor] = {}  # fused.compress_steps -> fused.index_select, per layer
+        self._xq: torch.Tensor | None = None  # _xq_buf
         self._graph = None
         self._graph_logits: torch.Tensor | None = None
         # torch.compile fuses the elementwise chains of the decode step (Sinkhorn, roundings, RoPE)
@@ -276,7 +278,7 @@ class Session(Timeline):
             with torch.no_grad():
                 if not self.graphs:
                     self._logits = self._step(self._tok, self._pos)
-                    self._next.copy_(torch.argmax(self._logits).view(1))
+                    self._argmax_next(self._logits)
                 elif self._graph is None:
                     self._capture()
                 else:
@@ -292,14 +294,27 @@ class Session(Timeline):
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             logits = self._step(self._tok, self._pos)
-            self._next.copy_(torch.argmax(logits).view(1))
+            self._argmax_next(logits)
         torch.cuda.current_stream(self.device).wait_stream(s)
         self._logits = logits.clone()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = self._step(self._tok, self._pos)
-            self._next.copy_(torch.argmax(out).view(1))
+            self._argmax_next(out)
         self._graph, self._graph_logits = g, out
+
+    def _xq_buf(self, n: int) -> torch.Tensor:
+        """The routed experts' pre-quantized x (one token of n columns), allocated once per session."""
+        if self._xq is None or self._xq.numel() < self.W.ext.xq_bytes(1, n):
+            self._xq = torch.empty(self.W.ext.xq_bytes(1, n), dtype=torch.uint8, device=self.device)
+        return self._xq
+
+    def _argmax_next(self, logits: torch.Tensor) -> None:
+        """self._next = the argmax of the logits, on the device (the fused kernel where there is one)."""
+        if self.K is not None:
+            self.K.argmax_into(logits.reshape(-1), self._next)
+        else:
+            self._next.copy_(torch.argmax(logits).view(1))
 
     def greedy(self, n: int) -> list[int]:
         """Decode n tokens greedily from the current logits; argmax stays on the device."""
@@ -308,7 +323,7 @@ class Session(Timeline):
         if self.pos + n > self.ctx:
             raise SessionError(f"context full ({self.ctx} tokens)")
         out = torch.empty(n, dtype=torch.long, device=self.device)
-        self._next.copy_(torch.argmax(self._logits).view(1))
+        self._argmax_next(self._logits)
         for i in range(n):
             out[i:i + 1].copy_(self._next)
             self._tok.copy_(self._next)
@@ -502,8 +517,11 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
+            xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
+                    if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
+                        xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
@@ -513,7 +531,9 @@ class Session(Timeline):
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one
-            out = W.moe(li, b, ids, w, limit)
+            if xq_ready is not None:
+                self.side.wait(xq_ready)
+            out = W.moe(li, b, ids, w, limit, xq=xq)
             if forked:
                 self.side.join()
                 return out, sh

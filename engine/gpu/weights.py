@@ -272,7 +272,24 @@ class Weights:
         g, u = self.mm_many(names[:2], x)
         return self.mm(names[2], swiglu(g, u, limit))
 
-    def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
+    def moe_takes_xq(self, li: int, T: int) -> bool:
+        """Whether moe(li, b of T rows, xq=...) can take an x quantized beforehand (quantize_x_into)."""
+        names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
+        mats = [self.mat(n) for n in names]
+        return T == 1 and self.ext is not None and not any(isinstance(m, torch.Tensor) for m in mats) and \
+            mats[0].qtype != 1 and mats[2].qtype != 1 and mats[0].ncols % 32 == 0
+
+    def quantize_x_into(self, x: torch.Tensor, buf: torch.Tensor) -> int:
+        """x [1, n] quantized into buf (uint8, ext.xq_bytes(1, n) bytes) on the current stream; returns buf's
+        address for moe(..., xq=)."""
+        x = x.contiguous()
+        self._sync_stream()
+        self.ext.quantize_x_into(x.data_ptr(), x.shape[0], x.shape[1], buf.data_ptr())
+        return buf.data_ptr()
+
+    def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
+            xq: int = 0) -> torch.Tensor:
+        """Routed experts; xq: the address of b already quantized by quantize_x_into (one token; moe_takes_xq)."""
         names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
         gate, up, down = (self.mat(n) for n in names)
         T = b.shape[0]
@@ -294,7 +311,7 @@ class Weights:
             for i in range(0, T, MOE_PIECE):
                 j = min(T, i + MOE_PIECE)
                 self.ext.moe(gate, up, down, self._arr(b[i:j]), self._arr(ids32[i:j]), self._arr(wts[i:j]),
-                             self._arr(y[i:j]), float(limit))
+                             self._arr(y[i:j]), float(limit), xq if T == 1 else 0)
             return y
         # float32 fallback (F16/F32 experts): gathered expert matrices, no host sync (capturable)
         g, u, d = (self._dense3(n, m) for n, m in zip(names, (gate, up, down)))
