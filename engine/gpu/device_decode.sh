@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call for decode work: build, GPU tests, a CUPTI trace of graph-replayed decode steps (decode_trace), and
+# decode A/B runs of bench_session on the synthetic Flash q2 GGUF. Logs to $OUT (at most ~8 files come back).
+# Usage: bash engine/gpu/device_decode.sh
+# Env: TESTS (pytest files/args; default the v16 decode tests; "" none), TRACE (decode_trace contexts, default "2048";
+#      "" none; TRACE_ENV: "VAR=v,..." for it), AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
+#      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0"), CTX (decode contexts
+#      of the A/B runs, default "2048 8192"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
+#      run under the defaults), *_TIMEOUT.
+set -u
+source engine/gpu/device_env.sh
+mount -o remount,size=120G /dev/shm 2>/dev/null
+SYN=
+if [ -s /dev/shm/flash-q2.gguf ] && [ -f /dev/shm/flash-q2.ok ]; then
+  echo "reusing /dev/shm/flash-q2.gguf" > "$OUT/synth.log"
+else
+  ( python3 -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --quiet \
+    > "$OUT/synth.log" 2>&1 && touch /dev/shm/flash-q2.ok ) &
+  SYN=$!
+fi
+stamp build; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+TESTS=${TESTS-tests/test_gpu_decode_latency.py}
+if [ -n "$TESTS" ]; then
+  stamp "tests $TESTS"
+  timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -s -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests.log" \
+    | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
+fi
+[ -z "$SYN" ] || wait $SYN; tail -1 "$OUT/synth.log"
+for ctx in ${TRACE-2048}; do
+  stamp "trace $ctx ${TRACE_ENV:-}"
+  env ${TRACE_ENV//,/ } timeout ${TRACE_TIMEOUT:-150} python3 -m ds4.engine.gpu.decode_trace /dev/shm/flash-q2.gguf \
+    --ctx $ctx --trace "$OUT/trace_$ctx.json" 2>&1 | grep -v -i warn > "$OUT/trace_$ctx.log"
+  head -24 "$OUT/trace_$ctx.log"
+done
+for envs in ${AB-- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0}; do
+  [ "$envs" = - ] && envs=""
+  stamp "decode ${envs:-defaults}"; echo "== ${envs:-defaults}" >> "$OUT/decode_ab.log"
+  env ${envs//,/ } timeout ${BENCH_TIMEOUT:-150} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf \
+    --ctx ${CTX:-2048 8192} --decode ${DECODE:-64} --prefill 2>&1 | tee -a "$OUT/decode_ab.log" | grep -E "^decode|floor"
+done
+if [ -n "${RECORD:-}" ]; then
+  stamp "record $RECORD"
+  timeout ${RECORD_TIMEOUT:-300} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf $RECORD \
+    --json "$OUT/record.json" 2>&1 | tee "$OUT/record.log" | grep -E "^prefill|^decode|floor|copy"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/record.log" 2>&1
+fi
+rm -f "$OUT/build.log"
+stamp done
