@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context the step decodes at")
     ap.add_argument("--steps", type=int, default=4, help="graph replays profiled (the last one is reported)")
     ap.add_argument("--layer", type=int, nargs="*", default=[10, 11], help="layers whose kernels are listed")
+    ap.add_argument("--list-steps", type=int, default=2, help="steps whose layer slices are listed (the last ones)")
     ap.add_argument("--trace", help="write the profiled kernels (name, start, duration, stream) as JSON here")
     args = ap.parse_args(argv)
 
@@ -128,16 +129,17 @@ def main(argv=None) -> int:
           f"idle {r['idle_us']:.0f}; spans of all steps: {spans}")
     for name, c, t in r["by_name"][:40]:
         print(f"  {t:8.1f} us {c:5d}x {t / c:6.2f}  {name}")
-    for li in args.layer:
-        lk = layer_slice(step, cfg.n_layer, li)
-        if not lk:
-            continue
-        t0 = lk[0]["ts"]
-        streams = sorted({k["stream"] for k in lk})
-        end = max(k["ts"] + k["dur"] for k in lk)
-        print(f"layer {li} (ratio {cfg.ratio(li)}): {len(lk)} kernels, {end - t0:.1f} us; streams {streams}")
-        for k in lk:
-            print(f"  {k['ts'] - t0:7.1f} {k['dur']:6.1f}  s{streams.index(k['stream'])}  {k['name']}")
+    for si in range(max(0, len(steps) - args.list_steps), len(steps)):
+        for li in args.layer:
+            lk = layer_slice(steps[si], cfg.n_layer, li)
+            if not lk:
+                continue
+            t0 = lk[0]["ts"]
+            streams = sorted({k["stream"] for k in lk})
+            end = max(k["ts"] + k["dur"] for k in lk)
+            print(f"step {si} slice {li} (from the MoE of layer {li - 1}): {len(lk)} kernels, {end - t0:.1f} us")
+            for k in lk:
+                print(f"  {k['ts'] - t0:7.1f} {k['dur']:6.1f}  s{streams.index(k['stream'])}  {k['name']}")
     if args.trace:
         with open(args.trace, "w") as fh:
             json.dump({"ctx": args.ctx, "n_layer": cfg.n_layer, "kernels": step}, fh)

@@ -3,7 +3,7 @@
 # decode A/B runs of bench_session on the synthetic Flash q2 GGUF. Logs to $OUT (at most ~8 files come back).
 # Usage: bash engine/gpu/device_decode.sh
 # Env: TESTS (pytest files/args; default the v16 decode tests; "" none), TRACE (decode_trace contexts, default "2048";
-#      "" none; TRACE_ENV: "VAR=v,..." for it), AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
+#      "" none), TRACE_SETS (switch sets of the traces, "-" = the defaults; default "-"), TRACE_STEPS, TRACE_ARGS, AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
 #      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0"), CTX (decode contexts
 #      of the A/B runs, default "2048 8192"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
 #      run under the defaults), *_TIMEOUT.
@@ -26,11 +26,17 @@ if [ -n "$TESTS" ]; then
     | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
 fi
 [ -z "$SYN" ] || wait $SYN; tail -1 "$OUT/synth.log"
-for ctx in ${TRACE-2048}; do
-  stamp "trace $ctx ${TRACE_ENV:-}"
-  env ${TRACE_ENV//,/ } timeout ${TRACE_TIMEOUT:-150} python3 -m ds4.engine.gpu.decode_trace /dev/shm/flash-q2.gguf \
-    --ctx $ctx --trace "$OUT/trace_$ctx.json" 2>&1 | grep -v -i warn > "$OUT/trace_$ctx.log"
-  head -24 "$OUT/trace_$ctx.log"
+i=0
+for envs in ${TRACE_SETS:--}; do
+  [ "$envs" = - ] && envs=""
+  for ctx in ${TRACE-2048}; do
+    i=$((i + 1))
+    stamp "trace $ctx ${envs:-defaults}"
+    env ${envs//,/ } timeout ${TRACE_TIMEOUT:-150} python3 -m ds4.engine.gpu.decode_trace /dev/shm/flash-q2.gguf \
+      --ctx $ctx --steps ${TRACE_STEPS:-8} ${TRACE_ARGS:-} 2>&1 | grep -v -i warn > "$OUT/trace_$i.log"
+    echo "== ${envs:-defaults}" >> "$OUT/trace_$i.log"
+    head -${TRACE_HEAD:-3} "$OUT/trace_$i.log"
+  done
 done
 for envs in ${AB-- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0}; do
   [ "$envs" = - ] && envs=""
