@@ -3,7 +3,8 @@
   the first index);
 - quantize_x_into + moe(xq=) (DS4_GPU_EARLY_XQ): the routed experts' x quantized beforehand, on the side stream;
 - the ratio-4 compressor pooling with each column's candidates loaded together (DS4_GPU_COMPRESS_REGS);
-- the indexer's head-weight matvec launched with the compressor steps (DS4_GPU_EARLY_IDX_PROJ).
+- the indexer's head-weight matvec launched with the compressor steps (DS4_GPU_EARLY_IDX_PROJ=1; off by default:
+  slower).
 The switches are read once per process, so the session comparison runs each setting in a subprocess."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ds4.engine import gpu  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and gpu.available()),
                                                   reason="needs a CUDA device and the built extension")]
 
-SWITCHES = ("DS4_GPU_ARGMAX", "DS4_GPU_EARLY_XQ", "DS4_GPU_COMPRESS_REGS", "DS4_GPU_EARLY_IDX_PROJ")
+# each switch and its value other than the default
+SWITCHES = {"DS4_GPU_ARGMAX": "0", "DS4_GPU_EARLY_XQ": "0", "DS4_GPU_COMPRESS_REGS": "0", "DS4_GPU_EARLY_IDX_PROJ": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -119,28 +121,28 @@ np.savez(sys.argv[2], logits=logits, greedy=np.array(greedy))
 """
 
 
-def _session_run(tmp_path: Path, model: Path, off: tuple[str, ...]) -> dict:
+def _session_run(tmp_path: Path, model: Path, flipped: tuple[str, ...]) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
     env["DS4_GPU_COMPILE"] = "0"  # the same elementwise code in every run, without torch.compile's time
-    for name in off:
-        env[name] = "0"
-    out = tmp_path / f"session_{'_'.join(off) or 'default'}.npz"
+    for name in flipped:
+        env[name] = SWITCHES[name]
+    out = tmp_path / f"session_{'_'.join(flipped) or 'default'}.npz"
     done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out))
 
 
-def test_decode_session_is_bitwise_the_same_with_each_switch_off(tmp_path):
-    """small (q2 layout, ratio-4 layers with an indexer) through the session's graphs: with all four steps on (the
-    defaults), with each one off, and with all off, the logits are the same bits and greedy picks the same tokens."""
+def test_decode_session_is_bitwise_the_same_with_each_switch_flipped(tmp_path):
+    """small (q2 layout, ratio-4 layers with an indexer) through the session's graphs: under the defaults, with each
+    switch flipped, and with all flipped, the logits are the same bits and greedy picks the same tokens."""
     from conftest import quantize_cli
 
     model = tmp_path / "small.gguf"
     quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
     base = _session_run(tmp_path, model, ())
     assert np.isfinite(base["logits"]).all()
-    for off in [(s,) for s in SWITCHES] + [SWITCHES]:
-        got = _session_run(tmp_path, model, off)
-        assert np.array_equal(got["logits"].view(np.uint32), base["logits"].view(np.uint32)), off
-        assert got["greedy"].tolist() == base["greedy"].tolist(), off
+    for flipped in [(s,) for s in SWITCHES] + [tuple(SWITCHES)]:
+        got = _session_run(tmp_path, model, flipped)
+        assert np.array_equal(got["logits"].view(np.uint32), base["logits"].view(np.uint32)), flipped
+        assert got["greedy"].tolist() == base["greedy"].tolist(), flipped

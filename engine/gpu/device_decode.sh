@@ -4,7 +4,7 @@
 # Usage: bash engine/gpu/device_decode.sh
 # Env: TESTS (pytest files/args; default the v16 decode tests; "" none), TRACE (decode_trace contexts, default "2048";
 #      "" none), TRACE_SETS (switch sets of the traces, "-" = the defaults; default "-"), TRACE_STEPS, TRACE_ARGS, AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
-#      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0"), CTX (decode contexts
+#      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0"), CTX (decode contexts
 #      of the A/B runs, default "2048 8192"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
 #      run under the defaults), *_TIMEOUT.
 set -u
@@ -38,7 +38,7 @@ for envs in ${TRACE_SETS:--}; do
     head -${TRACE_HEAD:-3} "$OUT/trace_$i.log"
   done
 done
-for envs in ${AB-- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0,DS4_GPU_EARLY_IDX_PROJ=0}; do
+for envs in ${AB-- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0}; do
   [ "$envs" = - ] && envs=""
   stamp "decode ${envs:-defaults}"; echo "== ${envs:-defaults}" >> "$OUT/decode_ab.log"
   env ${envs//,/ } timeout ${BENCH_TIMEOUT:-150} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf \

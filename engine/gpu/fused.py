@@ -23,9 +23,10 @@ HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once
 ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "0") == "1"
-# decode: the indexer's head-weight matvec (w = proj a) launched with the compressor steps, on their side branch
-# (v16), instead of after the indexer's query; 0: the v15 order
-EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "1") != "0"
+# decode: 1 launches the indexer's head-weight matvec (w = proj a) with the compressor steps, on their side branch,
+# instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
+# q_b on the main branch), so off by default
+EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
