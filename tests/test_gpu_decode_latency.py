@@ -4,7 +4,9 @@
 - quantize_x_into + moe(xq=) (DS4_GPU_EARLY_XQ): the routed experts' x quantized beforehand, on the side stream;
 - the ratio-4 compressor pooling with each column's candidates loaded together (DS4_GPU_COMPRESS_REGS);
 - the indexer's head-weight matvec launched with the compressor steps (DS4_GPU_EARLY_IDX_PROJ=1; off by default:
-  slower).
+  slower);
+- index_keys_v2_kernel (DS4_GPU_INDEX_KEYS=2): lanes over the dims and the query's RoPE/QAT folded into its staging;
+  its scores sum in another order, so it is held to the v15 kernel by tolerance and to norm_rope's query bitwise.
 The switches are read once per process, so the session comparison runs each setting in a subprocess."""
 
 from __future__ import annotations
@@ -107,6 +109,57 @@ def test_moe_with_x_quantized_beforehand_gives_the_same_bits():
                 ext.Array.from_numpy(np.repeat(wts, 2, 0)), ext.Array.empty([2, n_embd]), 10.0, buf.data_ptr())
 
 
+def _keys_inputs(seed: int, n: int = 600, Hi: int = 64, di: int = 128):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(Hi, di, generator=g).cuda()
+    w = torch.randn(Hi, generator=g).cuda()
+    idx = torch.randn(n, di, generator=g).cuda()
+    return q, w, idx
+
+
+def _keys_v2(K, q, w, idx, pos, post=None):
+    Hi, di = q.shape
+    keys = torch.empty(idx.shape[0], dtype=torch.float64, device="cuda")
+    post = post or {}
+    freq = post.get("freq")
+    K._stream()
+    K.ext.index_keys_v2(q.data_ptr(), w.data_ptr(), idx.data_ptr(), idx.shape[0], Hi, di, pos.data_ptr(), 4, 0.01,
+                        0 if freq is None else freq.data_ptr(), int(post.get("rope_dim", 0)), bool(post.get("qat")),
+                        float(1.0 / np.sqrt(di)), keys.data_ptr())
+    return keys
+
+
+@pytest.mark.parametrize("p", [97, 2399])
+def test_index_keys_v2_matches_the_v15_kernel(K, p):
+    q, w, idx = _keys_inputs(p)
+    pos = torch.tensor([p], device="cuda")
+    old = torch.empty(idx.shape[0], dtype=torch.float64, device="cuda")
+    K._stream()
+    K.ext.index_keys(q.data_ptr(), w.data_ptr(), idx.data_ptr(), idx.shape[0], 64, 128, pos.data_ptr(), 4, 0.01,
+                     old.data_ptr())
+    new = _keys_v2(K, q, w, idx, pos)
+    vis = torch.arange(idx.shape[0], device="cuda") < (p + 1) // 4
+    assert torch.equal(torch.isinf(new), ~vis) and torch.equal(torch.isinf(old), ~vis)
+    ref = (w.double()[:, None] * 0.01 * torch.clamp(q.double() @ idx.double().T, min=0)).sum(0)
+    assert float((new[vis] - ref[vis]).abs().max() / ref[vis].abs().max()) < 1e-6
+    assert float((new[vis] - old[vis]).abs().max() / old[vis].abs().max()) < 1e-6
+    k = min(64, int(vis.sum()))
+    assert torch.equal(torch.sort(torch.topk(new, k).indices).values, torch.sort(torch.topk(old, k).indices).values)
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_index_keys_v2_folds_the_querys_norm_rope_bitwise(K, qat):
+    q, w, idx = _keys_inputs(5 + qat)
+    pos = torch.tensor([1234], device="cuda")
+    rd = 64
+    freq = (1.0 / (10000.0 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))).float().cuda()
+    post = dict(freq=freq, rope_dim=rd, qat=qat)
+    staged = K.norm_rope(q, 128, 64, pos, **post)  # the launch the fold replaces
+    want = _keys_v2(K, staged, w, idx, pos)
+    got = _keys_v2(K, q, w, idx, pos, post)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
 SESSION = r"""
 import sys, numpy as np
 from ds4.engine.model import Model
@@ -131,6 +184,28 @@ def _session_run(tmp_path: Path, model: Path, flipped: tuple[str, ...]) -> dict:
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out))
+
+
+def test_index_keys_v2_session_stays_within_float_rounding(tmp_path):
+    """The v16 indexer keys (DS4_GPU_INDEX_KEYS=2) in the session: other last bits of the scores, so the logits may
+    differ by float rounding (and, at a near tie of two compressed rows, by one row of the top-k), not more."""
+    from conftest import quantize_cli
+
+    model = tmp_path / "small.gguf"
+    quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
+    runs = []
+    for value in ("1", "2"):
+        env = {k: v for k, v in os.environ.items() if k != "DS4_GPU_INDEX_KEYS"}
+        env["DS4_GPU_COMPILE"], env["DS4_GPU_INDEX_KEYS"] = "0", value
+        out = tmp_path / f"keys{value}.npz"
+        done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(dict(np.load(out)))
+    a, b = runs[0]["logits"].astype(np.float64), runs[1]["logits"].astype(np.float64)
+    errs = np.linalg.norm(a - b, axis=1) / np.linalg.norm(a, axis=1)
+    print(f"\nindex keys v2 against v15: logits rel err median {np.median(errs):.2e} max {errs.max():.2e}")
+    assert np.median(errs) < 1e-5 and errs.max() < 1e-3
 
 
 def test_decode_session_is_bitwise_the_same_with_each_switch_flipped(tmp_path):

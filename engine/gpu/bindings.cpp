@@ -773,6 +773,15 @@ PYBIND11_MODULE(_ext, m) {
     launch_index_keys(ptr<const float>(q), ptr<const float>(w), ptr<const float>(idx), n_rows, Hi, di,
                       ptr<const int64_t>(pos), ratio, scale, ptr<double>(keys), stream());
   });
+  m.def("index_keys_v2_takes", &index_keys_v2_takes, py::arg("Hi"), py::arg("di"));
+  m.def("index_keys_v2", [](uintptr_t q, uintptr_t w, uintptr_t idx, int n_rows, int Hi, int di, uintptr_t pos,
+                            int ratio, float scale, uintptr_t freq, int rope_dim, bool qat, float had_scale,
+                            uintptr_t keys) {
+    launch_index_keys_v2(ptr<const float>(q), ptr<const float>(w), ptr<const float>(idx), n_rows, Hi, di,
+                         ptr<const int64_t>(pos), ratio, scale,
+                         row_post_args(false, 0, 0.0f, freq, rope_dim, false, 0, qat, had_scale),
+                         ptr<double>(keys), stream());
+  }, "Decode indexer keys (v16 form); freq/rope_dim/qat: norm_rope's post of the raw query, applied while staging.");
   m.def("topk_rows", [](uintptr_t keys, int n, int k, uintptr_t pos, int ratio, uintptr_t sel) {
     launch_topk_rows(ptr<const double>(keys), n, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel), stream());
   });

@@ -305,6 +305,11 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
                       float* part_o, float* part_ml, float* out, cudaStream_t s);
 void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
                        const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s);
+// The v16 form of launch_index_keys (other summation order), with norm_rope's RoPE/QAT of the raw query applied while
+// staging it when post says so; only where index_keys_v2_takes(Hi, di).
+bool index_keys_v2_takes(int Hi, int di);
+void launch_index_keys_v2(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
+                          const int64_t* pos, int ratio, float scale, const RowPost& post, double* keys, cudaStream_t s);
 // topk.cu: sel[0..k) = indices of the k largest keys in ascending order (ties: lowest index; NaN smallest), one
 // block. pos != null and (*pos + 1) / ratio <= k: sel = 0..k-1 (all visible rows; the attention masks the rest).
 void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s);

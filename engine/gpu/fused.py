@@ -30,6 +30,9 @@ EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
+# decode indexer keys: 2 the v16 kernel (lanes over the dims, the query's RoPE/QAT folded into its staging; other
+# summation order); 1 the v15 kernel and a norm_rope launch
+INDEX_KEYS_V2 = os.environ.get("DS4_GPU_INDEX_KEYS", "1") == "2"
 # greedy decode: argmax_kernel of fused.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
@@ -295,14 +298,26 @@ class Fused:
         return out
 
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
-                   scale: float) -> torch.Tensor:
-        """Per compressed row: Σ_h scale w_h relu(q_h . row) as float64 minus row·1e-300, -inf if not visible."""
+                   scale: float, post: dict | None = None) -> torch.Tensor:
+        """Per compressed row: Σ_h scale w_h relu(q_h . row) as float64 minus row·1e-300, -inf if not visible.
+        post (freq, rope_dim, qat; only where index_keys_v2_takes): q is the raw query, and the kernel applies
+        norm_rope's RoPE and QAT rows to it while staging it (the bits of norm_rope(q, di, Hi, pos, **post))."""
         Hi, di = q.shape
         keys = torch.empty(idx.shape[0], dtype=torch.float64, device=self.device)
         q, w = q.contiguous(), w.contiguous()
         self._stream()
+        if post is not None or (INDEX_KEYS_V2 and self.ext.index_keys_v2_takes(Hi, di)):
+            post = post or {}
+            self.ext.index_keys_v2(_p(q), _p(w), _p(idx), idx.shape[0], Hi, di, _p(pos), int(ratio), float(scale),
+                                   _p(post.get("freq")), int(post.get("rope_dim", 0)), bool(post.get("qat", False)),
+                                   float(1.0 / math.sqrt(di)), _p(keys))
+            return keys
         self.ext.index_keys(_p(q), _p(w), _p(idx), idx.shape[0], Hi, di, _p(pos), int(ratio), float(scale), _p(keys))
         return keys
+
+    def index_keys_takes_post(self, Hi: int, di: int) -> bool:
+        """Whether index_keys(..., post=) folds the query's norm_rope in (the v16 kernel, DS4_GPU_INDEX_KEYS=2)."""
+        return INDEX_KEYS_V2 and self.ext.index_keys_v2_takes(Hi, di)
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor | None:
         """Prefill indexer scores (indexer.cu): [T, n] float32, Σ_h w[t, h] relu(q[t, h] . keys[c]) for c < n_vis[t],
@@ -386,12 +401,16 @@ def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: t
     L = C.LayerTensor
     cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
-    qi = K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm), di, Hi, pos, freq=sess._freq[True],
-                     rope_dim=cfg.rope_dim, qat=cfg.indexer_qat)
+    q_post = dict(freq=sess._freq[True], rope_dim=cfg.rope_dim, qat=cfg.indexer_qat)
+    qi = W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm)
+    folded = K.index_keys_takes_post(Hi, di)  # the query's RoPE/QAT inside index_keys: one launch less
+    if not folded:
+        qi = K.norm_rope(qi, di, Hi, pos, **q_post)
     wi = sess._idx_proj.pop(li, None)  # launched with the compressor steps (EARLY_IDX_PROJ)
     if wi is None:
         wi = W.mm(C.blk(li, L.IDX_PROJ), a)
-    keys = K.index_keys(qi, wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi))
+    keys = K.index_keys(qi.reshape(Hi, di), wi.reshape(-1), st["idx"], pos, 4, 1.0 / math.sqrt(di * Hi),
+                        post=q_post if folded else None)
     # one block: faster than torch.topk up to some 50k rows (H200), slower at 262144
     return K.topk(keys, cfg.indexer_top_k, pos, 4) if keys.numel() <= TOPK_KERNEL_MAX_ROWS else \
         torch.topk(keys, cfg.indexer_top_k).indices
