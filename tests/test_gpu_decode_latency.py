@@ -6,7 +6,8 @@
 - the indexer's head-weight matvec launched with the compressor steps (DS4_GPU_EARLY_IDX_PROJ=1; off by default:
   slower);
 - index_keys_v2_kernel (DS4_GPU_INDEX_KEYS=2): lanes over the dims and the query's RoPE/QAT folded into its staging;
-  its scores sum in another order, so it is held to the v15 kernel by tolerance and to norm_rope's query bitwise.
+  its scores sum in another order, so it is held to the v15 kernel by tolerance and to norm_rope's query bitwise, at
+  Flash's indexer shape (64 heads of 128; the `small` preset's 16 heads are a shape it declines).
 The switches are read once per process, so the session comparison runs each setting in a subprocess."""
 
 from __future__ import annotations
@@ -184,28 +185,6 @@ def _session_run(tmp_path: Path, model: Path, flipped: tuple[str, ...]) -> dict:
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out))
-
-
-def test_index_keys_v2_session_stays_within_float_rounding(tmp_path):
-    """The v16 indexer keys (DS4_GPU_INDEX_KEYS=2) in the session: other last bits of the scores, so the logits may
-    differ by float rounding (and, at a near tie of two compressed rows, by one row of the top-k), not more."""
-    from conftest import quantize_cli
-
-    model = tmp_path / "small.gguf"
-    quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
-    runs = []
-    for value in ("1", "2"):
-        env = {k: v for k, v in os.environ.items() if k != "DS4_GPU_INDEX_KEYS"}
-        env["DS4_GPU_COMPILE"], env["DS4_GPU_INDEX_KEYS"] = "0", value
-        out = tmp_path / f"keys{value}.npz"
-        done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs.append(dict(np.load(out)))
-    a, b = runs[0]["logits"].astype(np.float64), runs[1]["logits"].astype(np.float64)
-    errs = np.linalg.norm(a - b, axis=1) / np.linalg.norm(a, axis=1)
-    print(f"\nindex keys v2 against v15: logits rel err median {np.median(errs):.2e} max {errs.max():.2e}")
-    assert np.median(errs) < 1e-5 and errs.max() < 1e-3
 
 
 def test_decode_session_is_bitwise_the_same_with_each_switch_flipped(tmp_path):

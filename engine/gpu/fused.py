@@ -31,7 +31,8 @@ EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 # decode indexer keys: 2 the v16 kernel (lanes over the dims, the query's RoPE/QAT folded into its staging; other
-# summation order); 1 the v15 kernel and a norm_rope launch
+# summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
+# rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs), so 1, the v15 kernel and a norm_rope launch
 INDEX_KEYS_V2 = os.environ.get("DS4_GPU_INDEX_KEYS", "1") == "2"
 # greedy decode: argmax_kernel of fused.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
