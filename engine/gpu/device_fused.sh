@@ -11,14 +11,7 @@
 #      every run's whole output goes to env_ab.log), *_TIMEOUT (KERNEL_TIMEOUT: the kernel tests, default 150 s).
 set -u
 source engine/gpu/device_env.sh
-mount -o remount,size=120G /dev/shm 2>/dev/null
-if [ -s /dev/shm/flash-q2.gguf ] && [ -f /dev/shm/flash-q2.ok ]; then  # a warm machine keeps the last call's file
-  echo "reusing /dev/shm/flash-q2.gguf" > "$OUT/synth.log"; SYN=
-else
-  ( python3 -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --quiet > "$OUT/synth.log" 2>&1 \
-    && touch /dev/shm/flash-q2.ok ) &
-  SYN=$!
-fi
+start_synth
 echo "== build $(( $(date +%s) - T0 ))s"; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== fused tests $(( $(date +%s) - T0 ))s"
 [ "${KERNEL_TESTS:-}" = none ] || timeout ${KERNEL_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -W ignore ${KERNEL_TESTS:-tests/test_gpu_prefill.py tests/test_gpu_fused.py tests/test_gpu_kernels.py} 2>&1 | tee "$OUT/tests_fused.log" | grep -E "passed|failed|Error|assert" | head -30

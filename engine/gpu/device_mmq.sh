@@ -16,17 +16,8 @@
 #      (bench_barrier: grid-wide barriers against a graph-launched kernel), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
-mount -o remount,size=120G /dev/shm 2>/dev/null
 SYN=
-if [ "${SESSION:-1}" != 0 ]; then
-  if [ -s /dev/shm/flash-q2.gguf ] && [ -f /dev/shm/flash-q2.ok ]; then
-    echo "reusing /dev/shm/flash-q2.gguf" > "$OUT/synth.log"
-  else
-    ( python3 -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --quiet \
-      > "$OUT/synth.log" 2>&1 && touch /dev/shm/flash-q2.ok ) &
-    SYN=$!
-  fi
-fi
+[ "${SESSION:-1}" != 0 ] && start_synth
 stamp build; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 first=1
 for rows in ${ROWS:-64 128}; do
