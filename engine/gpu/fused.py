@@ -32,8 +32,11 @@ EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 # decode indexer keys: 2 the v16 kernel (lanes over the dims, the query's RoPE/QAT folded into its staging; other
 # summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
-# rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs), so 1, the v15 kernel and a norm_rope launch
-INDEX_KEYS_V2 = os.environ.get("DS4_GPU_INDEX_KEYS", "1") == "2"
+# rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs), so 1, the v15 kernel and a norm_rope launch;
+# 3 the v16 kernel after the norm_rope launch (not yet measured)
+INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "1")
+INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
+INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
 # greedy decode: argmax_kernel of fused.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
@@ -318,7 +321,7 @@ class Fused:
 
     def index_keys_takes_post(self, Hi: int, di: int) -> bool:
         """Whether index_keys(..., post=) folds the query's norm_rope in (the v16 kernel, DS4_GPU_INDEX_KEYS=2)."""
-        return INDEX_KEYS_V2 and self.ext.index_keys_v2_takes(Hi, di)
+        return INDEX_KEYS_FOLD and self.ext.index_keys_v2_takes(Hi, di)
 
     def index_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor | None:
         """Prefill indexer scores (indexer.cu): [T, n] float32, Σ_h w[t, h] relu(q[t, h] . keys[c]) for c < n_vis[t],
