@@ -317,60 +317,6 @@ __global__ void compress_step_kernel(const float* kv, const float* sc, const flo
   for (int j = threadIdx.x; j < d; j += blockDim.x) rows[row * d + j] = v[j];
 }
 
-// Greedy decode's argmax over the logits in one block: torch.argmax's answer (the first NaN if there is one, else the
-// first of the largest values). Each thread keeps its best (value, index) over a strided float4 walk, then a warp
-// and a block reduction with the same rule. One launch where torch's reduction took ~28 us of the decode step.
-constexpr int ARGMAX_THREADS = 1024;
-__device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
-  if (v != v) return bv == bv || i < bi;  // NaN beats numbers; among NaNs the first
-  if (bv != bv) return false;
-  return v > bv || (v == bv && i < bi);
-}
-__device__ __forceinline__ void argmax_warp(float& bv, int64_t& bi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (argmax_better(ov, oi, bv, bi)) bv = ov, bi = oi;
-  }
-}
-__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float* x, int64_t n, int64_t* out) {
-  pdl_begin();
-  __shared__ float s_v[ARGMAX_THREADS / 32];
-  __shared__ int64_t s_i[ARGMAX_THREADS / 32];
-  float bv = -INFINITY;
-  int64_t bi = n;  // past the end: any real element at -inf still beats it
-  const int64_t n4 = (((uintptr_t)x & 15) == 0) ? n / 4 : 0;
-  constexpr int U = 8;  // float4 loads in flight per thread before any comparison (v16 first form: one, 16.6 us)
-  for (int64_t q0 = threadIdx.x; q0 < n4; q0 += U * ARGMAX_THREADS) {
-    float4 f[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t q = q0 + (int64_t)u * ARGMAX_THREADS;
-      f[u] = q < n4 ? __ldg((const float4*)x + q) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t q = q0 + (int64_t)u * ARGMAX_THREADS;
-      const float fv[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c)  // past n4 the padding is -inf at indices >= 4 n4: it never beats a real element
-        if (q < n4 && argmax_better(fv[c], 4 * q + c, bv, bi)) bv = fv[c], bi = 4 * q + c;
-    }
-  }
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += ARGMAX_THREADS)
-    if (argmax_better(x[i], i, bv, bi)) bv = x[i], bi = i;
-  argmax_warp(bv, bi);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) s_v[warp] = bv, s_i[warp] = bi;
-  __syncthreads();
-  if (warp == 0) {
-    bv = s_v[lane];
-    bi = s_i[lane];
-    argmax_warp(bv, bi);
-    if (lane == 0) *out = bi;
-  }
-}
-
 // Which key kk of the attention list (raw ring rows, then compressed rows) a decode query sees.
 struct KeyList {
   const float* raw;
@@ -661,109 +607,6 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_one_wait_kernel(const float*
   attn_combine_heads(part_o, part_ml, nc, H, d, h, 1, sinks, (float)p, o, out, sh);
 }
 
-// Indexer keys for decode: score[c] = sum_h w_h scale relu(q_h . idx_c) for visible rows, as doubles
-// minus c * 1e-300 (lowest index first among ties, as the torch path), -inf for rows not yet visible.
-// One warp per row; lane l owns heads l, l + 32, ... (q in shared memory, rows padded by one float
-// so the lanes' reads of one column fall in different banks).
-__global__ void index_keys_kernel(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
-                                  const int64_t* pos, int ratio, float scale, double* keys) {
-  pdl_begin();
-  extern __shared__ float sh[];
-  float* qs = sh;                          // [Hi][di + 1]
-  float* rows = sh + Hi * (di + 1);        // [warps][di]
-  for (int i = threadIdx.x; i < Hi * di; i += blockDim.x) qs[(i / di) * (di + 1) + i % di] = q[i];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  const int c = blockIdx.x * nw + warp;
-  float* row = rows + warp * di;
-  if (c < n_rows)
-    for (int i = lane; i < di; i += 32) row[i] = idx[(int64_t)c * di + i];
-  __syncthreads();
-  if (c >= n_rows) return;
-  const int64_t n_vis = (*pos + 1) / ratio;
-  if (c >= n_vis) {
-    if (lane == 0) keys[c] = -INFINITY;
-    return;
-  }
-  float total = 0.0f;
-  for (int h = lane; h < Hi; h += 32) {
-    const float* qh = qs + h * (di + 1);
-    float s0 = 0.0f, s1 = 0.0f;
-    for (int i = 0; i < di; i += 2) {
-      s0 += qh[i] * row[i];
-      s1 += qh[i + 1] * row[i + 1];
-    }
-    total += w[h] * scale * fmaxf(s0 + s1, 0.0f);
-  }
-  total = warp_sum_f(total);
-  if (lane == 0) keys[c] = (double)total - (double)c * 1e-300;
-}
-
-// Indexer keys for decode, v16 form (DS4_GPU_INDEX_KEYS=2; di == 128, Hi a multiple of 32 up to 64): the same
-// scores with lanes over the dims. Lane l holds row dims 4l..4l+3 in registers and forms the partial dot of every
-// head with one 16-byte shared read and four FMAs; a transposing butterfly (16 + 8 + 4 + 2 + 1 shuffles for 32
-// heads) leaves head h's full dot on lane h % 32. The v3 form's lane walked two 128-long dependent chains per row.
-// post.qat or post.freq: q is the raw query (the indexer's q_b product) and each block applies norm_rope's RoPE and
-// Hadamard + FP4 rows while staging it (warp_row_post: the block kernel's bits), so that launch is gone.
-// Scores sum in another order than index_keys_kernel: other last bits, the same meaning.
-constexpr int IK2_DI = 128, IK2_MAX_H = 64, IK2_ROWS = 8;
-// One step of the transposing butterfly: lanes with bit O set keep the upper O values, the others the lower O, each
-// adding its partner's copy of the half it keeps (O a compile-time constant: the values stay in registers).
-template <int O>
-__device__ __forceinline__ void ik2_fold(float (&d)[32], int lane) {
-  const bool upper = lane & O;
-#pragma unroll
-  for (int i = 0; i < O; ++i) {
-    const float send = upper ? d[i] : d[i + O];
-    const float keep = upper ? d[i + O] : d[i];
-    d[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-  }
-}
-__global__ void __launch_bounds__(256) index_keys_v2_kernel(const float* q, const float* w, const float* idx,
-                                                             int n_rows, int Hi, const int64_t* pos, int ratio,
-                                                             float scale, RowPost post, double* keys) {
-  pdl_begin();
-  __shared__ __align__(16) float qs[IK2_MAX_H * IK2_DI];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool has_post = post.qat || post.freq;
-  const int64_t p = *pos;
-  for (int h = warp; h < Hi; h += 8) {  // stage (and post-process) one head row per warp
-    float v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = q[h * IK2_DI + lane + 32 * k];
-    if (has_post) warp_row_post<4>(v, IK2_DI, lane, post, (float)p);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) qs[h * IK2_DI + lane + 32 * k] = v[k];
-  }
-  const int c = blockIdx.x * IK2_ROWS + warp;
-  float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (c < n_rows) r = __ldg((const float4*)(idx + (int64_t)c * IK2_DI) + lane);
-  __syncthreads();
-  if (c >= n_rows) return;
-  const int64_t n_vis = (p + 1) / ratio;
-  if (c >= n_vis) {
-    if (lane == 0) keys[c] = -INFINITY;
-    return;
-  }
-  float total = 0.0f;
-  for (int h0 = 0; h0 < Hi; h0 += 32) {
-    float d[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float4 a = ((const float4*)(qs + (h0 + i) * IK2_DI))[lane];
-      d[i] = fmaf(a.w, r.w, fmaf(a.z, r.z, fmaf(a.y, r.y, a.x * r.x)));
-    }
-    ik2_fold<16>(d, lane);
-    ik2_fold<8>(d, lane);
-    ik2_fold<4>(d, lane);
-    ik2_fold<2>(d, lane);
-    ik2_fold<1>(d, lane);
-    const int h = h0 + lane;  // d[0] is head h's dot over all 128 dims
-    total += w[h] * scale * fmaxf(d[0], 0.0f);
-  }
-  total = warp_sum_f(total);
-  if (lane == 0) keys[c] = (double)total - (double)c * 1e-300;
-}
-
 }  // namespace
 
 // ---- launchers -------------------------------------------------------------------------------------
@@ -815,12 +658,6 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
   launch_k(swiglu_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0, s, g, u, n, limit, out, row_w, width,
            row_of);
   DS4_CHECK_LAUNCH("swiglu");
-}
-
-void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s) {
-  if (n < 1) throw std::invalid_argument("argmax: empty input");
-  launch_k(argmax_kernel, dim3(1), dim3(ARGMAX_THREADS), 0, s, x, n, out);
-  DS4_CHECK_LAUNCH("argmax");
 }
 
 // $DS4_GPU_COMPRESS_REGS (v16, default 1): ratio-4 pooling and frontier shift with each column's candidates loaded
@@ -925,32 +762,6 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   launch_k(attn_combine_kernel, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o,
            out);
   DS4_CHECK_LAUNCH("attention combine");
-}
-
-bool index_keys_v2_takes(int Hi, int di) { return di == IK2_DI && Hi % 32 == 0 && Hi <= IK2_MAX_H; }
-
-void launch_index_keys_v2(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
-                          const int64_t* pos, int ratio, float scale, const RowPost& post, double* keys, cudaStream_t s) {
-  if (!index_keys_v2_takes(Hi, di)) throw std::invalid_argument("index_keys v2: needs di 128 and Hi a multiple of 32 <= 64");
-  if (post.norm || post.fp8_nope || post.inverse) throw std::invalid_argument("index_keys v2: post is RoPE and QAT only");
-  if (!pos) throw std::invalid_argument("index_keys v2: needs the position");
-  launch_k(index_keys_v2_kernel, dim3((n_rows + IK2_ROWS - 1) / IK2_ROWS), dim3(256), 0, s, q, w, idx, n_rows, Hi, pos,
-           ratio, scale, post, keys);
-  DS4_CHECK_LAUNCH("index_keys_v2");
-}
-
-void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
-                       const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s) {
-  if (di % 2 || di > 512) throw std::invalid_argument("index_keys: indexer dim must be even, <= 512");
-  size_t shm = (size_t)(Hi * (di + 1) + 8 * di) * sizeof(float);
-  static size_t shm_set = 0;
-  if (shm > 48 * 1024 && shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(index_keys_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-    shm_set = shm;
-  }
-  launch_k(index_keys_kernel, dim3((n_rows + 7) / 8), dim3(256), shm, s, q, w, idx, n_rows, Hi, di, pos, ratio, scale,
-           keys);
-  DS4_CHECK_LAUNCH("index_keys");
 }
 
 }  // namespace ds4gpu

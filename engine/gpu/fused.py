@@ -37,7 +37,7 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "1")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
-# greedy decode: argmax_kernel of fused.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
+# greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
 
