@@ -1,6 +1,7 @@
-// Shared by the extension's two binding files: bindings.cpp (the module: resident weights, arrays, graphs, the decode
-// and prefill ops) and bindings_prefill.cpp (the prefill product kernels mmq / mmf and the barrier benchmark): the
-// module-wide stream, the scratch area, Tensor and Array.
+// Shared by the extension's binding files: bindings.cpp (the module: resident weights, arrays, graphs, the matvec and
+// MoE ops), bindings_fused.cpp (the layer's other ops on raw device pointers: norms, mHC, RoPE, attention, router,
+// compressor, indexer, top-k) and bindings_prefill.cpp (the prefill product kernels mmq / mmf and the barrier
+// benchmark): the module-wide stream, the scratch area, Tensor and Array.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -92,6 +93,11 @@ struct Array {
   }
 };
 
+// A raw device address from Python (a torch tensor's data_ptr()) as a typed pointer.
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
 void bind_prefill_products(pybind11::module_& m);  // bindings_prefill.cpp
+void bind_fused_ops(pybind11::module_& m);         // bindings_fused.cpp
 
 }  // namespace ds4ext

@@ -1,7 +1,7 @@
 """Build the CUDA extension ds4.engine.gpu._ext (run by `make cuda`).
 
 Compiles each .cu with nvcc for CUDA_ARCH (default sm_90a; a comma list is allowed), the binding files
-(bindings.cpp, the module, and bindings_prefill.cpp; also through nvcc, so one host compiler builds everything)
+(bindings.cpp, the module, bindings_fused.cpp and bindings_prefill.cpp; also through nvcc, so one host compiler builds everything)
 against pybind11 and Python, and links them
 with the shared CUDA runtime (rpath to the toolkit) into
 engine/gpu/_ext<EXT_SUFFIX>. No GPU is needed to build. Objects go to engine/gpu/build/ and are
@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
 CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "hc.cu", "topk.cu", "dequant.cu", "router.cu", "attn_prefill.cu", "mmq.cu", "mmf.cu", "mmw.cu", "barrier.cu", "indexer.cu"]
-CPP_SOURCES = ["bindings.cpp", "bindings_prefill.cpp"]  # the module (host code, pybind11)
+CPP_SOURCES = ["bindings.cpp", "bindings_fused.cpp", "bindings_prefill.cpp"]  # the module (host code, pybind11)
 HEADERS = ["common.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh", "router.cuh", "grid_barrier.cuh", "mma_ops.cuh"]
 
 
