@@ -32,9 +32,9 @@ EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 # decode indexer keys: 2 the v16 kernel (lanes over the dims, the query's RoPE/QAT folded into its staging; other
 # summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
-# rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs), so 1, the v15 kernel and a norm_rope launch;
-# 3 the v16 kernel after the norm_rope launch (not yet measured)
-INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "1")
+# rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs); 1, the v15 kernel and a norm_rope launch;
+# 3 (default since v17) the v16 kernel after the norm_rope launch: v17 trace, 2k, 80-90 us per token faster than 1
+INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax

@@ -6,6 +6,7 @@
 
 #include "common.cuh"
 #include "mf_common.cuh"
+#include "mbarrier.cuh"
 #include "mma_ops.cuh"
 #include "mv_core.cuh"
 
@@ -67,8 +68,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// generic-proxy writes of shared memory (stores, cp.async) made visible to the async proxy that wgmma reads through
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The activation planes of stage k0 (cp.async, rows past the tile zero-filled): 16-byte pieces are core-matrix rows.
 __device__ __forceinline__ void mw_load_x(const MfArgs& a, const MfTile& tl, int k0, MwStage& st) {
@@ -192,22 +191,6 @@ struct MpSlot {
   uint4 raw[MW_M];             // each weight row's two IQ2_XXS blocks of the stage (2 KB)
   float sd[MW_M];              // d / 8 of the stage's super-block per row
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
 
 // d (+)= A[64 x 16] . B[128 x 16]^T (float32 accumulators, float16 operands, both K-major).
 __device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {

@@ -1,0 +1,206 @@
+// Batch-1 Q8_0 matvec that streams its weights with bulk (TMA) copies into shared memory ($DS4_GPU_MV_TMA=1; v17).
+//
+// Why: ncu of the register-streaming kernel (matvec_stream.cu) on Flash's 35.6 MB matrices, launched alone: o_b
+// 18.1 us at 42% of DRAM bandwidth, q_b 13.5 us at 56%, o_a 15.4 us at 50%, long-scoreboard the top stall. Each warp
+// holds one step (4 KB) in registers and does only ~4 steps per call, so the loads in flight are few and the first
+// round trip is not hidden; the next kernel under PDL can only load one step before griddepcontrol.wait.
+// Here each warp owns NS slots of shared memory and keeps them all in flight with one bulk copy per slot (its rows'
+// codes, then their scales, both contiguous in the device layout): ~200 KB per SM at once, issued before
+// griddepcontrol.wait, so a matvec after a latency-bound kernel finds up to ~26 MB of its weights already arriving.
+//
+// Arithmetic: the bits of matvec_stream_kernel. A row is one warp's: lane l reads bytes 16 l .. 16 l + 15 of each
+// 512-column chunk (as that kernel's lane does), the even lanes accumulate one fmaf per 32-column block in chunk
+// order, and the same xor butterfly sums the lanes; x is staged by the same mv_stage_x. So DS4_GPU_MV_TMA switches
+// kernels without changing a bit (tests/test_gpu_matvec_tma.py).
+//
+// Shape: one CTA of 8 warps per SM (per group: grid.y = groups), items of RW whole rows (RW = max(1, 4096 / K)
+// by default) dealt to the warps round-robin; a slot is refilled as soon as its warp has consumed it.
+#include <algorithm>
+#include <cstdlib>
+
+#include "mbarrier.cuh"
+#include "mv_stream.cuh"
+
+namespace ds4gpu {
+
+constexpr int MT_WARPS = 8, MT_THREADS = 32 * MT_WARPS;
+constexpr int MT_MAX_SLOTS = 8;
+constexpr size_t MT_SMEM_MAX = 227 * 1024;
+
+struct MtArgs {
+  MvArgs a;       // segments, x and its staging (kpad = ncols), tiles = items per group, seg[i].tile0 = first item
+  int rw;         // rows per item
+  int ns;         // slots per warp
+  int slot;       // bytes per slot: rw * (qs_row + sc_row), a multiple of 128
+  int xbytes;     // bytes of the staged x (a multiple of 128)
+};
+
+// The rows of item `it` of group g: segment view, first row of the group's segment and row count.
+struct MtItem {
+  SegView sv;
+  int r0, nr;
+};
+__device__ __forceinline__ MtItem mt_item(const MtArgs& m, int it) {
+  MtItem o;
+  o.sv = seg_of(m.a, it);
+  o.r0 = o.sv.t * m.rw;
+  o.nr = min(m.rw, o.sv.rows - o.r0);
+  return o;
+}
+
+// Lane 0: the bulk copies of item it of group g into slot (codes at 0, scales at rw * qs_row), counted on bar.
+__device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int it, unsigned char* slot, uint64_t* bar) {
+  const MtItem t = mt_item(m, it);
+  const int64_t row = (int64_t)g * t.sv.rows + t.r0;
+  const uint32_t qb = (uint32_t)(t.nr * m.a.qs_row), sb = (uint32_t)(t.nr * m.a.sc_row);
+  mbar_arrive_expect_tx(bar, qb + sb);
+  bulk_copy_g2s(slot, t.sv.qs + row * m.a.qs_row, qb, bar);
+  bulk_copy_g2s(slot + m.rw * m.a.qs_row, t.sv.sc + row * m.a.sc_row, sb, bar);
+}
+
+// The warp's rows of one landed item: mv_consume's operations per 512-column chunk, mv_finish's butterfly.
+__device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const unsigned char* slot,
+                                           const unsigned char* sx, int lane) {
+  const MtItem t = mt_item(m, it);
+  const int nchunks = m.a.ncols / MV_CHUNK_BYTES;
+  const int4* s_hi = (const int4*)sx;
+  const int4* s_lo = (const int4*)(sx + m.a.kpad);
+  const float* s_xs = (const float*)(sx + 2 * m.a.kpad);
+  const unsigned char* sc0 = slot + m.rw * m.a.qs_row;
+  for (int r = 0; r < t.nr; ++r) {
+    const unsigned char* q_row = slot + r * m.a.qs_row + 16 * lane;
+    const unsigned short* s_row = (const unsigned short*)(sc0 + r * m.a.sc_row) + (lane >> 1);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int c = 0; c < nchunks; ++c) {
+      const uint4 q = *(const uint4*)(q_row + c * MV_CHUNK_BYTES);
+      const uint32_t s = s_row[16 * c];
+      const int i16 = c * 32 + lane;
+      const int4 xh = s_hi[i16], xl = s_lo[i16];
+      const float xs = s_xs[i16 >> 1];
+      int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
+      th = __dp4a((int)q.y, xh.y, th);
+      tl = __dp4a((int)q.y, xl.y, tl);
+      th = __dp4a((int)q.z, xh.z, th);
+      tl = __dp4a((int)q.z, xl.z, tl);
+      th = __dp4a((int)q.w, xh.w, th);
+      tl = __dp4a((int)q.w, xl.w, tl);
+      int v = 254 * th + tl;
+      v += __shfl_xor_sync(0xffffffffu, v, 1);  // exact int32 sum of the 32-column x block
+      if (!(lane & 1)) acc = fmaf(half_bits(s) * xs, (float)v, acc);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);  // odd lanes hold 0
+    if (lane == 0) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc;
+  }
+}
+
+__global__ void __launch_bounds__(MT_THREADS, 1) matvec_tma_kernel(MtArgs m) {
+  extern __shared__ __align__(128) unsigned char mt_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = blockIdx.y;
+  unsigned char* sx = mt_smem;
+  uint64_t* bars = (uint64_t*)(mt_smem + m.xbytes) + warp * MT_MAX_SLOTS;
+  unsigned char* slots = mt_smem + m.xbytes + MT_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * m.ns * m.slot;
+  const int NW = gridDim.x * MT_WARPS, first = blockIdx.x * MT_WARPS + warp;
+  if (lane == 0) {
+    for (int s = 0; s < m.ns; ++s) mbar_init(&bars[s], 1);
+    mbar_init_fence();
+    // the weights never depend on earlier kernels: every slot's copy goes out before griddepcontrol.wait
+    for (int s = 0; s < m.ns; ++s)
+      if (first + s * NW < m.a.tiles) mt_issue(m, g, first + s * NW, slots + (size_t)s * m.slot, &bars[s]);
+  }
+  pdl_trigger();
+  pdl_wait();  // x (and y's readers) are from earlier kernels
+  mv_stage_x<QT_Q8_0>(m.a, g, sx);
+  __syncthreads();
+  int s = 0, phase = 0;
+  for (int it = first; it < m.a.tiles; it += NW) {
+    unsigned char* slot = slots + (size_t)s * m.slot;
+    mbar_wait(&bars[s], phase);
+    mt_consume(m, g, it, slot, sx, lane);
+    __syncwarp();
+    const int next = it + m.ns * NW;
+    if (lane == 0 && next < m.a.tiles) {
+      fence_async_smem();  // the warp's reads of this slot before the copy that refills it
+      mt_issue(m, g, next, slot, &bars[s]);
+    }
+    if (++s == m.ns) s = 0, phase ^= 1;
+  }
+}
+
+static int mt_rows_env() {  // $DS4_GPU_MV_TMA_BYTES: target code bytes per item (default 4096)
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA_BYTES");
+    const int b = e ? atoi(e) : 4096;
+    return b >= 512 ? b : 4096;
+  }();
+  return v;
+}
+
+// $DS4_GPU_MV_TMA_KB: shared memory per CTA in KB (default all 227). Less leaves room beside it for the kernels of
+// another stream (decode's side branches) at the price of fewer slots in flight.
+static size_t mt_smem_env() {
+  static const size_t v = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA_KB");
+    const long kb = e ? atol(e) : 227;
+    return (size_t)std::min<long>(227, std::max<long>(16, kb)) * 1024;
+  }();
+  return v;
+}
+
+static int64_t& mv_tma_count() {  // launches made (tests: the kernel did take the shapes they hand it)
+  static int64_t n = 0;
+  return n;
+}
+int64_t mv_tma_launches() { return mv_tma_count(); }
+
+static int& mv_tma_override() {  // set_mv_tma: 1 on, 0 off, -1 the environment
+  static int v = -1;
+  return v;
+}
+void set_mv_tma(int mode) { mv_tma_override() = mode == 0 || mode == 1 ? mode : -1; }
+
+bool mv_tma_enabled() {  // $DS4_GPU_MV_TMA=1 (an A/B switch until measured), read once
+  static const bool env = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA");
+    return e && e[0] == '1';
+  }();
+  return mv_tma_override() >= 0 ? mv_tma_override() == 1 : env;
+}
+
+// a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
+bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
+  if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
+  MtArgs m;
+  m.rw = std::max(1, mt_rows_env() / a.ncols);
+  int items = 0;
+  for (int i = 0; i < a.nseg; ++i) {
+    a.seg[i].tile0 = items;
+    items += (a.seg[i].rows + m.rw - 1) / m.rw;
+  }
+  a.tiles = items;
+  a.kpad = a.ncols;
+  a.nsteps = 1;
+  m.xbytes = (int)(((2 * (size_t)a.kpad + (size_t)a.kpad / 32 * 4) + 127) / 128 * 128);
+  m.slot = (int)((m.rw * (a.qs_row + a.sc_row) + 127) / 128 * 128);
+  const size_t fixed = m.xbytes + MT_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
+  const size_t budget = mt_smem_env();
+  if (budget < fixed + (size_t)MT_WARPS * m.slot) return false;
+  m.ns = (int)std::min<size_t>(MT_MAX_SLOTS, (budget - fixed) / ((size_t)MT_WARPS * m.slot));
+  if (m.ns < 1) return false;
+  m.a = a;
+  const size_t smem = fixed + (size_t)MT_WARPS * m.ns * m.slot;
+  static size_t smem_set = 48 * 1024;
+  if (smem > smem_set) {
+    DS4_CHECK(cudaFuncSetAttribute(matvec_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
+    smem_set = MT_SMEM_MAX;
+  }
+  const int per_group = std::max(1, sm_count() / groups);
+  const int gx = std::min(per_group, (items + MT_WARPS - 1) / MT_WARPS);
+  launch_pdl(pdl, matvec_tma_kernel, dim3((unsigned)gx, (unsigned)groups), dim3(MT_THREADS), smem, stream, m);
+  DS4_CHECK_LAUNCH("matvec_tma");
+  ++mv_tma_count();
+  return true;
+}
+
+}  // namespace ds4gpu
