@@ -138,7 +138,8 @@ def test_shared_quantized_x_same_bits() -> None:
 
 
 def test_graph_replays_same_bits() -> None:
-    """Captured once, replayed: the slots' barriers start each launch fresh (the phases do not leak)."""
+    """Captured once (as the decode graphs capture it), replayed: each launch initializes its slots' barriers, so
+    no phase leaks from one replay into the next."""
     ext = gpu.load()
     rng = np.random.default_rng(13)
     w, _ = upload("tma.graph", 8192, 4096, rng)
@@ -150,16 +151,43 @@ def test_graph_replays_same_bits() -> None:
         ext.synchronize()
         ref = y.numpy().copy()
         ext.set_mv_tma(1)
-        ext.synchronize()
-        ext.capture_begin()
-        try:
+        before = ext.mv_tma_launches()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ext.set_stream(torch.cuda.current_stream().cuda_stream)
             ext.matvec(w, xa, y, 1)
-        finally:
-            graph = ext.capture_end()
+        ext.set_stream(torch.cuda.current_stream().cuda_stream)
+        assert ext.mv_tma_launches() == before + 1
         for _ in range(3):
             y.fill(float("nan"))
-            graph.launch(2)
-            ext.synchronize()
+            graph.replay()
+            graph.replay()
+            torch.cuda.synchronize()
             assert np.array_equal(y.numpy(), ref)
     finally:
         ext.set_mv_tma(-1)
+
+
+def test_mode_2_takes_only_small_launches() -> None:
+    """DS4_GPU_MV_TMA=2: launches of at most $DS4_GPU_MV_TMA_MAX_MB (7 MB) of weights go to the bulk-copy kernel, the
+    35.6 MB ones stay on the streaming kernel; the outputs are the same bits either way."""
+    ext = gpu.load()
+    rng = np.random.default_rng(17)
+    small, _ = upload("tma.mode2.small", 4096, 1024, rng)  # attn_q_a, 4.5 MB
+    big, _ = upload("tma.mode2.big", 8192, 4096, rng)      # attn_output_b, 35.6 MB
+    for w in (small, big):
+        xa = ext.Array.from_numpy(x_vector(w.ncols, rng).reshape(1, -1))
+        y0 = ext.Array.from_numpy(np.full((1, w.nrows), np.nan, np.float32))
+        y2 = ext.Array.from_numpy(np.full((1, w.nrows), np.nan, np.float32))
+        try:
+            ext.set_mv_tma(0)
+            ext.matvec(w, xa, y0, 1)
+            ext.set_mv_tma(2)
+            before = ext.mv_tma_launches()
+            ext.matvec(w, xa, y2, 1)
+            ext.synchronize()
+            launched = ext.mv_tma_launches() - before
+        finally:
+            ext.set_mv_tma(-1)
+        assert launched == (1 if w is small else 0)
+        assert np.array_equal(y0.numpy(), y2.numpy())

@@ -55,8 +55,8 @@ static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_
   else launch_rc<QT, 1, 8>(a, groups, p.threads, p.smem, pdl, stream);
 }
 
-// matvec_tma.cu: the same products with the weights streamed by bulk copies ($DS4_GPU_MV_TMA=1; the same bits).
-bool mv_tma_enabled();
+// matvec_tma.cu: the same products with the weights streamed by bulk copies ($DS4_GPU_MV_TMA; the same bits).
+int mv_tma_mode();
 bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream);
 
 void set_mv_cap(int ctas_per_sm) { mv_cap_override() = ctas_per_sm > 0 ? ctas_per_sm : 0; }
@@ -72,7 +72,7 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
     a.norm_w = norm_w;
     a.eps = eps;
   }
-  if (ws[0]->qtype == QT_Q8_0 && mv_tma_enabled() && launch_matvec_tma(a, groups, pdl, stream)) return true;
+  if (ws[0]->qtype == QT_Q8_0 && mv_tma_mode() && launch_matvec_tma(a, groups, pdl, stream)) return true;
   if (ws[0]->qtype == QT_F16) launch_qt<QT_F16>(a, groups, rows, pdl, stream);
   else launch_qt<QT_Q8_0>(a, groups, rows, pdl, stream);
   return true;

@@ -154,23 +154,39 @@ static int64_t& mv_tma_count() {  // launches made (tests: the kernel did take t
 }
 int64_t mv_tma_launches() { return mv_tma_count(); }
 
-static int& mv_tma_override() {  // set_mv_tma: 1 on, 0 off, -1 the environment
+static int& mv_tma_override() {  // set_mv_tma: 0, 1, 2 as $DS4_GPU_MV_TMA; -1 the environment
   static int v = -1;
   return v;
 }
-void set_mv_tma(int mode) { mv_tma_override() = mode == 0 || mode == 1 ? mode : -1; }
+void set_mv_tma(int mode) { mv_tma_override() = mode >= 0 && mode <= 2 ? mode : -1; }
 
-bool mv_tma_enabled() {  // $DS4_GPU_MV_TMA=1 (an A/B switch until measured), read once
-  static const bool env = [] {
+// $DS4_GPU_MV_TMA (read once): 1 every Q8_0 launch the kernel takes; 2 only launches of at most
+// $DS4_GPU_MV_TMA_MAX_MB of weights (default 7: what the prologue's slots cover on 132 SMs, v17's q_a / kv gain);
+// 0 or unset: none (v17: slower on the 35.6 MB matrices, see NOTES.md).
+int mv_tma_mode() {
+  static const int env = [] {
     const char* e = getenv("DS4_GPU_MV_TMA");
-    return e && e[0] == '1';
+    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
   }();
-  return mv_tma_override() >= 0 ? mv_tma_override() == 1 : env;
+  return mv_tma_override() >= 0 ? mv_tma_override() : env;
+}
+
+static double mt_max_bytes() {
+  static const double v = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA_MAX_MB");
+    return (e ? atof(e) : 7.0) * 1e6;
+  }();
+  return v;
 }
 
 // a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
 bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
+  if (mv_tma_mode() == 2) {
+    double bytes = 0;
+    for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
+    if (bytes > mt_max_bytes()) return false;
+  }
   MtArgs m;
   m.rw = std::max(1, mt_rows_env() / a.ncols);
   int items = 0;
