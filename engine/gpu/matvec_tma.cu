@@ -13,8 +13,8 @@
 // order, and the same xor butterfly sums the lanes; x is staged by the same mv_stage_x. So DS4_GPU_MV_TMA switches
 // kernels without changing a bit (tests/test_gpu_matvec_tma.py).
 //
-// Shape: one CTA of 8 warps per SM (per group: grid.y = groups), items of RW whole rows (RW = max(1, 4096 / K)
-// by default) dealt to the warps round-robin; a slot is refilled as soon as its warp has consumed it.
+// Shape: one CTA of 8 warps per SM (per group: grid.y = groups), items of RW whole rows (RW a power of two up to 8,
+// RW * K <= 4096 by default) dealt to the warps round-robin; a slot is refilled as soon as its warp has consumed it.
 #include <algorithm>
 #include <cstdlib>
 
@@ -23,7 +23,7 @@
 
 namespace ds4gpu {
 
-constexpr int MT_WARPS = 8, MT_THREADS = 32 * MT_WARPS;
+constexpr int MT_MAX_WARPS = 16;  // warps per CTA: $DS4_GPU_MV_TMA_WARPS (default 8)
 constexpr int MT_MAX_SLOTS = 8;
 constexpr size_t MT_SMEM_MAX = 227 * 1024;
 
@@ -58,7 +58,10 @@ __device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int it, unsigne
   bulk_copy_g2s(slot + m.rw * m.a.qs_row, t.sv.sc + row * m.a.sc_row, sb, bar);
 }
 
-// The warp's rows of one landed item: mv_consume's operations per 512-column chunk, mv_finish's butterfly.
+// The warp's rows of one landed item: mv_consume's operations per 512-column chunk (x read once per chunk for all
+// RW rows, whose chains run side by side), mv_finish's butterfly. Rows past the item's end (a partial last item)
+// are computed from whatever the slot holds and not written.
+template <int RW>
 __device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const unsigned char* slot,
                                            const unsigned char* sx, int lane) {
   const MtItem t = mt_item(m, it);
@@ -66,18 +69,21 @@ __device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const
   const int4* s_hi = (const int4*)sx;
   const int4* s_lo = (const int4*)(sx + m.a.kpad);
   const float* s_xs = (const float*)(sx + 2 * m.a.kpad);
-  const unsigned char* sc0 = slot + m.rw * m.a.qs_row;
-  for (int r = 0; r < t.nr; ++r) {
-    const unsigned char* q_row = slot + r * m.a.qs_row + 16 * lane;
-    const unsigned short* s_row = (const unsigned short*)(sc0 + r * m.a.sc_row) + (lane >> 1);
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int c = 0; c < nchunks; ++c) {
-      const uint4 q = *(const uint4*)(q_row + c * MV_CHUNK_BYTES);
-      const uint32_t s = s_row[16 * c];
-      const int i16 = c * 32 + lane;
-      const int4 xh = s_hi[i16], xl = s_lo[i16];
-      const float xs = s_xs[i16 >> 1];
+  const unsigned char* q0 = slot + 16 * lane;
+  const unsigned short* sc0 = (const unsigned short*)(slot + RW * m.a.qs_row) + (lane >> 1);
+  const int sc_row = (int)(m.a.sc_row / 2);
+  float acc[RW];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
+#pragma unroll 2
+  for (int c = 0; c < nchunks; ++c) {
+    const int i16 = c * 32 + lane;
+    const int4 xh = s_hi[i16], xl = s_lo[i16];
+    const float xs = s_xs[i16 >> 1];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const uint4 q = *(const uint4*)(q0 + r * m.a.qs_row + c * MV_CHUNK_BYTES);
+      const uint32_t s = sc0[r * sc_row + 16 * c];
       int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
       th = __dp4a((int)q.y, xh.y, th);
       tl = __dp4a((int)q.y, xl.y, tl);
@@ -87,21 +93,25 @@ __device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const
       tl = __dp4a((int)q.w, xl.w, tl);
       int v = 254 * th + tl;
       v += __shfl_xor_sync(0xffffffffu, v, 1);  // exact int32 sum of the 32-column x block
-      if (!(lane & 1)) acc = fmaf(half_bits(s) * xs, (float)v, acc);
+      if (!(lane & 1)) acc[r] = fmaf(half_bits(s) * xs, (float)v, acc[r]);
     }
+  }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);  // odd lanes hold 0
-    if (lane == 0) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc;
+  for (int r = 0; r < RW; ++r) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // odd lanes hold 0
+    if (lane == 2 * r && r < t.nr) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc[r];
   }
 }
 
-__global__ void __launch_bounds__(MT_THREADS, 1) matvec_tma_kernel(MtArgs m) {
+template <int RW>
+__global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs m) {
   extern __shared__ __align__(128) unsigned char mt_smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = blockIdx.y, W = blockDim.x >> 5;
   unsigned char* sx = mt_smem;
   uint64_t* bars = (uint64_t*)(mt_smem + m.xbytes) + warp * MT_MAX_SLOTS;
-  unsigned char* slots = mt_smem + m.xbytes + MT_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * m.ns * m.slot;
-  const int NW = gridDim.x * MT_WARPS, first = blockIdx.x * MT_WARPS + warp;
+  unsigned char* slots = mt_smem + m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * m.ns * m.slot;
+  const int NW = gridDim.x * W, first = blockIdx.x * W + warp;
   if (lane == 0) {
     for (int s = 0; s < m.ns; ++s) mbar_init(&bars[s], 1);
     mbar_init_fence();
@@ -117,7 +127,7 @@ __global__ void __launch_bounds__(MT_THREADS, 1) matvec_tma_kernel(MtArgs m) {
   for (int it = first; it < m.a.tiles; it += NW) {
     unsigned char* slot = slots + (size_t)s * m.slot;
     mbar_wait(&bars[s], phase);
-    mt_consume(m, g, it, slot, sx, lane);
+    mt_consume<RW>(m, g, it, slot, sx, lane);
     __syncwarp();
     const int next = it + m.ns * NW;
     if (lane == 0 && next < m.a.tiles) {
@@ -133,6 +143,15 @@ static int mt_rows_env() {  // $DS4_GPU_MV_TMA_BYTES: target code bytes per item
     const char* e = getenv("DS4_GPU_MV_TMA_BYTES");
     const int b = e ? atoi(e) : 4096;
     return b >= 512 ? b : 4096;
+  }();
+  return v;
+}
+
+static int mt_warps_env() {  // $DS4_GPU_MV_TMA_WARPS: warps per CTA, 4 .. 16 (default 8)
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA_WARPS");
+    const int w = e ? atoi(e) : 8;
+    return std::min(MT_MAX_WARPS, std::max(4, w));
   }();
   return v;
 }
@@ -188,7 +207,8 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
     if (bytes > mt_max_bytes()) return false;
   }
   MtArgs m;
-  m.rw = std::max(1, mt_rows_env() / a.ncols);
+  m.rw = 1;
+  while (m.rw < 8 && (m.rw * 2) * a.ncols <= mt_rows_env()) m.rw *= 2;  // a power of two: the kernel's template
   int items = 0;
   for (int i = 0; i < a.nseg; ++i) {
     a.seg[i].tile0 = items;
@@ -197,23 +217,30 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   a.tiles = items;
   a.kpad = a.ncols;
   a.nsteps = 1;
+  const int W = mt_warps_env();
   m.xbytes = (int)(((2 * (size_t)a.kpad + (size_t)a.kpad / 32 * 4) + 127) / 128 * 128);
   m.slot = (int)((m.rw * (a.qs_row + a.sc_row) + 127) / 128 * 128);
-  const size_t fixed = m.xbytes + MT_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
+  const size_t fixed = m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
   const size_t budget = mt_smem_env();
-  if (budget < fixed + (size_t)MT_WARPS * m.slot) return false;
-  m.ns = (int)std::min<size_t>(MT_MAX_SLOTS, (budget - fixed) / ((size_t)MT_WARPS * m.slot));
-  if (m.ns < 1) return false;
+  if (budget < fixed + (size_t)W * m.slot) return false;
+  m.ns = (int)std::min<size_t>(MT_MAX_SLOTS, (budget - fixed) / ((size_t)W * m.slot));
   m.a = a;
-  const size_t smem = fixed + (size_t)MT_WARPS * m.ns * m.slot;
-  static size_t smem_set = 48 * 1024;
-  if (smem > smem_set) {
-    DS4_CHECK(cudaFuncSetAttribute(matvec_tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
-    smem_set = MT_SMEM_MAX;
-  }
+  const size_t smem = fixed + (size_t)W * m.ns * m.slot;
+  static bool smem_set[4] = {false, false, false, false};
   const int per_group = std::max(1, sm_count() / groups);
-  const int gx = std::min(per_group, (items + MT_WARPS - 1) / MT_WARPS);
-  launch_pdl(pdl, matvec_tma_kernel, dim3((unsigned)gx, (unsigned)groups), dim3(MT_THREADS), smem, stream, m);
+  const int gx = std::min(per_group, (items + W - 1) / W);
+  const dim3 grid((unsigned)gx, (unsigned)groups), block((unsigned)(32 * W));
+  auto go = [&](auto kernel, int slot) {
+    if (!smem_set[slot]) {
+      DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
+      smem_set[slot] = true;
+    }
+    launch_pdl(pdl, kernel, grid, block, smem, stream, m);
+  };
+  if (m.rw == 1) go(matvec_tma_kernel<1>, 0);
+  else if (m.rw == 2) go(matvec_tma_kernel<2>, 1);
+  else if (m.rw == 4) go(matvec_tma_kernel<4>, 2);
+  else go(matvec_tma_kernel<8>, 3);
   DS4_CHECK_LAUNCH("matvec_tma");
   ++mv_tma_count();
   return true;
