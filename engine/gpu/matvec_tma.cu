@@ -1,4 +1,5 @@
-// Batch-1 Q8_0 matvec that streams its weights with bulk (TMA) copies into shared memory ($DS4_GPU_MV_TMA=1; v17).
+// Batch-1 Q8_0 matvec that streams its weights with bulk (TMA) copies into shared memory ($DS4_GPU_MV_TMA; v17: the
+// default for launches of at most 7 MB of weights).
 //
 // Why: ncu of the register-streaming kernel (matvec_stream.cu) on Flash's 35.6 MB matrices, launched alone: o_b
 // 18.1 us at 42% of DRAM bandwidth, q_b 13.5 us at 56%, o_a 15.4 us at 50%, long-scoreboard the top stall. Each warp
@@ -13,7 +14,11 @@
 // order, and the same xor butterfly sums the lanes; x is staged by the same mv_stage_x. So DS4_GPU_MV_TMA switches
 // kernels without changing a bit (tests/test_gpu_matvec_tma.py).
 //
-// Shape: one CTA of 8 warps per SM (per group: grid.y = groups), items of RW whole rows (RW a power of two up to 8,
+// Measured (v17, H200, kernel bench, launched alone; streaming kernel -> this one with 16 warps): q_a 6.7 -> 3.6 us,
+// kv 6.3 -> 3.6, shared gate/up 5.8 -> 5.4, shared down 4.9 -> 4.5, o_b 14.2 -> 14.1, but q_b 9.8 -> 10.4 and o_a
+// 11.6 -> 12.5; in the decode graph only the small launches gain, hence mode 2.
+//
+// Shape: one CTA of 16 warps per SM (per group: grid.y = groups), items of RW whole rows (RW a power of two up to 8,
 // RW * K <= 4096 by default) dealt to the warps round-robin; a slot is refilled as soon as its warp has consumed it.
 #include <algorithm>
 #include <cstdlib>
@@ -23,7 +28,7 @@
 
 namespace ds4gpu {
 
-constexpr int MT_MAX_WARPS = 16;  // warps per CTA: $DS4_GPU_MV_TMA_WARPS (default 8)
+constexpr int MT_MAX_WARPS = 16;  // warps per CTA: $DS4_GPU_MV_TMA_WARPS (default 16)
 constexpr int MT_MAX_SLOTS = 8;
 constexpr size_t MT_SMEM_MAX = 227 * 1024;
 
@@ -147,10 +152,10 @@ static int mt_rows_env() {  // $DS4_GPU_MV_TMA_BYTES: target code bytes per item
   return v;
 }
 
-static int mt_warps_env() {  // $DS4_GPU_MV_TMA_WARPS: warps per CTA, 4 .. 16 (default 8)
+static int mt_warps_env() {  // $DS4_GPU_MV_TMA_WARPS: warps per CTA, 4 .. 16 (default 16; v17: 8 slower everywhere)
   static const int v = [] {
     const char* e = getenv("DS4_GPU_MV_TMA_WARPS");
-    const int w = e ? atoi(e) : 8;
+    const int w = e ? atoi(e) : 16;
     return std::min(MT_MAX_WARPS, std::max(4, w));
   }();
   return v;
@@ -179,13 +184,13 @@ static int& mv_tma_override() {  // set_mv_tma: 0, 1, 2 as $DS4_GPU_MV_TMA; -1 t
 }
 void set_mv_tma(int mode) { mv_tma_override() = mode >= 0 && mode <= 2 ? mode : -1; }
 
-// $DS4_GPU_MV_TMA (read once): 1 every Q8_0 launch the kernel takes; 2 only launches of at most
-// $DS4_GPU_MV_TMA_MAX_MB of weights (default 7: what the prologue's slots cover on 132 SMs, v17's q_a / kv gain);
-// 0 or unset: none (v17: slower on the 35.6 MB matrices, see NOTES.md).
+// $DS4_GPU_MV_TMA (read once): 2 (default) only launches of at most $DS4_GPU_MV_TMA_MAX_MB of weights (7 MB: q_a +
+// kv, the shared expert's down; v17 decode at 2k 7.43 against 7.51 ms); 1 every Q8_0 launch the kernel takes (v17:
+// slower on the 35.6 MB matrices, 7.58 ms); 0: none.
 int mv_tma_mode() {
   static const int env = [] {
     const char* e = getenv("DS4_GPU_MV_TMA");
-    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
+    return e && (e[0] == '0' || e[0] == '1' || e[0] == '2') ? e[0] - '0' : 2;
   }();
   return mv_tma_override() >= 0 ? mv_tma_override() : env;
 }
