@@ -59,7 +59,8 @@ def x_vector(n: int, rng) -> np.ndarray:
 
 @pytest.mark.parametrize("cols,rows,groups", [
     (1024, 32768, 1),  # attn_q_b
-    (8192, 4096, 1),   # attn_output_b: one row per item, 3 slots per warp
+    (8192, 4096, 1),   # attn_output_b: rows of two slabs, streamed one after the other by their warp
+    (16384, 300, 1),   # the widest Q8_0 row the staging takes: four slabs
     (4096, 8192, 8),   # attn_output_a: eight groups of 1024 rows, each its own x
     (2048, 4096, 1),   # ffn_down_shexp
     (1536, 1003, 1),   # rows of no particular multiple: a partial last item

@@ -18,8 +18,10 @@
 // kv 6.3 -> 3.6, shared gate/up 5.8 -> 5.4, shared down 4.9 -> 4.5, o_b 14.2 -> 14.1, but q_b 9.8 -> 10.4 and o_a
 // 11.6 -> 12.5; in the decode graph only the small launches gain, hence mode 2.
 //
-// Shape: one CTA of 16 warps per SM (per group: grid.y = groups), items of RW whole rows (RW a power of two up to 8,
-// RW * K <= 4096 by default) dealt to the warps round-robin; a slot is refilled as soon as its warp has consumed it.
+// Shape: one CTA of 16 warps per SM (per group: grid.y = groups). Row groups of RW rows (RW a power of two up to 8,
+// RW * K <= 4096 by default) are dealt to the warps round-robin; a row longer than that (o_b's 8192 columns) is cut
+// into slabs that its warp streams one after another, accumulating in chunk order. A slot is refilled as soon as its
+// warp has consumed it.
 #include <algorithm>
 #include <cstdlib>
 
@@ -33,61 +35,66 @@ constexpr int MT_MAX_SLOTS = 8;
 constexpr size_t MT_SMEM_MAX = 227 * 1024;
 
 struct MtArgs {
-  MvArgs a;       // segments, x and its staging (kpad = ncols), tiles = items per group, seg[i].tile0 = first item
-  int rw;         // rows per item
+  MvArgs a;       // segments, x and its staging (kpad = ncols), tiles = row groups per group, seg[i].tile0 = first
+  int rw;         // rows per row group
+  int nslab;      // slabs per row group (rw == 1 when > 1): column ranges of slab_cols, consumed in order
+  int slab_cols;  // ncols / nslab, a multiple of 512
   int ns;         // slots per warp
-  int slot;       // bytes per slot: rw * (qs_row + sc_row), a multiple of 128
+  int slot;       // bytes per slot: rw * slab_cols codes + rw * slab_cols / 16 scale bytes, a multiple of 128
   int xbytes;     // bytes of the staged x (a multiple of 128)
 };
 
-// The rows of item `it` of group g: segment view, first row of the group's segment and row count.
+// The rows of row group rg (of group g's segments): segment view, first row in the segment and row count.
 struct MtItem {
   SegView sv;
   int r0, nr;
 };
-__device__ __forceinline__ MtItem mt_item(const MtArgs& m, int it) {
+__device__ __forceinline__ MtItem mt_item(const MtArgs& m, int rg) {
   MtItem o;
-  o.sv = seg_of(m.a, it);
+  o.sv = seg_of(m.a, rg);
   o.r0 = o.sv.t * m.rw;
   o.nr = min(m.rw, o.sv.rows - o.r0);
   return o;
 }
 
-// Lane 0: the bulk copies of item it of group g into slot (codes at 0, scales at rw * qs_row), counted on bar.
-__device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int it, unsigned char* slot, uint64_t* bar) {
-  const MtItem t = mt_item(m, it);
+// A warp's work is a sequence of slots q = 0, 1, ...: row group first + (q / nslab) NW, slab q % nslab.
+struct MtSeq {
+  int first, NW, nslab, tiles;
+  __device__ __forceinline__ int rg(int q) const { return first + (q / nslab) * NW; }
+  __device__ __forceinline__ bool valid(int q) const { return rg(q) < tiles; }
+};
+
+// Lane 0: the bulk copies of slab j of row group rg (group g) into slot (codes at 0, scales after rw slabs of codes),
+// counted on bar. Rows of a group are contiguous in both planes, and so is one row's slab (rw == 1 when nslab > 1).
+__device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int rg, int j, unsigned char* slot, uint64_t* bar) {
+  const MtItem t = mt_item(m, rg);
   const int64_t row = (int64_t)g * t.sv.rows + t.r0;
-  const uint32_t qb = (uint32_t)(t.nr * m.a.qs_row), sb = (uint32_t)(t.nr * m.a.sc_row);
+  const uint32_t qb = (uint32_t)(t.nr * m.slab_cols), sb = (uint32_t)(t.nr * (m.slab_cols / 16));
   mbar_arrive_expect_tx(bar, qb + sb);
-  bulk_copy_g2s(slot, t.sv.qs + row * m.a.qs_row, qb, bar);
-  bulk_copy_g2s(slot + m.rw * m.a.qs_row, t.sv.sc + row * m.a.sc_row, sb, bar);
+  bulk_copy_g2s(slot, t.sv.qs + row * m.a.qs_row + (int64_t)j * m.slab_cols, qb, bar);
+  bulk_copy_g2s(slot + m.rw * m.slab_cols, t.sv.sc + row * m.a.sc_row + (int64_t)j * (m.slab_cols / 16), sb, bar);
 }
 
-// The warp's rows of one landed item: mv_consume's operations per 512-column chunk (x read once per chunk for all
-// RW rows, whose chains run side by side), mv_finish's butterfly. Rows past the item's end (a partial last item)
-// are computed from whatever the slot holds and not written.
+// acc[r] += this slab's part of row r: mv_consume's operations per 512-column chunk, in chunk order (x read once per
+// chunk for all RW rows, whose chains run side by side).
 template <int RW>
-__device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const unsigned char* slot,
-                                           const unsigned char* sx, int lane) {
-  const MtItem t = mt_item(m, it);
-  const int nchunks = m.a.ncols / MV_CHUNK_BYTES;
+__device__ __forceinline__ void mt_consume(const MtArgs& m, int j, const unsigned char* slot, const unsigned char* sx,
+                                           int lane, float (&acc)[RW]) {
+  const int nchunks = m.slab_cols / MV_CHUNK_BYTES, c0 = j * nchunks;
   const int4* s_hi = (const int4*)sx;
   const int4* s_lo = (const int4*)(sx + m.a.kpad);
   const float* s_xs = (const float*)(sx + 2 * m.a.kpad);
   const unsigned char* q0 = slot + 16 * lane;
-  const unsigned short* sc0 = (const unsigned short*)(slot + RW * m.a.qs_row) + (lane >> 1);
-  const int sc_row = (int)(m.a.sc_row / 2);
-  float acc[RW];
-#pragma unroll
-  for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
+  const unsigned short* sc0 = (const unsigned short*)(slot + RW * m.slab_cols) + (lane >> 1);
+  const int sc_row = m.slab_cols / 32;  // scales per row of the slot
 #pragma unroll 2
   for (int c = 0; c < nchunks; ++c) {
-    const int i16 = c * 32 + lane;
+    const int i16 = (c0 + c) * 32 + lane;
     const int4 xh = s_hi[i16], xl = s_lo[i16];
     const float xs = s_xs[i16 >> 1];
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
-      const uint4 q = *(const uint4*)(q0 + r * m.a.qs_row + c * MV_CHUNK_BYTES);
+      const uint4 q = *(const uint4*)(q0 + r * m.slab_cols + c * MV_CHUNK_BYTES);
       const uint32_t s = sc0[r * sc_row + 16 * c];
       int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
       th = __dp4a((int)q.y, xh.y, th);
@@ -101,11 +108,19 @@ __device__ __forceinline__ void mt_consume(const MtArgs& m, int g, int it, const
       if (!(lane & 1)) acc[r] = fmaf(half_bits(s) * xs, (float)v, acc[r]);
     }
   }
+}
+
+// mv_finish's butterfly and store for row group rg; rows past its end (a partial last group) were computed from
+// whatever the slot held and are not written.
+template <int RW>
+__device__ __forceinline__ void mt_finish(const MtArgs& m, int g, int rg, int lane, float (&acc)[RW]) {
+  const MtItem t = mt_item(m, rg);
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // odd lanes hold 0
     if (lane == 2 * r && r < t.nr) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc[r];
+    acc[r] = 0.0f;
   }
 }
 
@@ -116,29 +131,34 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
   unsigned char* sx = mt_smem;
   uint64_t* bars = (uint64_t*)(mt_smem + m.xbytes) + warp * MT_MAX_SLOTS;
   unsigned char* slots = mt_smem + m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * m.ns * m.slot;
-  const int NW = gridDim.x * W, first = blockIdx.x * W + warp;
+  const MtSeq seq{(int)blockIdx.x * W + warp, (int)gridDim.x * W, m.nslab, m.a.tiles};
   if (lane == 0) {
     for (int s = 0; s < m.ns; ++s) mbar_init(&bars[s], 1);
     mbar_init_fence();
     // the weights never depend on earlier kernels: every slot's copy goes out before griddepcontrol.wait
-    for (int s = 0; s < m.ns; ++s)
-      if (first + s * NW < m.a.tiles) mt_issue(m, g, first + s * NW, slots + (size_t)s * m.slot, &bars[s]);
+    for (int q = 0; q < m.ns; ++q)
+      if (seq.valid(q)) mt_issue(m, g, seq.rg(q), q % m.nslab, slots + (size_t)q * m.slot, &bars[q]);
   }
   pdl_trigger();
   pdl_wait();  // x (and y's readers) are from earlier kernels
   mv_stage_x<QT_Q8_0>(m.a, g, sx);
   __syncthreads();
+  float acc[RW];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
   int s = 0, phase = 0;
-  for (int it = first; it < m.a.tiles; it += NW) {
+  for (int q = 0; seq.valid(q); ++q) {
     unsigned char* slot = slots + (size_t)s * m.slot;
+    const int j = q % m.nslab;
     mbar_wait(&bars[s], phase);
-    mt_consume<RW>(m, g, it, slot, sx, lane);
+    mt_consume<RW>(m, j, slot, sx, lane, acc);
     __syncwarp();
-    const int next = it + m.ns * NW;
-    if (lane == 0 && next < m.a.tiles) {
+    const int next = q + m.ns;
+    if (lane == 0 && seq.valid(next)) {
       fence_async_smem();  // the warp's reads of this slot before the copy that refills it
-      mt_issue(m, g, next, slot, &bars[s]);
+      mt_issue(m, g, seq.rg(next), next % m.nslab, slot, &bars[s]);
     }
+    if (j == m.nslab - 1) mt_finish<RW>(m, g, seq.rg(q), lane, acc);
     if (++s == m.ns) s = 0, phase ^= 1;
   }
 }
@@ -195,6 +215,16 @@ int mv_tma_mode() {
   return mv_tma_override() >= 0 ? mv_tma_override() : env;
 }
 
+// $DS4_GPU_MV_TMA_MIN_K: mode 2 also takes launches of at least this many columns (0, the default: none), whose rows
+// are cut into slabs (o_b's 8192).
+static int mt_min_k() {
+  static const int v = [] {
+    const char* e = getenv("DS4_GPU_MV_TMA_MIN_K");
+    return e ? atoi(e) : 0;
+  }();
+  return v;
+}
+
 static double mt_max_bytes() {
   static const double v = [] {
     const char* e = getenv("DS4_GPU_MV_TMA_MAX_MB");
@@ -206,14 +236,18 @@ static double mt_max_bytes() {
 // a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
 bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
-  if (mv_tma_mode() == 2) {
+  if (mv_tma_mode() == 2 && !(mt_min_k() > 0 && a.ncols >= mt_min_k())) {
     double bytes = 0;
     for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
     if (bytes > mt_max_bytes()) return false;
   }
   MtArgs m;
+  // rows of RW (a power of two up to 8) while RW * K fits the target; rows longer than it are cut into slabs
   m.rw = 1;
-  while (m.rw < 8 && (m.rw * 2) * a.ncols <= mt_rows_env()) m.rw *= 2;  // a power of two: the kernel's template
+  while (m.rw < 8 && (m.rw * 2) * a.ncols <= mt_rows_env()) m.rw *= 2;
+  m.nslab = 1;
+  while (a.ncols / m.nslab > mt_rows_env() && (a.ncols / (2 * m.nslab)) % MV_CHUNK_BYTES == 0) m.nslab *= 2;
+  m.slab_cols = a.ncols / m.nslab;
   int items = 0;
   for (int i = 0; i < a.nseg; ++i) {
     a.seg[i].tile0 = items;
@@ -224,7 +258,7 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   a.nsteps = 1;
   const int W = mt_warps_env();
   m.xbytes = (int)(((2 * (size_t)a.kpad + (size_t)a.kpad / 32 * 4) + 127) / 128 * 128);
-  m.slot = (int)((m.rw * (a.qs_row + a.sc_row) + 127) / 128 * 128);
+  m.slot = (int)((m.rw * (m.slab_cols + m.slab_cols / 16) + 127) / 128 * 128);
   const size_t fixed = m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
   const size_t budget = mt_smem_env();
   if (budget < fixed + (size_t)W * m.slot) return false;
