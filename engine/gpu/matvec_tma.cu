@@ -57,11 +57,13 @@ __device__ __forceinline__ MtItem mt_item(const MtArgs& m, int rg) {
   return o;
 }
 
-// A warp's work is a sequence of slots q = 0, 1, ...: row group first + (q / nslab) NW, slab q % nslab.
-struct MtSeq {
-  int first, NW, nslab, tiles;
-  __device__ __forceinline__ int rg(int q) const { return first + (q / nslab) * NW; }
-  __device__ __forceinline__ bool valid(int q) const { return rg(q) < tiles; }
+// A warp's work is a sequence of (row group, slab) items: row groups first, first + NW, ..., each slab 0 .. nslab - 1
+// in order. Stepped incrementally: a division per item would cost as much as a chunk's products.
+struct MtCursor {
+  int rg, j;
+  __device__ __forceinline__ void next(int nslab, int NW) {
+    if (++j == nslab) j = 0, rg += NW;
+  }
 };
 
 // Lane 0: the bulk copies of slab j of row group rg (group g) into slot (codes at 0, scales after rw slabs of codes),
@@ -131,14 +133,15 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
   unsigned char* sx = mt_smem;
   uint64_t* bars = (uint64_t*)(mt_smem + m.xbytes) + warp * MT_MAX_SLOTS;
   unsigned char* slots = mt_smem + m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * m.ns * m.slot;
-  const MtSeq seq{(int)blockIdx.x * W + warp, (int)gridDim.x * W, m.nslab, m.a.tiles};
+  const int NW = (int)gridDim.x * W;
+  MtCursor fill{(int)blockIdx.x * W + warp, 0};  // the next item to copy (uniform over the warp)
   if (lane == 0) {
     for (int s = 0; s < m.ns; ++s) mbar_init(&bars[s], 1);
     mbar_init_fence();
-    // the weights never depend on earlier kernels: every slot's copy goes out before griddepcontrol.wait
-    for (int q = 0; q < m.ns; ++q)
-      if (seq.valid(q)) mt_issue(m, g, seq.rg(q), q % m.nslab, slots + (size_t)q * m.slot, &bars[q]);
   }
+  // the weights never depend on earlier kernels: every slot's copy goes out before griddepcontrol.wait
+  for (int s = 0; s < m.ns && fill.rg < m.a.tiles; ++s, fill.next(m.nslab, NW))
+    if (lane == 0) mt_issue(m, g, fill.rg, fill.j, slots + (size_t)s * m.slot, &bars[s]);
   pdl_trigger();
   pdl_wait();  // x (and y's readers) are from earlier kernels
   mv_stage_x<QT_Q8_0>(m.a, g, sx);
@@ -147,18 +150,19 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
 #pragma unroll
   for (int r = 0; r < RW; ++r) acc[r] = 0.0f;
   int s = 0, phase = 0;
-  for (int q = 0; seq.valid(q); ++q) {
+  for (MtCursor cur{(int)blockIdx.x * W + warp, 0}; cur.rg < m.a.tiles; cur.next(m.nslab, NW)) {
     unsigned char* slot = slots + (size_t)s * m.slot;
-    const int j = q % m.nslab;
     mbar_wait(&bars[s], phase);
-    mt_consume<RW>(m, j, slot, sx, lane, acc);
+    mt_consume<RW>(m, cur.j, slot, sx, lane, acc);
     __syncwarp();
-    const int next = q + m.ns;
-    if (lane == 0 && seq.valid(next)) {
-      fence_async_smem();  // the warp's reads of this slot before the copy that refills it
-      mt_issue(m, g, seq.rg(next), next % m.nslab, slot, &bars[s]);
+    if (fill.rg < m.a.tiles) {
+      if (lane == 0) {
+        fence_async_smem();  // the warp's reads of this slot before the copy that refills it
+        mt_issue(m, g, fill.rg, fill.j, slot, &bars[s]);
+      }
+      fill.next(m.nslab, NW);
     }
-    if (j == m.nslab - 1) mt_finish<RW>(m, g, seq.rg(q), lane, acc);
+    if (cur.j == m.nslab - 1) mt_finish<RW>(m, g, cur.rg, lane, acc);
     if (++s == m.ns) s = 0, phase ^= 1;
   }
 }
