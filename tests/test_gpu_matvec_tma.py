@@ -192,3 +192,25 @@ def test_mode_2_takes_only_small_launches() -> None:
             ext.set_mv_tma(-1)
         assert launched == (1 if w is small else 0)
         assert np.array_equal(y0.numpy(), y2.numpy())
+
+
+def test_mode_3_leaves_q_b_and_grouped_launches() -> None:
+    """DS4_GPU_MV_TMA=3: every Q8_0 launch on the bulk-copy kernel but q_b's shape (rows of 1024 columns, 35.6 MB) and
+    grouped ones (o_a), where the v17 kernel bench has it slower."""
+    ext = gpu.load()
+    rng = np.random.default_rng(19)
+    cases = [(upload("tma.mode3.o_b", 8192, 4096, rng)[0], 1, 1), (upload("tma.mode3.q_b", 1024, 32768, rng)[0], 1, 0),
+             (upload("tma.mode3.o_a", 4096, 8192, rng)[0], 8, 0)]
+    for w, groups, want in cases:
+        xa = ext.Array.from_numpy(x_vector(groups * w.ncols, rng).reshape(1, -1))
+        y = ext.Array.from_numpy(np.full((1, w.nrows), np.nan, np.float32))
+        try:
+            ext.set_mv_tma(3)
+            before = ext.mv_tma_launches()
+            ext.matvec(w, xa, y, groups)
+            ext.synchronize()
+            launched = ext.mv_tma_launches() - before
+        finally:
+            ext.set_mv_tma(-1)
+        assert launched == want, (w.ncols, w.nrows, groups)
+        assert not np.isnan(y.numpy()).any()

@@ -571,7 +571,8 @@ PYBIND11_MODULE(_ext, m) {
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");
   m.def("set_mv_tma", &set_mv_tma, py::arg("mode"),
-        "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB), the "
+        "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
+        "but q_b-like and grouped ones), the "
         "register-streaming one (0) or as $DS4_GPU_MV_TMA says (-1, default 2); read when a launch is made or captured.");
   m.def("mv_tma_launches", &mv_tma_launches, "Launches of the bulk-copy matvec kernel so far in this process.");
   m.def("dequant", [](const Tensor& w, uintptr_t out, uintptr_t lo, float scale, int64_t row0, int64_t nrows,

@@ -206,15 +206,16 @@ static int& mv_tma_override() {  // set_mv_tma: 0, 1, 2 as $DS4_GPU_MV_TMA; -1 t
   static int v = -1;
   return v;
 }
-void set_mv_tma(int mode) { mv_tma_override() = mode >= 0 && mode <= 2 ? mode : -1; }
+void set_mv_tma(int mode) { mv_tma_override() = mode >= 0 && mode <= 3 ? mode : -1; }
 
 // $DS4_GPU_MV_TMA (read once): 2 (default) only launches of at most $DS4_GPU_MV_TMA_MAX_MB of weights (7 MB: q_a +
-// kv, the shared expert's down; v17 decode at 2k 7.43 against 7.51 ms); 1 every Q8_0 launch the kernel takes (v17:
-// slower on the 35.6 MB matrices, 7.58 ms); 0: none.
+// kv; v17 decode at 2k 7.43 against 7.51 ms); 1 every Q8_0 launch the kernel takes (v17: 7.58 ms before the row
+// slabs and the cursor); 3 every launch but the two shapes where the v17 kernel bench has it slower: rows of at most
+// 1024 columns above the size limit (q_b) and grouped matrices (o_a) (prepared, not measured in a session); 0: none.
 int mv_tma_mode() {
   static const int env = [] {
     const char* e = getenv("DS4_GPU_MV_TMA");
-    return e && (e[0] == '0' || e[0] == '1' || e[0] == '2') ? e[0] - '0' : 2;
+    return e && e[0] >= '0' && e[0] <= '3' ? e[0] - '0' : 2;
   }();
   return mv_tma_override() >= 0 ? mv_tma_override() : env;
 }
@@ -240,11 +241,11 @@ static double mt_max_bytes() {
 // a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
 bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
-  if (mv_tma_mode() == 2 && !(mt_min_k() > 0 && a.ncols >= mt_min_k())) {
-    double bytes = 0;
-    for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
-    if (bytes > mt_max_bytes()) return false;
-  }
+  const int mode = mv_tma_mode();
+  double bytes = 0;
+  for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
+  if (mode == 2 && !(mt_min_k() > 0 && a.ncols >= mt_min_k()) && bytes > mt_max_bytes()) return false;
+  if (mode == 3 && (groups > 1 || (a.ncols <= 1024 && bytes > mt_max_bytes()))) return false;
   MtArgs m;
   // rows of RW (a power of two up to 8) while RW * K fits the target; rows longer than it are cut into slabs
   m.rw = 1;
