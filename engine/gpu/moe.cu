@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <type_traits>
 
 #include "moe_mma.cuh"
 #include "mv_core.cuh"
@@ -142,7 +143,16 @@ __device__ __forceinline__ void gu_quantize_h_block(const float* h, const XQ& xq
 
 // XM == GU_X_QUANT: x is the token's float32 x (xq.n holds n_embd) and xq_h receives h quantized; otherwise
 // both are unused.
-template <int QT, int XM>
+// LUT (IQ2_XXS, $DS4_GPU_GU_LUT=1; v17, prepared): the 16-replica grid and sign-mask tables (Iq2LutTables) instead of
+// the 32-replica grid with the signs computed: the same codes, so the same bits.
+template <int QT, bool LUT>
+using GuTables = std::conditional_t<LUT, Iq2LutTables, Iq2LaneTables>;
+template <int QT, bool LUT>
+__host__ __device__ constexpr size_t gu_table_bytes() {
+  return QT != QT_IQ2_XXS ? 0 : (LUT ? IQ2_LUT_TABLE_BYTES : IQ2_LANE_TABLE_BYTES);
+}
+
+template <int QT, int XM, bool LUT = false>
 __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
@@ -150,18 +160,22 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
                                                                      XQ xq_h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
-  extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the lane-replicated grid; then x (XS)
-  constexpr size_t table_bytes = QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0;
+  extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
+  constexpr size_t table_bytes = gu_table_bytes<QT, LUT>();
+  using TB = GuTables<QT, LUT>;
   pdl_trigger();
-  if constexpr (QT == QT_IQ2_XXS) {
-    iq2_lane_tables_init(s_rep);
-    __syncthreads();
-  }
   const int lane = threadIdx.x & 31;
+  TB tb{};
+  if constexpr (QT == QT_IQ2_XXS) {
+    if constexpr (LUT) tb = iq2_lut_tables_init(s_rep);
+    else iq2_lane_tables_init(s_rep), tb = TB{s_rep, lane};
+    __syncthreads();
+  } else {
+    if constexpr (!LUT) tb = TB{s_rep, lane};
+  }
   pdl_wait();  // ids, x and h's readers are from earlier kernels
   if constexpr (XM == GU_X_STAGED) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
   if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
-  const Iq2LaneTables tb{s_rep, lane};
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
   for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
@@ -183,7 +197,7 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
     float acc[R][1];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    mv_accumulate<QT, 1, R, Iq2LaneTables, XS>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
+    mv_accumulate<QT, 1, R, TB, XS>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
     warp_sum<R, 1>(acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
@@ -281,6 +295,21 @@ static int gateup_x_quant() {
   return v;
 }
 
+// $DS4_GPU_GU_LUT=1: IQ2_XXS gate/up (x from global memory) with the sign-mask tables (v17, prepared: an A/B switch);
+// set_gateup_lut overrides it for this process (1 on, 0 off, -1 the environment).
+static int& gateup_lut_override() {
+  static int v = -1;
+  return v;
+}
+void set_gateup_lut(int mode) { gateup_lut_override() = mode == 0 || mode == 1 ? mode : -1; }
+static bool gateup_lut_enabled() {
+  static const bool env = [] {
+    const char* e = getenv("DS4_GPU_GU_LUT");
+    return e && e[0] == '1';
+  }();
+  return gateup_lut_override() >= 0 ? gateup_lut_override() == 1 : env;
+}
+
 // Lets kernel take smem bytes of dynamic shared memory; limit: what it was last allowed (never lowered, so a
 // later launch with a size between the default and that limit keeps working).
 template <typename K>
@@ -290,19 +319,19 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM>
+template <int QT, int XM, bool LUT = false>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const size_t smem = (QT == QT_IQ2_XXS ? IQ2_LANE_TABLE_BYTES : 0) + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
+  const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(moe_gateup_rows_kernel<QT, XM>, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT>, smem, smem_set);
   auto it = resident.find(smem);
   if (it == resident.end())
-    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM>, GU_THREADS, smem)).first;
-  launch_k(moe_gateup_rows_kernel<QT, XM>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT>, GU_THREADS, smem)).first;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
@@ -313,6 +342,8 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
   // one token (decode) and x planes that int4 copies can stage
   if (gateup_x_shared() && pairs == k && xq.n % 256 == 0 && gu_xs_bytes(xq.n) <= 32 * 1024)
     launch_gateup_rows_as<QT, GU_X_STAGED>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_enabled())
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else
     launch_gateup_rows_as<QT, GU_X_GLOBAL>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
 }

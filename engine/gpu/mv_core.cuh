@@ -47,6 +47,7 @@ __device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__u
 // 7-bit field arithmetically (the eighth is the parity of the seven): a second table lookup per group
 // was half of the shared-memory wavefronts that bound the 2-bit kernels (ncu: L1/TEX 82% busy).
 struct Iq2Tables {
+  static constexpr bool kSignLut = false;  // signs from the 7-bit field arithmetically (iq2_sign_bytes)
   const unsigned long long* grid;
   __device__ __forceinline__ unsigned long long operator()(int i) const { return grid[i]; }
 };
@@ -55,6 +56,7 @@ struct Iq2Tables {
 // so a warp's 32 random lookups take the minimum 2 wavefronts instead of ~5 (64 KB; for persistent
 // kernels that build it once per CTA).
 struct Iq2LaneTables {
+  static constexpr bool kSignLut = false;
   const uint2* rep;
   int lane;
   __device__ __forceinline__ unsigned long long operator()(int i) const {
@@ -63,6 +65,53 @@ struct Iq2LaneTables {
   }
 };
 constexpr size_t IQ2_LANE_TABLE_BYTES = 256 * 32 * sizeof(uint2);
+
+// v17, prepared ($DS4_GPU_GU_LUT=1, the decode gate/up rows kernel): the grid with 16 replicas (entry i of replica r
+// at [16 i + r], r = lane % 16) and after it the 8 sign masks of every 7-bit field, replicated the same way (byte j
+// 0xff where element j is negative; element 7's sign is the parity of the field). Lanes l and l + 16 share banks, so
+// a warp's 32 lookups of 8 bytes still take the minimum two wavefronts; 48 KB instead of the 64 of the 32-replica
+// grid. Why: ncu has the rows kernel throttled by its integer pipes, and the masks' arithmetic (popc, two multiplies,
+// masks and shifts: ~11 of a group's ~17 integer instructions) becomes one shared-memory load.
+struct Iq2LutTables {
+  static constexpr bool kSignLut = true;
+  static constexpr int kSign = 256 * 16;  // the sign masks follow the grid: [128][16]
+  const uint2* p;  // the tables' base + lane % 16 (one pointer: the kernel runs at 80 registers)
+  __device__ __forceinline__ unsigned long long operator()(int i) const {
+    const uint2 v = p[16 * i];
+    return (unsigned long long)v.x | ((unsigned long long)v.y << 32);
+  }
+  __device__ __forceinline__ uint2 signs(uint32_t s7) const { return p[kSign + 16 * s7]; }
+};
+constexpr size_t IQ2_LUT_TABLE_BYTES = (256 + 128) * 16 * sizeof(uint2);
+
+// Every thread of the CTA: the grid's 16 replicas (all of a thread's loads issued before its stores), then the sign
+// masks computed in place.
+__device__ __forceinline__ Iq2LutTables iq2_lut_tables_init(uint2* base) {
+  constexpr int N = 256 * 16;
+  for (int i0 = threadIdx.x; i0 < N; i0 += 8 * blockDim.x) {
+    unsigned long long g[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      g[u] = i < N ? kIq2Grid[i >> 4] : 0ull;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < N) base[i] = make_uint2((uint32_t)g[u], (uint32_t)(g[u] >> 32));
+    }
+  }
+  uint2* sign = base + Iq2LutTables::kSign;
+  for (int i = threadIdx.x; i < 128 * 16; i += blockDim.x) {
+    const uint32_t s7 = (uint32_t)i >> 4, s8 = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
+    uint32_t m[2] = {0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (s8 >> j & 1u) m[j >> 2] |= 0xffu << (8 * (j & 3));
+    sign[i] = make_uint2(m[0], m[1]);
+  }
+  return Iq2LutTables{base + (threadIdx.x & 15)};
+}
 
 __device__ __forceinline__ void iq2_tables_init(unsigned long long* grid) {
   for (int i = threadIdx.x; i < 256; i += blockDim.x) grid[i] = kIq2Grid[i];
@@ -164,12 +213,18 @@ __device__ __forceinline__ void decode_xb(const RawXb& in, const TB& grid, XbCod
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       unsigned long long g = grid((a0 >> (8 * k)) & 255);
-      uint32_t mlo, mhi;
-      iq2_sign_bytes((a1 >> (7 * k)) & 127, mlo, mhi);
       uint32_t glo = (uint32_t)g, ghi = (uint32_t)(g >> 32);
       // negate the masked bytes: (g ^ 0xff) + 1 = 256 - g, no carry since g >= 8
-      o.c[2 * k] = (glo ^ (mlo * 0xffu)) + mlo;
-      o.c[2 * k + 1] = (ghi ^ (mhi * 0xffu)) + mhi;
+      if constexpr (TB::kSignLut) {
+        const uint2 m = grid.signs((a1 >> (7 * k)) & 127);
+        o.c[2 * k] = (glo ^ m.x) + (m.x & 0x01010101u);
+        o.c[2 * k + 1] = (ghi ^ m.y) + (m.y & 0x01010101u);
+      } else {
+        uint32_t mlo, mhi;
+        iq2_sign_bytes((a1 >> (7 * k)) & 127, mlo, mhi);
+        o.c[2 * k] = (glo ^ (mlo * 0xffu)) + mlo;
+        o.c[2 * k + 1] = (ghi ^ (mhi * 0xffu)) + mhi;
+      }
     }
   }
 }
