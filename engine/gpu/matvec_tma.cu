@@ -98,31 +98,9 @@ __device__ __forceinline__ void mt_consume(const MtArgs& m, int j, const unsigne
     for (int r = 0; r < RW; ++r) {
       const uint4 q = *(const uint4*)(q0 + r * m.slab_cols + c * MV_CHUNK_BYTES);
       const uint32_t s = sc0[r * sc_row + 16 * c];
-      int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
-      th = __dp4a((int)q.y, xh.y, th);
-      tl = __dp4a((int)q.y, xl.y, tl);
-      th = __dp4a((int)q.z, xh.z, th);
-      tl = __dp4a((int)q.z, xl.z, tl);
-      th = __dp4a((int)q.w, xh.w, th);
-      tl = __dp4a((int)q.w, xl.w, tl);
-      int v = 254 * th + tl;
-      v += __shfl_xor_sync(0xffffffffu, v, 1);  // exact int32 sum of the 32-column x block
+      const int v = q8_block_sum(q, xh, xl);
       if (!(lane & 1)) acc[r] = fmaf(half_bits(s) * xs, (float)v, acc[r]);
     }
-  }
-}
-
-// mv_finish's butterfly and store for row group rg; rows past its end (a partial last group) were computed from
-// whatever the slot held and are not written.
-template <int RW>
-__device__ __forceinline__ void mt_finish(const MtArgs& m, int g, int rg, int lane, float (&acc)[RW]) {
-  const MtItem t = mt_item(m, rg);
-#pragma unroll
-  for (int r = 0; r < RW; ++r) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // odd lanes hold 0
-    if (lane == 2 * r && r < t.nr) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc[r];
-    acc[r] = 0.0f;
   }
 }
 
@@ -162,7 +140,7 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
       }
       fill.next(m.nslab, NW);
     }
-    if (cur.j == m.nslab - 1) mt_finish<RW>(m, g, cur.rg, lane, acc);
+    if (cur.j == m.nslab - 1) mv_finish<RW>(m.a, g, cur.rg, lane, acc);  // a row group is a tile of RW rows there
     if (++s == m.ns) s = 0, phase ^= 1;
   }
 }

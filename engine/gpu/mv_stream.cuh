@@ -128,6 +128,20 @@ __device__ __forceinline__ int f16_slot(int col) {
   return (k << 8) + ((w & 4) << 5) + ((w >> 3) << 2) + (w & 3);
 }
 
+// A lane's 16 Q8_0 codes against its 16 columns of x (hi, lo planes), summed with its neighbour lane's: the exact int32
+// 254 (codes . hi) + (codes . lo) of the 32-column block (the same on both lanes of the pair).
+__device__ __forceinline__ int q8_block_sum(const uint4& q, const int4& xh, const int4& xl) {
+  int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
+  th = __dp4a((int)q.y, xh.y, th);
+  tl = __dp4a((int)q.y, xl.y, tl);
+  th = __dp4a((int)q.z, xh.z, th);
+  tl = __dp4a((int)q.z, xl.z, tl);
+  th = __dp4a((int)q.w, xh.w, th);
+  tl = __dp4a((int)q.w, xl.w, tl);
+  const int t = 254 * th + tl;
+  return t + __shfl_xor_sync(0xffffffffu, t, 1);
+}
+
 // acc[r] += this step's part of row r . x. Q8_0: only even lanes accumulate (they hold the 32-column sums).
 template <int QT, int R, int C>
 __device__ __forceinline__ void mv_consume(const MvStep<QT, R, C>& st, const unsigned char* smem, int kpad, int step,
@@ -167,16 +181,7 @@ __device__ __forceinline__ void mv_consume(const MvStep<QT, R, C>& st, const uns
       const float xs = s_xs[i16 >> 1];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint4 q = st.q[r][c];
-        int th = __dp4a((int)q.x, xh.x, 0), tl = __dp4a((int)q.x, xl.x, 0);
-        th = __dp4a((int)q.y, xh.y, th);
-        tl = __dp4a((int)q.y, xl.y, tl);
-        th = __dp4a((int)q.z, xh.z, th);
-        tl = __dp4a((int)q.z, xl.z, tl);
-        th = __dp4a((int)q.w, xh.w, th);
-        tl = __dp4a((int)q.w, xl.w, tl);
-        int t = 254 * th + tl;
-        t += __shfl_xor_sync(0xffffffffu, t, 1);  // exact int32 sum of the 32-column x block
+        const int t = q8_block_sum(st.q[r][c], xh, xl);
         if (!(lane & 1)) acc[r] = fmaf(half_bits(st.s[r][c]) * xs, (float)t, acc[r]);
       }
     }
