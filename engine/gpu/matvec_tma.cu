@@ -104,6 +104,20 @@ __device__ __forceinline__ void mt_consume(const MtArgs& m, int j, const unsigne
   }
 }
 
+// mv_finish's butterfly and store for row group rg (kept apart from it: this form is the one measured on the H200); rows past its end (a partial last group) were computed from
+// whatever the slot held and are not written.
+template <int RW>
+__device__ __forceinline__ void mt_finish(const MtArgs& m, int g, int rg, int lane, float (&acc)[RW]) {
+  const MtItem t = mt_item(m, rg);
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);  // odd lanes hold 0
+    if (lane == 2 * r && r < t.nr) t.sv.y[(int64_t)g * t.sv.rows + t.r0 + r] = acc[r];
+    acc[r] = 0.0f;
+  }
+}
+
 template <int RW>
 __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs m) {
   extern __shared__ __align__(128) unsigned char mt_smem[];
@@ -140,7 +154,7 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
       }
       fill.next(m.nslab, NW);
     }
-    if (cur.j == m.nslab - 1) mv_finish<RW>(m.a, g, cur.rg, lane, acc);  // a row group is a tile of RW rows there
+    if (cur.j == m.nslab - 1) mt_finish<RW>(m, g, cur.rg, lane, acc);
     if (++s == m.ns) s = 0, phase ^= 1;
   }
 }
