@@ -31,7 +31,7 @@ def test_sign_tables_give_the_same_bits() -> None:
         ids = ext.Array.from_numpy(ids_np)
         wts = ext.Array.from_numpy(rng.uniform(0.1, 0.5, (T, k)).astype(np.float32))
         outs = []
-        for mode in (0, 1):
+        for mode in (0, 1, 2):
             ext.set_gateup_lut(mode)
             try:
                 h = ext.Array.empty([T * k, n_ff])
@@ -41,7 +41,9 @@ def test_sign_tables_give_the_same_bits() -> None:
                 outs.append(h.numpy())
             finally:
                 ext.set_gateup_lut(-1)
-        ref, got = outs
-        assert np.isnan(got[-1]).all() and np.isnan(ref[-1]).all()
-        assert np.isfinite(got[:-1]).all() and (got[:-1] != 123.0).any()
-        assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), f"T={T}"
+        ref = outs[0]
+        assert np.isnan(ref[-1]).all()
+        for mode, got in enumerate(outs[1:], start=1):
+            assert np.isnan(got[-1]).all()
+            assert np.isfinite(got[:-1]).all() and (got[:-1] != 123.0).any()
+            assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), f"T={T} mode {mode}"

@@ -568,7 +568,8 @@ PYBIND11_MODULE(_ext, m) {
         "says (None); splits: warps per 16-row unit (1, 2, 4, 8; 0 = automatic / $DS4_GPU_GU_MMA_SPLIT).");
   m.def("gateup_mma_enabled", &gateup_mma_enabled);
   m.def("set_gateup_lut", &set_gateup_lut, py::arg("mode"),
-        "IQ2_XXS gate/up rows kernel with the sign-mask tables (1), without (0) or as $DS4_GPU_GU_LUT says (-1).");
+        "IQ2_XXS gate/up rows kernel with the sign-mask tables (1: 3 CTAs per SM, 2: 2), without (0) or as "
+        "$DS4_GPU_GU_LUT says (-1).");
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");

@@ -152,8 +152,9 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
   return QT != QT_IQ2_XXS ? 0 : (LUT ? IQ2_LUT_TABLE_BYTES : IQ2_LANE_TABLE_BYTES);
 }
 
-template <int QT, int XM, bool LUT = false>
-__global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
+// LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
+template <int QT, int XM, int LUT = 0>
+__global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h, const float* x,
@@ -161,17 +162,17 @@ __global__ void __launch_bounds__(GU_THREADS, 3) moe_gateup_rows_kernel(Packed g
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
-  constexpr size_t table_bytes = gu_table_bytes<QT, LUT>();
-  using TB = GuTables<QT, LUT>;
+  constexpr size_t table_bytes = gu_table_bytes<QT, LUT != 0>();
+  using TB = GuTables<QT, LUT != 0>;
   pdl_trigger();
   const int lane = threadIdx.x & 31;
   TB tb{};
   if constexpr (QT == QT_IQ2_XXS) {
-    if constexpr (LUT) tb = iq2_lut_tables_init(s_rep);
+    if constexpr (LUT != 0) tb = iq2_lut_tables_init(s_rep);
     else iq2_lane_tables_init(s_rep), tb = TB{s_rep, lane};
     __syncthreads();
   } else {
-    if constexpr (!LUT) tb = TB{s_rep, lane};
+    if constexpr (LUT == 0) tb = TB{s_rep, lane};
   }
   pdl_wait();  // ids, x and h's readers are from earlier kernels
   if constexpr (XM == GU_X_STAGED) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
@@ -295,19 +296,19 @@ static int gateup_x_quant() {
   return v;
 }
 
-// $DS4_GPU_GU_LUT=1: IQ2_XXS gate/up (x from global memory) with the sign-mask tables (v17, prepared: an A/B switch);
-// set_gateup_lut overrides it for this process (1 on, 0 off, -1 the environment).
+// $DS4_GPU_GU_LUT: IQ2_XXS gate/up (x from global memory) with the sign-mask tables (v17, prepared: an A/B switch),
+// 1 at 3 CTAs per SM, 2 at 2 (no spills); set_gateup_lut overrides it for this process (0-2; -1 the environment).
 static int& gateup_lut_override() {
   static int v = -1;
   return v;
 }
-void set_gateup_lut(int mode) { gateup_lut_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool gateup_lut_enabled() {
-  static const bool env = [] {
+void set_gateup_lut(int mode) { gateup_lut_override() = mode >= 0 && mode <= 2 ? mode : -1; }
+static int gateup_lut_mode() {
+  static const int env = [] {
     const char* e = getenv("DS4_GPU_GU_LUT");
-    return e && e[0] == '1';
+    return e && (e[0] == '1' || e[0] == '2') ? e[0] - '0' : 0;
   }();
-  return gateup_lut_override() >= 0 ? gateup_lut_override() == 1 : env;
+  return gateup_lut_override() >= 0 ? gateup_lut_override() : env;
 }
 
 // Lets kernel take smem bytes of dynamic shared memory; limit: what it was last allowed (never lowered, so a
@@ -319,12 +320,12 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM, bool LUT = false>
+template <int QT, int XM, int LUT = 0>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
+  const size_t smem = gu_table_bytes<QT, LUT != 0>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
   raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT>, smem, smem_set);
@@ -342,8 +343,10 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
   // one token (decode) and x planes that int4 copies can stage
   if (gateup_x_shared() && pairs == k && xq.n % 256 == 0 && gu_xs_bytes(xq.n) <= 32 * 1024)
     launch_gateup_rows_as<QT, GU_X_STAGED>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
-  else if (QT == QT_IQ2_XXS && gateup_lut_enabled())
-    launch_gateup_rows_as<QT, GU_X_GLOBAL, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 1)
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, 1>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else
     launch_gateup_rows_as<QT, GU_X_GLOBAL>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
 }

@@ -11,7 +11,8 @@ namespace ds4gpu {
 // splits > 0 fixes the warps per (pair, 16-row tile) unit (1, 2, 4 or 8); 0 chooses from the work size
 // ($DS4_GPU_GU_MMA_SPLIT overrides that choice).
 void set_gateup_mma(int mode, int splits);
-// moe.cu: the rows kernel's IQ2_XXS sign-mask tables ($DS4_GPU_GU_LUT): 1 on, 0 off, -1 as the environment says.
+// moe.cu: the rows kernel's IQ2_XXS sign-mask tables ($DS4_GPU_GU_LUT): 1 on (3 CTAs per SM), 2 on (2 CTAs per SM),
+// 0 off, -1 as the environment says.
 void set_gateup_lut(int mode);
 bool gateup_mma_enabled();
 
