@@ -179,6 +179,46 @@ def bench_layer(rng: np.random.Generator, experts: Experts, copies: int, iters: 
     return ms, nbytes
 
 
+# Dependent pairs the decode step chains (weights.py mv_pair, the shared expert): A's names, groups, B, SwiGLU.
+CHAINS = [("o_a -> o_b", ("attn_output_a",), 8, "attn_output_b", False),
+          ("shexp gate+up -> down", ("ffn_gate_shexp", "ffn_up_shexp"), 1, "ffn_down_shexp", True)]
+
+
+def bench_chain(rng: np.random.Generator, a_names, groups: int, b_name: str, swiglu: bool, form: int,
+                iters: int) -> tuple[float, int]:
+    """ms per (A, then B on A's output): form 0 two launches, 1 / 2 one chained launch (register / bulk-copy form)."""
+    ext = gpu.load()
+    shapes = {name: (q, ne) for name, q, ne, _ in FLASH_MATVECS}
+    pair_bytes = sum(row_bytes(shapes[n][0], shapes[n][1][0]) * shapes[n][1][1] for n in (*a_names, b_name))
+    copies = max(1, min(16, -(-ROTATE_BYTES // pair_bytes)))
+    mats = [{n: gpu.upload(f"chain{c}.{n}", shapes[n][0], shapes[n][1],
+                           random_raw(shapes[n][0], shapes[n][1][1], shapes[n][1][0], rng)) for n in (*a_names, b_name)}
+            for c in range(copies)]
+    k_a, n_a = shapes[a_names[0]][1]
+    x = ext.Array.from_numpy(rng.standard_normal((1, groups * k_a)).astype(np.float32))
+    mid = ext.Array.empty([1, n_a * len(a_names)])
+    y = ext.Array.empty([1, shapes[b_name][1][1]])
+    ya = [mid.ptr + 4 * n_a * i for i in range(len(a_names))]
+
+    def record(i: int) -> None:
+        m = mats[i % copies]
+        wa = [m[n] for n in a_names]
+        if form == 0:
+            if groups > 1:
+                ext.matvec(wa[0], x, ext.Array.view(ya[0], [1, n_a]), groups)
+            else:
+                ext.matvec_multi(wa, x.ptr, ya)
+            ext.matvec_multi([m[b_name]], mid.ptr, [y.ptr], swiglu, 10.0)
+        elif not ext.matvec_chain(wa, x.ptr, ya, groups, m[b_name], y.ptr, swiglu, 10.0):
+            raise RuntimeError(f"matvec_chain (form {form}) declined {a_names} -> {b_name}")
+
+    ext.set_mv_chain_form(max(form, 1))
+    try:
+        return time_graph(record, copies, iters), pair_bytes
+    finally:
+        ext.set_mv_chain_form(-1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU kernel bandwidth at Flash shapes (needs a CUDA device)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch widths to time (1..8)")
@@ -232,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ext.set_gateup_mma(None)
         add("routed MoE k=6 (q2, mma)", "IQ2+Q2K", b, ms, nbytes)
+    for label, a_names, groups, b_name, swiglu in CHAINS:
+        for form, how in ((0, "2 launches"), (1, "chain regs"), (2, "chain bulk")):
+            ms, nbytes = bench_chain(rng, a_names, groups, b_name, swiglu, form, iters)
+            add(f"{label} ({how})", "Q8_0", 1, ms, nbytes)
     ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
     floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
     add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)

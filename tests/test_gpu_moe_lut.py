@@ -1,4 +1,4 @@
-"""The routed gate/up rows kernel with its IQ2_XXS sign masks from shared-memory tables (DS4_GPU_GU_LUT, v17 prepared)
+"""The routed gate/up rows kernel with its IQ2_XXS sign masks from shared-memory tables (DS4_GPU_GU_LUT, form 2 the default since v18)
 against the same kernel with the masks computed: the decoded codes are the same integers, so h must be the same bits,
 for one token (decode) and several, with an expert id out of range among them (its h is NaN either way)."""
 

@@ -536,6 +536,7 @@ PYBIND11_MODULE(_ext, m) {
       .def_static("empty", [](std::vector<int64_t> shape, bool is_int) { return make_array(shape, is_int); },
                   py::arg("shape"), py::arg("int32") = false)
       .def_readonly("shape", &Array::shape)
+      .def_property_readonly("ptr", [](const Array& a) { return (uintptr_t)a.ptr; }, "the device address")
       .def("numpy", &array_to_numpy)
       .def("copy_from", &array_copy_from, py::arg("a"))
       .def("fill", &array_fill, py::arg("value"));
@@ -577,6 +578,9 @@ PYBIND11_MODULE(_ext, m) {
         "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
         "but q_b-like and grouped ones), the "
         "register-streaming one (0) or as $DS4_GPU_MV_TMA says (-1, default 2); read when a launch is made or captured.");
+  m.def("set_mv_chain_form", &set_mv_chain_form, py::arg("form"),
+        "matvec_chain's kernel: 2 the bulk-copy chain (matvec_tma.cu) where it takes the shapes, else 1 the register "
+        "form; -1: as $DS4_GPU_MV_CHAIN says (2, else 1).");
   m.def("mv_tma_launches", &mv_tma_launches, "Launches of the bulk-copy matvec kernel so far in this process.");
   m.def("dequant", [](const Tensor& w, uintptr_t out, uintptr_t lo, float scale, int64_t row0, int64_t nrows,
                        int64_t ld, uintptr_t block_map, int64_t block_rows) {

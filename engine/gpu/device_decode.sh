@@ -5,7 +5,8 @@
 # Env: TESTS (pytest files/args; default the v16 decode tests; "" none), TRACE (decode_trace contexts, default "2048";
 #      "" none), TRACE_SETS (switch sets of the traces, "-" = the defaults; default "-"), TRACE_STEPS, TRACE_ARGS, AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
 #      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0"), CTX (decode contexts
-#      of the A/B runs, default "2048 8192"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
+#      of the A/B runs, default "2048 8192"), KBENCH (when set: the batch-1 kernel bench with these extra arguments,
+#      e.g. "--quick", before the A/B runs), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
 #      run under the defaults), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
@@ -16,6 +17,11 @@ if [ -n "$TESTS" ]; then
   stamp "tests $TESTS"
   timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -s -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests.log" \
     | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
+fi
+if [ -n "${KBENCH:-}" ]; then  # the kernel bench (batch 1) while the GGUF is written
+  stamp "kernel bench $KBENCH"
+  timeout ${KBENCH_TIMEOUT:-200} python3 -m ds4.engine.gpu.bench --batch 1 $KBENCH --json "$OUT/kbench.json" 2>&1 \
+    | grep -v -i warn | tee "$OUT/kbench.log" | grep -E "o_a|o_b|shexp|attn_q|layer"
 fi
 [ -z "$SYN" ] || wait $SYN; tail -1 "$OUT/synth.log"
 i=0

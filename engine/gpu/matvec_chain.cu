@@ -14,6 +14,7 @@
 // with the same arithmetic from L2-coherent loads (A's output was written by this grid), so a chained call
 // gives the bits of the two separate launches.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 
 #include "grid_barrier.cuh"
@@ -89,6 +90,22 @@ static bool overlaps(const void* p, int64_t n, const void* q, int64_t m) {
   return a < b + (uintptr_t)m && b < a + (uintptr_t)n;
 }
 
+// $DS4_GPU_MV_CHAIN=2 (read once; set_mv_chain_form overrides it: 1 register form, 2 bulk-copy form first, -1 the
+// environment): the bulk-copy chain of matvec_tma.cu where it takes the shapes, else this file's register form.
+static int& mv_chain_override() {
+  static int v = -1;
+  return v;
+}
+void set_mv_chain_form(int form) { mv_chain_override() = form == 1 || form == 2 ? form : -1; }
+static int mv_chain_form() {
+  static const int env = [] {
+    const char* e = std::getenv("DS4_GPU_MV_CHAIN");
+    return e && e[0] == '2' ? 2 : 1;
+  }();
+  return mv_chain_override() > 0 ? mv_chain_override() : env;
+}
+bool launch_matvec_tma_chain(const MvArgs& a, int groups_a, const MvArgs& b, cudaStream_t stream);
+
 bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int groups_a, const float* x,
                          const Packed& wb, float* yb, int x_op_b, float clamp, cudaStream_t stream) {
   MvArgs a, b;
@@ -104,15 +121,16 @@ bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int 
   const Packed* wbs[1] = {&wb};
   float* ybs[1] = {yb};
   if (!mv_args(wbs, ybs, 1, ya[0], nullptr, 1, x_op_b, clamp, b, rows_b)) return false;
+  // one grid reads what other CTAs write: no output may overlap an input of a later phase
+  const int64_t in_a = 4 * wa[0]->ncols * groups_a, out_a = 4 * width * (x_op_b == MV_X_SWIGLU ? 2 : 1);
+  if (overlaps(ya[0], out_a, x, in_a) || overlaps(yb, 4 * wb.nrows, ya[0], out_a) || overlaps(yb, 4 * wb.nrows, x, in_a))
+    return false;
+  if (mv_chain_form() == 2 && launch_matvec_tma_chain(a, groups_a, b, stream)) return true;
   const MvPlan pa = mv_plan<QT_Q8_0>(a, groups_a, rows_a), pb = mv_plan<QT_Q8_0>(b, 1, rows_b);
   const size_t smem = std::max(pa.smem, pb.smem);
   // one row per tile in both phases (the chains' shapes: Flash o_a -> o_b is C 8 -> 8, gate + up -> down
   // 8 -> 4; the small test model's 4 -> 2 and 2 -> 2)
   if (pa.R != 1 || pb.R != 1) return false;
-  // one grid reads what other CTAs write: no output may overlap an input of a later phase
-  const int64_t in_a = 4 * wa[0]->ncols * groups_a, out_a = 4 * width * (x_op_b == MV_X_SWIGLU ? 2 : 1);
-  if (overlaps(ya[0], out_a, x, in_a) || overlaps(yb, 4 * wb.nrows, ya[0], out_a) || overlaps(yb, 4 * wb.nrows, x, in_a))
-    return false;
   if (!launch_chain_c<QT_Q8_0>(pa.C, pb.C, a, b, groups_a, smem, stream)) return false;
   DS4_CHECK_LAUNCH("matvec chain");
   return true;

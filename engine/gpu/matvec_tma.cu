@@ -24,7 +24,10 @@
 // warp has consumed it.
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <type_traits>
 
+#include "grid_barrier.cuh"
 #include "mbarrier.cuh"
 #include "mv_stream.cuh"
 
@@ -230,15 +233,9 @@ static double mt_max_bytes() {
   return v;
 }
 
-// a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
-bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
-  if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
-  const int mode = mv_tma_mode();
-  double bytes = 0;
-  for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
-  if (mode == 2 && !(mt_min_k() > 0 && a.ncols >= mt_min_k()) && bytes > mt_max_bytes()) return false;
-  if (mode == 3 && (groups > 1 || (a.ncols <= 1024 && bytes > mt_max_bytes()))) return false;
-  MtArgs m;
+// The items of a (rw rows, or slabs of one row) and the byte sizes of a slot and of the staged x; m.a = a with its
+// tiles (items of one group), kpad and nsteps filled in. ns is left to the caller (it depends on the budget).
+static void mt_shape(MvArgs a, MtArgs& m) {
   // rows of RW (a power of two up to 8) while RW * K fits the target; rows longer than it are cut into slabs
   m.rw = 1;
   while (m.rw < 8 && (m.rw * 2) * a.ncols <= mt_rows_env()) m.rw *= 2;
@@ -253,14 +250,28 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   a.tiles = items;
   a.kpad = a.ncols;
   a.nsteps = 1;
-  const int W = mt_warps_env();
   m.xbytes = (int)(((2 * (size_t)a.kpad + (size_t)a.kpad / 32 * 4) + 127) / 128 * 128);
   m.slot = (int)((m.rw * (m.slab_cols + m.slab_cols / 16) + 127) / 128 * 128);
+  m.ns = 0;
+  m.a = a;
+}
+
+// a from mv_args (Q8_0 only); false (nothing launched) where the kernel does not take the shape.
+bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
+  if (!a.ncols || a.ncols % MV_CHUNK_BYTES || a.qs_row != a.ncols || a.sc_row != a.ncols / 16) return false;
+  const int mode = mv_tma_mode();
+  double bytes = 0;
+  for (int i = 0; i < a.nseg; ++i) bytes += (double)a.seg[i].rows * groups * (a.qs_row + a.sc_row);
+  if (mode == 2 && !(mt_min_k() > 0 && a.ncols >= mt_min_k()) && bytes > mt_max_bytes()) return false;
+  if (mode == 3 && (groups > 1 || (a.ncols <= 1024 && bytes > mt_max_bytes()))) return false;
+  MtArgs m;
+  mt_shape(a, m);
+  const int W = mt_warps_env();
   const size_t fixed = m.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
   const size_t budget = mt_smem_env();
   if (budget < fixed + (size_t)W * m.slot) return false;
   m.ns = (int)std::min<size_t>(MT_MAX_SLOTS, (budget - fixed) / ((size_t)W * m.slot));
-  m.a = a;
+  const int items = m.a.tiles;
   const size_t smem = fixed + (size_t)W * m.ns * m.slot;
   static bool smem_set[4] = {false, false, false, false};
   const int per_group = std::max(1, sm_count() / groups);
@@ -278,6 +289,159 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   else if (m.rw == 4) go(matvec_tma_kernel<4>, 2);
   else go(matvec_tma_kernel<8>, 3);
   DS4_CHECK_LAUNCH("matvec_tma");
+  ++mv_tma_count();
+  return true;
+}
+
+// ---- two dependent matvecs in one launch (DS4_GPU_MV_CHAIN=2) ----------------------------------------------------
+// Phase A (segments, or a grouped matrix: o_a), a grid barrier, phase B on A's output (o_b; the shared expert's down
+// with SwiGLU staging). Why: matvec_chain.cu's register form issues only B's first step (one 4 KB load per warp)
+// before its barrier and ran slower in the session (v12: 8.18 against 7.72 ms). Here each warp's slot ring runs on
+// through the phase boundary: as A's items run out, its freed slots take B's first items, so up to ~26 MB of B's
+// weights (every slot of every warp) are already arriving while A's tail, the barrier and B's x staging run.
+// The same bits as two launches of matvec_tma_kernel (so as the streaming kernel): per row the same lanes and order,
+// x staged by mv_stage_x (B's through L2: A's output was written by other CTAs of this grid).
+// One CTA per SM, all resident (the barrier needs them; the launcher checks the occupancy). Phase A's group of a CTA is
+// blockIdx.x % groups_a; every phase-B item is dealt over the whole grid.
+
+// One barrier at a time per device (the decode stream); the count returns to 0 after each use.
+__device__ unsigned int g_tchain_count = 0;
+__device__ unsigned int g_tchain_gen = 0;
+
+// A phase as this CTA sees it: its group, the first item of its warp 0 and the stride between a warp's items.
+struct MtPhase {
+  int g, first, NW;
+};
+__device__ __forceinline__ MtPhase mt_phase(int groups, int W) {
+  const int g = (int)blockIdx.x % groups;
+  const int nctas = ((int)gridDim.x - g + groups - 1) / groups;  // CTAs of group g
+  return MtPhase{g, (int)blockIdx.x / groups * W, nctas * W};
+}
+
+// The copy side of a warp's slot ring over A's items, then B's (uniform over the warp; lane 0 issues).
+struct MtChainFill {
+  MtCursor cur;
+  bool in_b;
+  __device__ __forceinline__ void start_b(const MtPhase& pb, int warp) {
+    in_b = true;
+    cur = MtCursor{pb.first + warp, 0};
+  }
+  __device__ __forceinline__ bool pending(const MtArgs& B) const { return !in_b || cur.rg < B.a.tiles; }
+  __device__ __forceinline__ void issue(const MtArgs& A, const MtArgs& B, const MtPhase& pa, int lane,
+                                        unsigned char* slot, uint64_t* bar) const {
+    if (lane == 0) {
+      if (in_b) mt_issue(B, 0, cur.rg, cur.j, slot, bar);
+      else mt_issue(A, pa.g, cur.rg, cur.j, slot, bar);
+    }
+  }
+  __device__ __forceinline__ void advance(const MtArgs& A, const MtArgs& B, const MtPhase& pa, const MtPhase& pb,
+                                          int warp) {
+    if (in_b) {
+      cur.next(B.nslab, pb.NW);
+    } else {
+      cur.next(A.nslab, pa.NW);
+      if (cur.rg >= A.a.tiles) start_b(pb, warp);
+    }
+  }
+};
+
+// The consume loop of one phase (matvec_tma_kernel's), refilling each slot from the ring's next item.
+template <int R>
+__device__ __forceinline__ void mt_chain_run(const MtArgs& m, const MtArgs& A, const MtArgs& B, const MtPhase& pa,
+                                             const MtPhase& pb, const MtPhase& self, int warp, int lane,
+                                             const unsigned char* sx, unsigned char* slots, uint64_t* bars,
+                                             MtChainFill& fill, int& s, int& phase) {
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (MtCursor cur{self.first + warp, 0}; cur.rg < m.a.tiles; cur.next(m.nslab, self.NW)) {
+    unsigned char* slot = slots + (size_t)s * m.slot;
+    mbar_wait(&bars[s], phase);
+    mt_consume<R>(m, cur.j, slot, sx, lane, acc);
+    __syncwarp();
+    if (fill.pending(B)) {
+      if (lane == 0) fence_async_smem();  // the warp's reads of this slot before the copy that refills it
+      fill.issue(A, B, pa, lane, slot, &bars[s]);
+      fill.advance(A, B, pa, pb, warp);
+    }
+    if (cur.j == m.nslab - 1) mt_finish<R>(m, self.g, cur.rg, lane, acc);
+    if (++s == m.ns) s = 0, phase ^= 1;
+  }
+}
+
+template <int RA, int RB>
+__global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_chain_kernel(MtArgs A, int groups_a, MtArgs B) {
+  extern __shared__ __align__(128) unsigned char mt_smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  unsigned char* sx = mt_smem;  // A.xbytes == B.xbytes, A.slot == B.slot, A.ns == B.ns (the launcher's)
+  uint64_t* bars = (uint64_t*)(mt_smem + A.xbytes) + warp * MT_MAX_SLOTS;
+  unsigned char* slots = mt_smem + A.xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t) + (size_t)warp * A.ns * A.slot;
+  const MtPhase pa = mt_phase(groups_a, W), pb = mt_phase(1, W);
+  MtChainFill fill{MtCursor{pa.first + warp, 0}, false};
+  if (fill.cur.rg >= A.a.tiles) fill.start_b(pb, warp);
+  if (lane == 0) {
+    for (int i = 0; i < A.ns; ++i) mbar_init(&bars[i], 1);
+    mbar_init_fence();
+  }
+  for (int i = 0; i < A.ns && fill.pending(B); ++i) {  // weights never depend on earlier kernels
+    fill.issue(A, B, pa, lane, slots + (size_t)i * A.slot, &bars[i]);
+    fill.advance(A, B, pa, pb, warp);
+  }
+  pdl_trigger();
+  pdl_wait();  // A's x (and the outputs' readers) are from earlier kernels
+  mv_stage_x<QT_Q8_0>(A.a, pa.g, sx);
+  __syncthreads();
+  int s = 0, phase = 0;
+  mt_chain_run<RA>(A, A, B, pa, pb, pa, warp, lane, sx, slots, bars, fill, s, phase);
+  // every CTA's A rows are written, and every warp of this CTA is done with A's x
+  grid_barrier_acq_rel(&g_tchain_count, &g_tchain_gen, gridDim.x);
+  mv_stage_x<QT_Q8_0, true>(B.a, 0, sx);
+  __syncthreads();
+  mt_chain_run<RB>(B, A, B, pa, pb, pb, warp, lane, sx, slots, bars, fill, s, phase);
+}
+
+// a, b from mv_args (Q8_0). False (nothing launched) where the kernel does not take the shapes, or where fewer than
+// one CTA per SM would be resident.
+bool launch_matvec_tma_chain(const MvArgs& a, int groups_a, const MvArgs& b, cudaStream_t stream) {
+  for (const MvArgs* p : {&a, &b})
+    if (!p->ncols || p->ncols % MV_CHUNK_BYTES || p->qs_row != p->ncols || p->sc_row != p->ncols / 16) return false;
+  MtArgs A, B;
+  mt_shape(a, A);
+  mt_shape(b, B);
+  if (A.rw > 4 || B.rw > 4 || groups_a > sm_count()) return false;
+  const int W = mt_warps_env();
+  const int xbytes = std::max(A.xbytes, B.xbytes), slot = std::max(A.slot, B.slot);
+  const size_t fixed = xbytes + MT_MAX_WARPS * MT_MAX_SLOTS * sizeof(uint64_t);
+  const size_t budget = mt_smem_env();
+  if (budget < fixed + (size_t)W * slot) return false;
+  const int ns = (int)std::min<size_t>(MT_MAX_SLOTS, (budget - fixed) / ((size_t)W * slot));
+  for (MtArgs* m : {&A, &B}) m->xbytes = xbytes, m->slot = slot, m->ns = ns;
+  const size_t smem = fixed + (size_t)W * ns * slot;
+  bool ok = false;
+  auto go = [&](auto kernel) {
+    static std::map<size_t, int> resident;  // CTAs per SM by shared-memory size (threads: W fixed per process)
+    auto it = resident.find(smem);
+    if (it == resident.end()) {
+      DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
+      int n = 0;
+      DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * W, smem));
+      it = resident.emplace(smem, n).first;
+    }
+    if (it->second < 1) return;
+    launch_k(kernel, dim3((unsigned)sm_count()), dim3((unsigned)(32 * W)), smem, stream, A, groups_a, B);
+    ok = true;
+  };
+  auto by_rb = [&](auto ra) {
+    constexpr int RA = decltype(ra)::value;
+    if (B.rw == 1) go(matvec_tma_chain_kernel<RA, 1>);
+    else if (B.rw == 2) go(matvec_tma_chain_kernel<RA, 2>);
+    else go(matvec_tma_chain_kernel<RA, 4>);
+  };
+  if (A.rw == 1) by_rb(std::integral_constant<int, 1>{});
+  else if (A.rw == 2) by_rb(std::integral_constant<int, 2>{});
+  else by_rb(std::integral_constant<int, 4>{});
+  if (!ok) return false;
+  DS4_CHECK_LAUNCH("matvec_tma chain");
   ++mv_tma_count();
   return true;
 }

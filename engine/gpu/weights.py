@@ -35,7 +35,12 @@ EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
 MMQ_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "mmq"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
-MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") == "1"  # decode: dependent matvec pairs in one launch (A/B)
+# decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
+# (matvec_tma.cu) where it takes the shapes
+MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") in ("1", "2")
+# ... and the shared expert too (0: o_a -> o_b only; the shared expert runs on a side branch of the decode graph, where
+# a chained grid's barrier waits for CTAs that the main branch's kernels may hold off)
+MV_CHAIN_FFN = os.environ.get("DS4_GPU_MV_CHAIN_FFN", "1") == "1"
 # prefill routed experts: the padded batch holds up to this many times the mean load per expert (the rest of a
 # busy expert goes to plain GEMMs); padding rows cost GEMM work, overflow costs launches (A/B, v8: not measured)
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
@@ -208,8 +213,8 @@ class Weights:
         return y
 
     def mm_then(self, first: str, x: torch.Tensor, groups: int, second: str) -> torch.Tensor:
-        """second · (first · x) with first grouped; decode with DS4_GPU_MV_CHAIN=1: one chained launch
-        (matvec_chain.cu) where the kernel takes the shapes."""
+        """second · (first · x) with first grouped; decode with DS4_GPU_MV_CHAIN=1 or 2: one chained launch
+        (matvec_chain.cu, matvec_tma.cu) where the kernel takes the shapes."""
         if MV_CHAIN and self.ext is not None and x.shape[0] == 1:
             wa, wb = self.mat(first), self.mat(second)
             if not isinstance(wa, torch.Tensor) and not isinstance(wb, torch.Tensor):
@@ -258,7 +263,7 @@ class Weights:
             x = x.contiguous()
             F = gate.nrows
             gu = torch.empty((1, 2 * F), dtype=F32, device=self.device)
-            if fuse and MV_CHAIN and up.nrows == F and down.ncols == F:  # gate + up, then down, in one launch
+            if fuse and MV_CHAIN and MV_CHAIN_FFN and up.nrows == F and down.ncols == F:  # gate + up, then down, in one launch
                 y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
                 if self.ext.matvec_chain([gate, up], x.data_ptr(), [gu.data_ptr(), gu[:, F:].data_ptr()], 1, down,
                                          y.data_ptr(), True, float(limit)):
