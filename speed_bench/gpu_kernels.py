@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch widths to time (1..8)")
     ap.add_argument("--json", help="write all rows to this JSON file")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--only", metavar="REGEX",
+                    help="time only the rows whose name matches (Python regex, e.g. 'attn_output|o_a'); the layer row "
+                         "runs only if it matches 'layer'")
     args = ap.parse_args(argv)
     if not gpu.available():
         print(f"gpu_kernels: {gpu.unavailable_reason()}", file=sys.stderr)
@@ -231,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(b < 1 or b > 8 for b in args.batch):
         print("gpu_kernels: --batch values must be 1..8", file=sys.stderr)
         return 2
+    try:
+        only = re.compile(args.only) if args.only else None
+    except re.error as e:
+        print(f"gpu_kernels: --only is not a valid regex: {e}", file=sys.stderr)
+        return 2
+
+    def wanted(name: str) -> bool:
+        return only is None or only.search(name) is not None
     ext = gpu.load()
     iters = 5 if args.quick else 20
     info = ext.device_info()
@@ -253,16 +265,19 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     for name, q, ne, groups in FLASH_MATVECS + EXPERT_MATVECS + [HEAD]:
+        if not wanted(name):
+            continue
         w = Weights(name, q, ne, rng)
         for b in args.batch:
             add(name, q.name, b, bench_matvec(w, b, groups, iters), w.nbytes)
         del w
-    experts = {mix: Experts(mix, rng) for mix in ("q2", "q4")}
-    for mix, ex in experts.items():
+    moe_rows = wanted("routed MoE") or wanted("IQ2_XXS gate/up")
+    experts = {mix: Experts(mix, rng) for mix in ("q2", "q4")} if moe_rows or wanted("layer") else {}
+    for mix, ex in experts.items() if moe_rows else []:
         for b in args.batch:
             ms, nbytes = bench_moe(ex, b, iters=iters)
             add(f"routed MoE k=6 ({mix})", "IQ2+Q2K" if mix == "q2" else "Q4_K", b, ms, nbytes)
-    for b in args.batch:  # IQ2_XXS gate/up alone: the rows kernel and the int8 mma kernel, then the MoE with mma
+    for b in args.batch if moe_rows else []:  # IQ2_XXS gate/up alone: the rows kernel, the int8 mma one, then the MoE
         for mma in (False, True):
             ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters)
             add(f"IQ2_XXS gate/up k=6 ({'mma' if mma else 'rows'})", "IQ2_XXS", b, ms, nbytes)
@@ -273,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
             ext.set_gateup_mma(None)
         add("routed MoE k=6 (q2, mma)", "IQ2+Q2K", b, ms, nbytes)
     for label, a_names, groups, b_name, swiglu in CHAINS:
+        if not wanted(label):
+            continue
         for form, how in ((0, "2 launches"), (1, "chain regs"), (2, "chain bulk")):
             ms, nbytes = bench_chain(rng, a_names, groups, b_name, swiglu, form, iters)
             add(f"{label} ({how})", "Q8_0", 1, ms, nbytes)
-    ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
-    floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
-    add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)
-    print(f"layer: {ms * 1e3:.1f} us vs floor {floor_ms * 1e3:.1f} us at copy bandwidth -> {ms / floor_ms:.2f}x floor")
+    ms = floor_ms = None
+    if wanted("layer"):
+        ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
+        floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
+        add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)
+        print(f"layer: {ms * 1e3:.1f} us vs floor {floor_ms * 1e3:.1f} us at copy bandwidth -> {ms / floor_ms:.2f}x floor")
     print(f"total bench time {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json + ".tmp", "w") as f:

@@ -6,7 +6,7 @@
 #      "" none), TRACE_SETS (switch sets of the traces, "-" = the defaults; default "-"), TRACE_STEPS, TRACE_ARGS, AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
 #      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0"), CTX (decode contexts
 #      of the A/B runs, default "2048 8192"), KBENCH (when set: the batch-1 kernel bench with these extra arguments,
-#      e.g. "--quick", before the A/B runs), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
+#      e.g. "--quick", before the A/B runs), NCU (device_ncu.sh specs, under the switches NCU_ENV "A=1,B=2"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
 #      run under the defaults), *_TIMEOUT.
 set -u
 source engine/gpu/device_env.sh
@@ -17,6 +17,9 @@ if [ -n "$TESTS" ]; then
   stamp "tests $TESTS"
   timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -s -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests.log" \
     | grep -E "^tiny|^small|greedy|chunked|passed|failed|Error|error" | head -30
+fi
+if [ -n "${NCU:-}" ]; then  # Nsight Compute of single kernels (device_ncu.sh OP:KERNEL_REGEX ...; NCU_ENV: switches)
+  ne=${NCU_ENV:-}; env ${ne//,/ } bash engine/gpu/device_ncu.sh $NCU
 fi
 if [ -n "${KBENCH:-}" ]; then  # the kernel bench (batch 1) while the GGUF is written
   stamp "kernel bench $KBENCH"

@@ -419,13 +419,16 @@ bool launch_matvec_tma_chain(const MvArgs& a, int groups_a, const MvArgs& b, cud
   const size_t smem = fixed + (size_t)W * ns * slot;
   bool ok = false;
   auto go = [&](auto kernel) {
-    static std::map<size_t, int> resident;  // CTAs per SM by shared-memory size (threads: W fixed per process)
-    auto it = resident.find(smem);
+    // CTAs per SM by (kernel, shared-memory size); threads: W is fixed per process. Every instantiation shares this
+    // lambda's one body, so the kernel is part of the key (each needs its own shared-memory attribute).
+    static std::map<std::pair<const void*, size_t>, int> resident;
+    const auto key = std::make_pair((const void*)kernel, smem);
+    auto it = resident.find(key);
     if (it == resident.end()) {
       DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
       int n = 0;
       DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * W, smem));
-      it = resident.emplace(smem, n).first;
+      it = resident.emplace(key, n).first;
     }
     if (it->second < 1) return;
     launch_k(kernel, dim3((unsigned)sm_count()), dim3((unsigned)(32 * W)), smem, stream, A, groups_a, B);
