@@ -248,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     info = ext.device_info()
     copy = ext.copy_bandwidth(1 << 31, 20)
     copy_gbps = copy["gbps"]
+    read = ext.read_bandwidth(1 << 31, 20)  # a pure read stream: what a matvec, which only reads, could reach
     # batch-1 Q8_0 kernel chosen by $DS4_GPU_MV (engine/gpu/matvec.cu): the A/B is two runs of this bench
     mv = os.environ.get("DS4_GPU_MV") or "4"  # matvec.cu mv_variant(): 4 when unset
     print(f"device: {info['name']} ({info['sms']} SMs, L2 {info['l2_bytes'] >> 20} MiB); "
-          f"D2D copy {copy_gbps:.0f} GB/s (read+write); mv={mv}", flush=True)
+          f"D2D copy {copy_gbps:.0f} GB/s (read+write); read-only stream {read['gbps']:.0f} GB/s "
+          f"({read['gbps'] / copy_gbps:.2f} of copy); mv={mv}", flush=True)
     rng = np.random.default_rng(0)
     rows = []
 
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total bench time {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(device=info, copy=copy, mv=mv, rows=rows, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
+            json.dump(dict(device=info, copy=copy, read=read, mv=mv, rows=rows, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
         os.replace(args.json + ".tmp", args.json)
     return 0
 

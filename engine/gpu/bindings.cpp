@@ -493,6 +493,36 @@ py::dict copy_bandwidth(size_t nbytes, int iters) {
   return d;
 }
 
+// Read-only stream bandwidth (read_stream.cu): bytes read per second, nothing written; the peer that says how much of the
+// copy bandwidth a kernel that only reads (every matvec) can reach.
+py::dict read_bandwidth(size_t nbytes, int iters) {
+  nbytes = nbytes / 16 * 16;
+  void* a = device_alloc(nbytes, "for the read benchmark");
+  void* sink = nullptr;
+  try {
+    sink = device_alloc(16, "for the read benchmark");
+  } catch (...) {
+    cudaFree(a);
+    throw;
+  }
+  DS4_CHECK(cudaMemsetAsync(a, 0x5a, nbytes, stream()));
+  float per = 0;
+  try {
+    per = read_stream_ms(a, nbytes, iters, (unsigned*)sink, stream());
+  } catch (...) {
+    cudaFree(a);
+    cudaFree(sink);
+    throw;
+  }
+  cudaFree(a);
+  cudaFree(sink);
+  py::dict d;
+  d["ms"] = per;
+  d["bytes"] = (double)nbytes;
+  d["gbps"] = nbytes / (per * 1e-3) / 1e9;
+  return d;
+}
+
 py::dict device_info() {
   int n = 0;
   DS4_CHECK(cudaGetDeviceCount(&n));
@@ -622,6 +652,8 @@ PYBIND11_MODULE(_ext, m) {
           g_stream = nullptr;
           g_stream_external = false;
         }, "Forget set_stream: later ops run on the extension's own non-blocking stream (created on first use).");
+  m.def("read_bandwidth", &read_bandwidth, py::arg("nbytes") = size_t(1) << 31, py::arg("iters") = 20,
+        "Read-only stream bandwidth: {ms, bytes, gbps} with bytes read only (the peer for kernels that only read).");
   m.def("copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = size_t(1) << 31, py::arg("iters") = 20);
   m.def("device_info", &device_info);
   m.def("device_count", []() {
