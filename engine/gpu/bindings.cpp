@@ -428,18 +428,7 @@ struct Graph {
   // Mean milliseconds per replay over `iters` replays after `warmup` ones (device events).
   double time_ms(int iters, int warmup) {
     launch(warmup);
-    cudaEvent_t a, b;
-    DS4_CHECK(cudaEventCreate(&a));
-    DS4_CHECK(cudaEventCreate(&b));
-    DS4_CHECK(cudaEventRecord(a, stream()));
-    launch(iters);
-    DS4_CHECK(cudaEventRecord(b, stream()));
-    DS4_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    DS4_CHECK(cudaEventElapsedTime(&ms, a, b));
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    return ms / iters;
+    return time_on_stream_ms([&](int) { launch(1); }, iters, stream());
   }
 };
 
@@ -470,22 +459,14 @@ py::dict copy_bandwidth(size_t nbytes, int iters) {
     throw;
   }
   DS4_CHECK(cudaMemsetAsync(a, 0x5a, nbytes, stream()));
-  cudaEvent_t e0, e1;
-  DS4_CHECK(cudaEventCreate(&e0));
-  DS4_CHECK(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) DS4_CHECK(cudaMemcpyAsync(b, a, nbytes, cudaMemcpyDeviceToDevice, stream()));
-  DS4_CHECK(cudaEventRecord(e0, stream()));
-  for (int i = 0; i < iters; ++i)
-    DS4_CHECK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, nbytes, cudaMemcpyDeviceToDevice, stream()));
-  DS4_CHECK(cudaEventRecord(e1, stream()));
-  DS4_CHECK(cudaEventSynchronize(e1));
-  float ms = 0;
-  DS4_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
+  const double per = time_on_stream_ms(
+      [&](int i) {
+        DS4_CHECK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, nbytes, cudaMemcpyDeviceToDevice, stream()));
+      },
+      iters, stream());
   cudaFree(a);
   cudaFree(b);
-  double per = ms / iters;
   py::dict d;
   d["ms"] = per;
   d["bytes"] = 2.0 * nbytes;

@@ -21,6 +21,24 @@ constexpr int MAX_BATCH = 8;  // vectors per matvec launch
 inline void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
+
+// Mean milliseconds per call of launch() over `iters` calls on `stream`, timed by device events (host code: the
+// benchmarks' copy, read and graph timings).
+template <class Launch>
+inline double time_on_stream_ms(Launch launch, int iters, cudaStream_t stream) {
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a), "cudaEventCreate");
+  check(cudaEventCreate(&b), "cudaEventCreate");
+  check(cudaEventRecord(a, stream), "cudaEventRecord");
+  for (int i = 0; i < iters; ++i) launch(i);
+  check(cudaEventRecord(b, stream), "cudaEventRecord");
+  check(cudaEventSynchronize(b), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / iters;
+}
 #define DS4_CHECK(call) ::ds4gpu::check((call), #call)
 #define DS4_CHECK_LAUNCH(what) ::ds4gpu::check(cudaGetLastError(), what)
 
