@@ -220,6 +220,27 @@ def bench_chain(rng: np.random.Generator, a_names, groups: int, b_name: str, swi
         ext.set_mv_chain_form(-1)
 
 
+def k_sweep(rng: np.random.Generator, copy_gbps: float, iters: int) -> list[dict]:
+    """Batch-1 Q8_0 matvecs of the same bytes as q_b (35.65 MB) at row lengths K = 512 .. 16384, on the streaming and
+    the bulk-copy kernel: what a row's length (x staged per CTA, a warp's serial steps) costs at constant bytes."""
+    ext = gpu.load()
+    out = []
+    for k in (512, 1024, 2048, 4096, 8192, 16384):
+        rows = int(35.65e6 / row_bytes(Q.Q8_0, k)) // 64 * 64
+        w = Weights(f"ksweep.{k}", Q.Q8_0, (k, rows), rng)
+        for mode, kernel in ((0, "streaming"), (1, "bulk-copy")):
+            ext.set_mv_tma(mode)
+            try:
+                ms = bench_matvec(w, 1, 1, iters)
+            finally:
+                ext.set_mv_tma(-1)
+            ratio = w.nbytes / (ms * 1e-3) / 1e9 / copy_gbps
+            out.append(dict(k=k, rows=rows, kernel=kernel, us=ms * 1e3, ratio=ratio))
+            print(f"K={k:5d} x {rows:5d} rows  {kernel:9s} {ms * 1e3:6.1f} us  {ratio:.2f} of copy", flush=True)
+        del w
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU kernel bandwidth at Flash shapes (needs a CUDA device)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch widths to time (1..8)")
@@ -228,10 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", metavar="REGEX",
                     help="time only the rows whose name matches (Python regex, e.g. 'attn_output|o_a'); the layer row "
                          "runs only if it matches 'layer'")
+    ap.add_argument("--k-sweep", action="store_true",
+                    help="also time Q8_0 matvecs of q_b's 35.65 MB at row lengths 512..16384 on both batch-1 kernels")
     args = ap.parse_args(argv)
-    if not gpu.available():
-        print(f"gpu_kernels: {gpu.unavailable_reason()}", file=sys.stderr)
-        return 2
     if any(b < 1 or b > 8 for b in args.batch):
         print("gpu_kernels: --batch values must be 1..8", file=sys.stderr)
         return 2
@@ -239,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         only = re.compile(args.only) if args.only else None
     except re.error as e:
         print(f"gpu_kernels: --only is not a valid regex: {e}", file=sys.stderr)
+        return 2
+    if not gpu.available():
+        print(f"gpu_kernels: {gpu.unavailable_reason()}", file=sys.stderr)
         return 2
 
     def wanted(name: str) -> bool:
@@ -295,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for form, how in ((0, "2 launches"), (1, "chain regs"), (2, "chain bulk")):
             ms, nbytes = bench_chain(rng, a_names, groups, b_name, swiglu, form, iters)
             add(f"{label} ({how})", "Q8_0", 1, ms, nbytes)
+    sweep = k_sweep(rng, copy_gbps, iters) if args.k_sweep else []
     ms = floor_ms = None
     if wanted("layer"):
         ms, nbytes = bench_layer(rng, experts["q2"], copies=4, iters=iters)
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total bench time {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(device=info, copy=copy, read=read, mv=mv, rows=rows, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
+            json.dump(dict(device=info, copy=copy, read=read, mv=mv, rows=rows, k_sweep=sweep, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
         os.replace(args.json + ".tmp", args.json)
     return 0
 
