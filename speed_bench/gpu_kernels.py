@@ -80,6 +80,21 @@ def bench_matvec(w: Weights, batch: int, groups: int = 1, iters: int = 10) -> fl
     return time_graph(lambda i: ext.matvec(w.tensors[i % len(w.tensors)], x, y, groups), n_calls, iters)
 
 
+def bench_sliced(w: Weights, slices: int, iters: int = 10) -> float:
+    """ms per batch-1 Q8_0 matvec in column slices (ext.matvec_sliced: the parts, not yet summed)."""
+    ext = gpu.load()
+    rng = np.random.default_rng(0)
+    x = ext.Array.from_numpy(rng.standard_normal((1, w.ne[0])).astype(np.float32))
+    parts = ext.Array.empty([slices, int(np.prod(w.ne[1:]))])
+    n_calls = max(len(w.tensors), 8)
+
+    def record(i: int) -> None:
+        if not ext.matvec_sliced(w.tensors[i % len(w.tensors)], x.ptr, parts.ptr, slices):
+            raise RuntimeError(f"matvec_sliced declined {w.name} in {slices} slices")
+
+    return time_graph(record, n_calls, iters)
+
+
 class Experts:
     def __init__(self, mix: str, rng: np.random.Generator, n_expert: int = 256, n_embd: int = 4096, n_ff: int = 2048):
         qg, qd = (Q.IQ2_XXS, Q.Q2_K) if mix == "q2" else (Q.Q4_K, Q.Q4_K)
@@ -295,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         w = Weights(name, q, ne, rng)
         for b in args.batch:
             add(name, q.name, b, bench_matvec(w, b, groups, iters), w.nbytes)
+        if name == "attn_output_b" and 1 in args.batch:  # o_b in two column slices (DS4_GPU_OB_SLICES=2)
+            add("attn_output_b (2 slices)", q.name, 1, bench_sliced(w, 2, iters), w.nbytes)
         del w
     moe_rows = wanted("routed MoE") or wanted("IQ2_XXS gate/up")
     experts = {mix: Experts(mix, rng) for mix in ("q2", "q4")} if moe_rows or wanted("layer") else {}

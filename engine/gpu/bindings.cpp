@@ -370,6 +370,11 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
                              ptr<const float>(norm_w), eps);
 }
 
+// y_parts [S, rows] = the S column slices' products of w . x (matvec_stream.cu); false when it does not take them.
+bool matvec_sliced(const std::shared_ptr<Tensor>& w, uintptr_t x, uintptr_t y_parts, int slices) {
+  return launch_matvec_sliced(w->p, ptr<const float>(x), ptr<float>(y_parts), slices, stream(), true);
+}
+
 // yb = wb . (A's output) after ya[i] = wa[i] . x, in one launch (matvec_chain.cu); false when it does not take them.
 bool matvec_chain(const std::vector<std::shared_ptr<Tensor>>& wa, uintptr_t x, const std::vector<uintptr_t>& ya,
                   int groups_a, const std::shared_ptr<Tensor>& wb, uintptr_t yb, bool swiglu, float clamp) {
@@ -589,6 +594,9 @@ PYBIND11_MODULE(_ext, m) {
         "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
         "but q_b-like and grouped ones), the "
         "register-streaming one (0) or as $DS4_GPU_MV_TMA says (-1, default 2); read when a launch is made or captured.");
+  m.def("matvec_sliced", &matvec_sliced, py::arg("w"), py::arg("x"), py::arg("y_parts"), py::arg("slices"),
+        "y_parts[s, r] = w[r, s K/S:(s+1) K/S] . x[s K/S:(s+1) K/S] (Q8_0, batch 1, device pointers, S = 2..4, K/S a "
+        "multiple of 512); the parts sum to w . x. False when the kernel does not take the shape.");
   m.def("set_mv_chain_form", &set_mv_chain_form, py::arg("form"),
         "matvec_chain's kernel: 2 the bulk-copy chain (matvec_tma.cu) where it takes the shapes, else 1 the register "
         "form; -1: as $DS4_GPU_MV_CHAIN says (2, else 1).");

@@ -169,6 +169,8 @@ void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n
 void set_mv_chain_form(int form);  // matvec_chain.cu: 1 register form, 2 bulk-copy form first; -1: $DS4_GPU_MV_CHAIN
 // read_stream.cu: ms per read-only pass over nbytes (the read bandwidth peer of the kernel benchmark).
 float read_stream_ms(const void* src, size_t nbytes, int iters, unsigned* sink, cudaStream_t stream);
+// matvec_stream.cu: a Q8_0 matvec in S column slices, y_parts[s * rows + r] (v18, DS4_GPU_OB_SLICES).
+bool launch_matvec_sliced(const Packed& w, const float* x, float* y_parts, int S, cudaStream_t stream, bool pdl);
 bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int groups_a, const float* x,
                          const Packed& wb, float* yb, int x_op_b, float clamp, cudaStream_t stream);
 // moe.cu: routed experts for `tokens` tokens with k experts each (ids/weights [tokens, k] on device).

@@ -78,6 +78,33 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
   return true;
 }
 
+// y_parts[s * rows + r] = W[r, s K/S .. (s + 1) K/S) . x[s K/S ..]: a Q8_0 matrix cut into S column slices, each a
+// group of the streaming kernel's grouped launch (the slices' weights are strided within the rows: gq, gs). Why: at the
+// same bytes a row of 8192 columns costs more than one of 4096 (v18 k-sweep: 13.9 against 11.6 us for 35.6 MB), since
+// every CTA stages and quantizes the whole x and a warp's steps along a row are serial; the caller sums the S parts
+// (the mHC post takes two summands). Per 32-column block the products are the unsliced kernel's; only the float sums
+// are split. False (nothing launched) unless Q8_0, S in 2..4, K / S a multiple of 512, x 16-byte aligned.
+bool launch_matvec_sliced(const Packed& w, const float* x, float* y_parts, int S, cudaStream_t stream, bool pdl) {
+  if (w.qtype != QT_Q8_0 || S < 2 || S > 4 || w.ncols % (512 * S) || w.ncols / S > Q8_MAX_COLS ||
+      w.qs_row != w.ncols || w.sc_row != w.ncols / 16 || ((uintptr_t)x & 15) || w.nrows < 1 || w.nrows > (1 << 30))
+    return false;
+  MvArgs a{};
+  const int K = (int)(w.ncols / S);
+  a.seg[0] = MvSeg{w.qs, w.sc, y_parts, (int)w.nrows, 0};
+  a.nseg = 1;
+  a.qs_row = w.qs_row;
+  a.sc_row = w.sc_row;
+  a.gq = K;       // one slice's codes of a row
+  a.gs = K / 16;  // ... and its scales (2 bytes per 32 columns)
+  a.ncols = K;
+  a.x = x;        // slice s of x is x + s K: the grouped launch's x_g
+  a.quantize = 1;
+  a.x_op = MV_X_PLAIN;
+  launch_qt<QT_Q8_0>(a, S, w.nrows, pdl, stream);
+  DS4_CHECK_LAUNCH("matvec sliced");
+  return true;
+}
+
 // L2 prefetch. Decode spends ~40% of a token in latency-bound kernels (mHC, norms, attention, router)
 // while DRAM idles; a matvec that follows them finds the first part of its weights in L2 if they were
 // requested when the chain began. The kernel only issues requests: bulk prefetches (mode 0, one

@@ -73,11 +73,11 @@ struct MtCursor {
 // counted on bar. Rows of a group are contiguous in both planes, and so is one row's slab (rw == 1 when nslab > 1).
 __device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int rg, int j, unsigned char* slot, uint64_t* bar) {
   const MtItem t = mt_item(m, rg);
-  const int64_t row = (int64_t)g * t.sv.rows + t.r0;
   const uint32_t qb = (uint32_t)(t.nr * m.slab_cols), sb = (uint32_t)(t.nr * (m.slab_cols / 16));
   mbar_arrive_expect_tx(bar, qb + sb);
-  bulk_copy_g2s(slot, t.sv.qs + row * m.a.qs_row + (int64_t)j * m.slab_cols, qb, bar);
-  bulk_copy_g2s(slot + m.rw * m.slab_cols, t.sv.sc + row * m.a.sc_row + (int64_t)j * (m.slab_cols / 16), sb, bar);
+  bulk_copy_g2s(slot, t.sv.qs + g * m.a.gq + t.r0 * m.a.qs_row + (int64_t)j * m.slab_cols, qb, bar);
+  bulk_copy_g2s(slot + m.rw * m.slab_cols, t.sv.sc + g * m.a.gs + t.r0 * m.a.sc_row + (int64_t)j * (m.slab_cols / 16),
+                sb, bar);
 }
 
 // acc[r] += this slab's part of row r: mv_consume's operations per 512-column chunk, in chunk order (x read once per

@@ -52,6 +52,9 @@ struct MvSeg {
 
 struct MvArgs {
   int64_t qs_row, sc_row;
+  // Bytes from group g's weights to group g + 1's in the codes and scales planes: rows_g rows (a block-diagonal matrix,
+  // mv_args) or, for a matrix cut into column slices (launch_matvec_sliced), one slice's codes and scales of a row.
+  int64_t gq, gs;
   int ncols;
   int nseg;
   MvSeg seg[MV_MAX_SEG];
@@ -105,14 +108,15 @@ __device__ __forceinline__ void mv_load(const MvArgs& a, int g, int tile, int st
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     // rows past the end of the segment read its last row (never written)
-    const int64_t row = (int64_t)g * sv.rows + min(sv.t * R + r, sv.rows - 1);
-    const uint8_t* qrow = sv.qs + row * a.qs_row;
+    const int64_t row = min(sv.t * R + r, sv.rows - 1);
+    const uint8_t* qrow = sv.qs + g * a.gq + row * a.qs_row;
+    const uint8_t* srow = sv.sc + g * a.gs + row * a.sc_row;
 #pragma unroll
     for (int c = 0; c < C; ++c) {
       const int col = col0 + c * CC;
       if (col < a.ncols) {  // a lane's columns are all in or all out (ncols: multiple of 256 / 8)
         o.q[r][c] = ld_stream16(qrow + (int64_t)BPC * col);
-        if constexpr (QT == QT_Q8_0) o.s[r][c] = ld_stream2(sv.sc + row * a.sc_row + 2 * (col >> 5));
+        if constexpr (QT == QT_Q8_0) o.s[r][c] = ld_stream2(srow + 2 * (col >> 5));
       } else {
         o.q[r][c] = make_uint4(0, 0, 0, 0);
         o.s[r][c] = 0;  // f16 +0: the padded x scales are 0 too, so the term is exactly 0
@@ -458,6 +462,8 @@ inline bool mv_args(const Packed* const* ws, float* const* ys, int nw, const flo
   }
   a.qs_row = w0.qs_row;
   a.sc_row = w0.sc_row;
+  a.gq = (w0.nrows / groups) * w0.qs_row;
+  a.gs = (w0.nrows / groups) * w0.sc_row;
   a.ncols = (int)K;
   a.nseg = nw;
   a.x = x;

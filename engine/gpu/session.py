@@ -431,7 +431,9 @@ class Session(Timeline):
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
                     qa.shape[0] == 1 else self._rms_norm(qa, q_norm)
-            pending = (attn(li, a, c, kv), None, post, comb)
+            out = attn(li, a, c, kv)  # the attention sublayer's output: a tensor, or summands for the mHC post
+            y1, y2 = (*out, None)[:2] if isinstance(out, tuple) else (out, None)
+            pending = (y1, y2, post, comb)
             self.prefetch("sh", self._shexp(li))  # streamed after the mHC, the router and the routed experts
             with prefill.section("hc_pre", on):
                 X, b, post, comb = self._hc_pre(li, X, L.HC_FFN_FN, L.HC_FFN_SCALE, L.HC_FFN_BASE, L.FFN_NORM,

@@ -41,6 +41,9 @@ MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") in ("1", "2")
 # ... and the shared expert too (0: o_a -> o_b only; the shared expert runs on a side branch of the decode graph, where
 # a chained grid's barrier waits for CTAs that the main branch's kernels may hold off)
 MV_CHAIN_FFN = os.environ.get("DS4_GPU_MV_CHAIN_FFN", "1") == "1"
+# decode: o_b in this many column slices (2, or 0: off), whose two parts the next mHC post adds (matvec_sliced; v18,
+# prepared: rows of 8192 columns cost ~2.3 us more than rows of 4096 at the same bytes)
+OB_SLICES = int(os.environ.get("DS4_GPU_OB_SLICES", "0") or 0)
 # prefill routed experts: the padded batch holds up to this many times the mean load per expert (the rest of a
 # busy expert goes to plain GEMMs); padding rows cost GEMM work, overflow costs launches (A/B, v8: not measured)
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
@@ -225,6 +228,20 @@ class Weights:
                 if self.ext.matvec_chain([wa], x.data_ptr(), [mid.data_ptr()], groups, wb, y.data_ptr()):
                     return y
         return self.mm(second, self.mm(first, x, groups))
+
+    def mm_then_parts(self, first: str, x: torch.Tensor, groups: int, second: str) -> tuple[torch.Tensor, ...]:
+        """mm_then as summands: (y,), or with DS4_GPU_OB_SLICES=2 in decode on CUDA the two column-slice parts of
+        second's product (y = y0 + y1 up to float rounding), for a consumer that adds them (the mHC post)."""
+        if OB_SLICES == 2 and not MV_CHAIN and self.ext is not None and x.shape[0] == 1:
+            wb = self.mat(second)
+            if not isinstance(wb, torch.Tensor):
+                mid = self.mm(first, x, groups).contiguous()
+                parts = torch.empty((2, wb.nrows), dtype=F32, device=self.device)
+                self._sync_stream()
+                if self.ext.matvec_sliced(wb, mid.data_ptr(), parts.data_ptr(), 2):
+                    return parts[0:1], parts[1:2]
+                return (self.mm(second, mid),)
+        return (self.mm_then(first, x, groups, second),)
 
     def prefetch(self, names: list[str], fraction: float = 1.0, groups: int = 1) -> None:
         """Ask L2 for the first `fraction` of these weights (a launch that issues requests and returns): a
