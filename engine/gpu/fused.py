@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from . import weights
+
 F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
 HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
@@ -420,7 +422,7 @@ def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: t
         torch.topk(keys, cfg.indexer_top_k).indices
 
 
-def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Tensor, pos: torch.Tensor):
     """The decode attention sublayer of layer li with the fused kernels (session._attn_step's meaning). c: the
     normalized q_a, or (q_a, (norm weight, eps)) for q_b's matvecs to normalize (DS4_GPU_NORM_FOLD)."""
     from ds4.gguf_tools import constants as C
@@ -457,5 +459,6 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
         if indexed and not side_index:
             sel = index_select(sess, li, a, c, q_norm, pos)
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
-    # one summand, or o_b's two column-slice parts (DS4_GPU_OB_SLICES=2), which the next mHC post adds
-    return W.mm_then_parts(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
+    if weights.OB_SLICES:  # o_b's two column-slice parts (DS4_GPU_OB_SLICES=2), which the next mHC post adds
+        return W.mm_then_parts(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
+    return W.mm_then(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
