@@ -587,6 +587,10 @@ PYBIND11_MODULE(_ext, m) {
   m.def("set_gateup_lut", &set_gateup_lut, py::arg("mode"),
         "IQ2_XXS gate/up rows kernel with the sign-mask tables (1: 3 CTAs per SM, 2: 2), without (0) or as "
         "$DS4_GPU_GU_LUT says (-1).");
+  m.def("set_moe_x8", &set_moe_x8, py::arg("mode"),
+        "Routed experts' activations at 8 bits, hi plane only, as ds4 (1), at ~16 bits, hi + lo (0), or as "
+        "$DS4_GPU_MOE_X8 says (-1).");
+  m.def("moe_x8", &moe_x8, "Whether the routed experts read 8-bit activations now.");
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");

@@ -5,7 +5,8 @@
 # Env: TESTS (pytest files/args; default the v16 decode tests; "" none), TRACE (decode_trace contexts, default "2048";
 #      "" none), TRACE_SETS (switch sets of the traces, "-" = the defaults; default "-"), TRACE_STEPS, TRACE_ARGS, AB (switch sets, "VAR=v[,VAR2=w]" per run, "-" = the defaults; default
 #      "- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0"), CTX (decode contexts
-#      of the A/B runs, default "2048 8192"), KBENCH (when set: the batch-1 kernel bench with these extra arguments,
+#      of the A/B runs, default "2048 8192"), AB_ARGS (bench_session arguments of the A/B runs instead of CTX and DECODE,
+#      e.g. "--ctx 2048 --decode 64 --prefill 8192"), KBENCH (when set: the batch-1 kernel bench with these extra arguments,
 #      e.g. "--quick", before the A/B runs), NCU (device_ncu.sh specs, under the switches NCU_ENV "A=1,B=2"), DECODE (tokens, default 64), RECORD (bench_session arguments of one last
 #      run under the defaults), *_TIMEOUT.
 set -u
@@ -43,7 +44,8 @@ for envs in ${AB-- DS4_GPU_ARGMAX=0,DS4_GPU_EARLY_XQ=0,DS4_GPU_COMPRESS_REGS=0};
   [ "$envs" = - ] && envs=""
   stamp "decode ${envs:-defaults}"; echo "== ${envs:-defaults}" >> "$OUT/decode_ab.log"
   env ${envs//,/ } timeout ${BENCH_TIMEOUT:-150} python3 -m ds4.engine.gpu.bench_session /dev/shm/flash-q2.gguf \
-    --ctx ${CTX:-2048 8192} --decode ${DECODE:-64} --prefill 2>&1 | tee -a "$OUT/decode_ab.log" | grep -E "^decode|floor"
+    ${AB_ARGS:---ctx ${CTX:-2048 8192} --decode ${DECODE:-64} --prefill} 2>&1 | tee -a "$OUT/decode_ab.log" \
+    | grep -E "^decode|^prefill|floor"
 done
 if [ -n "${RECORD:-}" ]; then
   stamp "record $RECORD"

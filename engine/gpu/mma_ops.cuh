@@ -23,6 +23,12 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
                : "r"(a));
 }
 
+// Two 8x8 matrices of 16-bit elements: lanes 0 .. 15 give the row addresses (matrix i from lanes 8i .. 8i + 7).
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* row) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
 // d = a . b over 32 columns, from a zero accumulator: separate output registers, so no per-mma zeroing moves
 __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "

@@ -26,6 +26,7 @@
 
 #include "common.cuh"
 #include "mma_ops.cuh"
+#include "moe_mma.cuh"
 #include "mv_core.cuh"
 
 namespace ds4gpu {
@@ -108,8 +109,8 @@ __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
   return t;
 }
 
-// Activation planes of stage k0 into st (cp.async; rows past the tile are zero-filled, so they add nothing).
-template <int QT, int NT>
+// Activation planes of stage k0 into st (cp.async; rows past the tile are zero-filled, so they add nothing); X8: hi only.
+template <int QT, int NT, bool X8 = false>
 __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqStage<NT>& st) {
   const int tid = threadIdx.x;
   const int64_t col = tl.xcol0 + k0;
@@ -118,7 +119,7 @@ __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, 
     const bool ok = t < tl.an;
     const int64_t off = (tl.a0 + (ok ? t : 0)) * a.x.n + col + c;
     cp16(&st.hi[t][c], a.x.hi + off, ok);
-    cp16(&st.lo[t][c], a.x.lo + off, ok);
+    if constexpr (!X8) cp16(&st.lo[t][c], a.x.lo + off, ok);
   }
   if (tid < NT) {
     const bool ok = tid < tl.an;
@@ -173,7 +174,11 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
 template <int QT, int NT>
 __host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
 
-template <int QT, int NT, bool S256 = false>
+// X8 (moe_x8(): the routed experts' 8-bit activations): the lo plane is neither loaded nor multiplied, one mma per
+// fragment instead of two, and the 254 is folded into the activation scale (I2FP of the hi sum, which is exact: |sum|
+// <= 32 x 127 x 45 < 2^24), so the per-element epilogue is FMUL, I2FP, FFMA. Within float rounding of the full form on
+// planes whose lo is zero (not bitwise: 254 hi is rounded to float there before the scale multiplies).
+template <int QT, int NT, bool S256 = false, bool X8 = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   extern __shared__ __align__(16) unsigned char mq_smem[];
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
   // 8192-token layer that way, v14 call 3)
   const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
-  mmq_load_x<QT, NT>(a, tl, 0, st[0]);
+  mmq_load_x<QT, NT, X8>(a, tl, 0, st[0]);
   mmq_load_w<QT, NT>(a, tl, 0, raw);
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
   mmq_decode_w<QT, NT>(a, tl, raw, grid, st[0]);
@@ -211,7 +216,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
     const bool next = s + 1 < nstages;
     if (next) {
-      mmq_load_x<QT, NT>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
+      mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
       mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
     }
     const MmqStage<NT>& S = st[s & 1];
@@ -238,11 +243,17 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         // hi k 0-15, hi k 16-31, lo k 0-15, lo k 16-31 of activation rows wn + 8n .. + 7
         uint32_t bf[4];
         const int tr = wn + 8 * n + (lane & 7), kb = 32 * b + 16 * ((lane >> 3) & 1);
-        ldsm_x4(bf, (lane & 16) ? &S.lo[tr][kb] : &S.hi[tr][kb]);
+        if constexpr (X8) {
+          uint32_t b2[2];
+          ldsm_x2(b2, &S.hi[tr][kb]);
+          bf[0] = b2[0], bf[1] = b2[1], bf[2] = bf[3] = 0u;
+        } else {
+          ldsm_x4(bf, (lane & 16) ? &S.lo[tr][kb] : &S.hi[tr][kb]);
+        }
         float xs[2], s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          xs[j] = S.xs[tc + j][b];
+          xs[j] = X8 && !S256 ? 254.0f * S.xs[tc + j][b] : S.xs[tc + j][b];
           if constexpr (has_mins<QT>()) {
             s0[j] = S.s16[tc + j][2 * b];
             s1[j] = S.s16[tc + j][2 * b + 1];
@@ -254,7 +265,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
             mma_s8_acc(ih[m][n], af[m], bf[0], bf[1]);
-            mma_s8_acc(il[m][n], af[m], bf[2], bf[3]);
+            if constexpr (!X8) mma_s8_acc(il[m][n], af[m], bf[2], bf[3]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int h = e >> 1, j = e & 1;
@@ -269,16 +280,17 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         } else {
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
-            int ch[4], cl[4];
+            int ch[4], cl[4] = {0, 0, 0, 0};
             mma_s8(ch, af[m], bf[0], bf[1]);
-            mma_s8(cl, af[m], bf[2], bf[3]);
+            if constexpr (!X8) mma_s8(cl, af[m], bf[2], bf[3]);
             // C: c0 (weight row g, activation row 2q), c1 (g, 2q + 1), c2 (g + 8, 2q), c3 (g + 8, 2q + 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int h = e >> 1, j = e & 1;
               // the batch-1 kernels' arithmetic: the exact int32 254 hi + lo, one rounding to float (I2FP: full rate)
               float& y = acc[m][n][e];
-              y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
+              if constexpr (X8) y = fmaf(wd[m][h] * xs[j], (float)ch[e], y);  // xs[j] holds 254 xs here
+              else y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
               if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
             }
           }
@@ -312,35 +324,37 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
       }
 }
 
-template <int QT, int NT, bool S256 = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = 2 * sizeof(MmqStage<NT>) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
-template <int NT>
+template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
   switch (qtype) {
-    case QT_Q8_0: launch_as<QT_Q8_0, NT>(a, grid, stream); break;
+    case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
-      if (s256) launch_as<QT_Q2_K, NT, true>(a, grid, stream);
-      else launch_as<QT_Q2_K, NT>(a, grid, stream);
+      if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
-    case QT_Q4_K: launch_as<QT_Q4_K, NT>(a, grid, stream); break;
-    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT>(a, grid, stream); break;
+    case QT_Q4_K: launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream); break;
+    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream); break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
   }
 }
 
-void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256 = false) {
+// x8: 8-bit activations (the routed experts under moe_x8()).
+void launch(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256 = false, bool x8 = false) {
   if (s256 && qtype != QT_Q2_K) throw std::invalid_argument("mmq: the S256 form is for Q2_K weights");
-  if (mmq_tile_rows() == 128) launch_nt<128>(a, qtype, grid, stream, s256);
-  else launch_nt<64>(a, qtype, grid, stream, s256);
+  const bool big = mmq_tile_rows() == 128;
+  if (x8) big ? launch_nt<128, true>(a, qtype, grid, stream, s256) : launch_nt<64, true>(a, qtype, grid, stream, s256);
+  else big ? launch_nt<128, false>(a, qtype, grid, stream, s256) : launch_nt<64, false>(a, qtype, grid, stream, s256);
   DS4_CHECK_LAUNCH("mmq");
 }
 
@@ -474,7 +488,7 @@ void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* 
   MmqArgs a = make_args(w, x, y, rows_g, 0, rows_g);
   a.tiles = tiles;
   if (s256 && w.ncols % 256) throw std::invalid_argument("mmq_experts: S256 needs columns in whole 256-column blocks");
-  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream, s256);
+  launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream, s256, moe_x8());
 }
 
 }  // namespace ds4gpu

@@ -153,7 +153,8 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
 }
 
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
-template <int QT, int XM, int LUT = 0>
+// X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 __global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_
     float acc[R][1];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    mv_accumulate<QT, 1, R, TB, XS>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
+    mv_accumulate<QT, 1, R, TB, XS, X8>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
     warp_sum<R, 1>(acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_
   }
 }
 
-template <int QT>
+template <int QT, bool X8 = false>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y) {
   pdl_begin();
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
       srow[r] = down.sc + row * down.sc_row;
     }
     int vec[1] = {token * k + j};
-    mv_accumulate<QT, 1, R>(qrow, srow, xb + 1, nb, xb, 1, xq, vec, tb, acc);  // this one x block
+    mv_accumulate<QT, 1, R, Iq2Tables, false, X8>(qrow, srow, xb + 1, nb, xb, 1, xq, vec, tb, acc);  // this one x block
   }
   warp_sum<R, 1>(acc);
   if (lane == 0) {
@@ -312,6 +313,22 @@ static int gateup_lut_mode() {
   return gateup_lut_override() >= 0 ? gateup_lut_override() : env;
 }
 
+// $DS4_GPU_MOE_X8=1: the routed experts read their activations (x and h) at 8 bits, hi only (x = s hi, error <= s / 2
+// per value, s = amax / 127 per 32 columns), as ds4 does (model-spec §3.9), in decode (gate/up, down) and prefill
+// (mmq): half the integer products. 0 or unset: hi + lo (~16 bits). set_moe_x8 overrides it (0, 1; -1 the environment).
+static int& moe_x8_override() {
+  static int v = -1;
+  return v;
+}
+void set_moe_x8(int mode) { moe_x8_override() = mode == 0 || mode == 1 ? mode : -1; }
+bool moe_x8() {
+  static const bool env = [] {
+    const char* e = getenv("DS4_GPU_MOE_X8");
+    return e && e[0] == '1';
+  }();
+  return moe_x8_override() >= 0 ? moe_x8_override() == 1 : env;
+}
+
 // Lets kernel take smem bytes of dynamic shared memory; limit: what it was last allowed (never lowered, so a
 // later launch with a size between the default and that limit keeps working).
 template <typename K>
@@ -321,7 +338,7 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM, int LUT = 0>
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
@@ -329,11 +346,11 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   const size_t smem = gu_table_bytes<QT, LUT != 0>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT>, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8>, smem, smem_set);
   auto it = resident.find(smem);
   if (it == resident.end())
-    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT>, GU_THREADS, smem)).first;
-  launch_k(moe_gateup_rows_kernel<QT, XM, LUT>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
@@ -341,6 +358,13 @@ template <int QT>
 static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                cudaStream_t stream) {
+  if (moe_x8()) {  // 8-bit x: the sign tables (IQ2_XXS, unless GU_LUT=0) or the computed masks, x from global memory
+    if (QT == QT_IQ2_XXS && gateup_lut_mode() != 0)
+      launch_gateup_rows_as<QT, GU_X_GLOBAL, 2, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+    else
+      launch_gateup_rows_as<QT, GU_X_GLOBAL, 0, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+    return;
+  }
   // one token (decode) and x planes that int4 copies can stage
   if (gateup_x_shared() && pairs == k && xq.n % 256 == 0 && gu_xs_bytes(xq.n) <= 32 * 1024)
     launch_gateup_rows_as<QT, GU_X_STAGED>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
@@ -355,7 +379,7 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
 // XQ (decode): gate/up from the float32 x of the one token, h also quantized into xq_h; only where
 // gateup_xq_takes.
 static bool gateup_xq_takes(int qtype, int tokens, int n_embd, int n_ff, int k) {
-  return gateup_x_quant() != 0 && !(qtype == QT_IQ2_XXS && gateup_mma_enabled()) && tokens == 1 && n_embd % 256 == 0 &&
+  return gateup_x_quant() != 0 && !moe_x8() && !(qtype == QT_IQ2_XXS && gateup_mma_enabled()) && tokens == 1 && n_embd % 256 == 0 &&
          n_ff % 256 == 0 && gu_xs_bytes(n_embd) <= 32 * 1024 && (int64_t)k * (n_ff / 32) <= GU_XQ_MAX_BLOCKS;
 }
 
@@ -380,7 +404,10 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
   int S = column_splits(k * down.ncols / 32);
   int rows_per_cta = (CTA_WARPS / S) * MOE_R;
   dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
-  launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
+  if (moe_x8())
+    launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
+  else
+    launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
   DS4_CHECK_LAUNCH("moe down");
 }
 
@@ -399,7 +426,7 @@ void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const
     case QT_Q4_K: launch_gateup_rows<QT_Q4_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
     case QT_Q2_K: launch_gateup_rows<QT_Q2_K>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream); break;
     case QT_IQ2_XXS:
-      if (!gateup_mma_enabled() ||
+      if (!gateup_mma_enabled() || moe_x8() ||
           !launch_gateup_mma(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream))
         launch_gateup_rows<QT_IQ2_XXS>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs, k, clamp, s.h, stream);
       break;

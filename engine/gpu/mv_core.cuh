@@ -237,7 +237,9 @@ __device__ __forceinline__ T x_ld(const T* p) {
 }
 
 // acc[r][b] += row r . x block xb of vector vec[b], from the rows' raw bits of that block.
-template <int QT, int NB, int R, typename TB, bool XS = false>
+// X8: the lo plane is not read (x = s hi to within s / 2, the 8-bit activations of ds4's expert products, model-spec
+// §3.9): half the dp4a and x loads; the same bits as the full form on planes whose lo is zero.
+template <int QT, int NB, int R, typename TB, bool XS = false, bool X8 = false>
 __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ& xq, const int (&vec)[NB],
                                          const TB& tb, float (&acc)[R][NB]) {
   const int xnxb = xq.n / 32;
@@ -252,9 +254,11 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
     for (int b = 0; b < NB; ++b) {
       int64_t off = (int64_t)vec[b] * xq.n + 32 * xb + 16 * h;
       int4 vh = x_ld<XS>((const int4*)(xq.hi + off));
-      int4 vl = x_ld<XS>((const int4*)(xq.lo + off));
       xh[b][0] = vh.x; xh[b][1] = vh.y; xh[b][2] = vh.z; xh[b][3] = vh.w;
-      xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
+      if constexpr (!X8) {
+        int4 vl = x_ld<XS>((const int4*)(xq.lo + off));
+        xl[b][0] = vl.x; xl[b][1] = vl.y; xl[b][2] = vl.z; xl[b][3] = vl.w;
+      }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -264,7 +268,7 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           th = __dp4a((int)d[r].c[4 * h + i], xh[b][i], th);
-          tl = __dp4a((int)d[r].c[4 * h + i], xl[b][i], tl);
+          if constexpr (!X8) tl = __dp4a((int)d[r].c[4 * h + i], xl[b][i], tl);
         }
         int t = 254 * th + tl;
         if constexpr (QT == QT_Q2_K) t *= (h == 0 ? d[r].mul0 : d[r].mul1);
@@ -294,7 +298,7 @@ __device__ __forceinline__ void mv_block(const RawXb (&raw)[R], int xb, const XQ
 // shared memory). The 2-bit types
 // (3 words per row and block) load the next block while the current one is decoded: one DRAM round
 // trip per warp instead of one per block; Q8_0 (9 words per row) would need too many registers.
-template <int QT, int NB, int R, typename TB, bool XS = false>
+template <int QT, int NB, int R, typename TB, bool XS = false, bool X8 = false>
 __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], const uint8_t* const (&srow)[R],
                                               int nxb, int nb, int xb0, int xbstep, const XQ& xq,
                                               const int (&vec)[NB], const TB& tb, float (&acc)[R][NB]) {
@@ -310,7 +314,7 @@ __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], c
 #pragma unroll
         for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xn, nb, nxt[r]);
       }
-      mv_block<QT, NB, R, TB, XS>(cur, xb, xq, vec, tb, acc);
+      mv_block<QT, NB, R, TB, XS, X8>(cur, xb, xq, vec, tb, acc);
 #pragma unroll
       for (int r = 0; r < R; ++r) cur[r] = nxt[r];
     }
@@ -319,7 +323,7 @@ __device__ __forceinline__ void mv_accumulate(const uint8_t* const (&qrow)[R], c
       RawXb raw[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], xb, nb, raw[r]);  // all rows in flight
-      mv_block<QT, NB, R, TB, XS>(raw, xb, xq, vec, tb, acc);
+      mv_block<QT, NB, R, TB, XS, X8>(raw, xb, xq, vec, tb, acc);
     }
   }
 }

@@ -116,12 +116,12 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return g * torch.sigmoid(g) * torch.clamp(u, -limit, limit)
 
 
-def quantize_hilo(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+def quantize_hilo(x: torch.Tensor, group: int = 32, hi_only: bool = False) -> torch.Tensor:
     """The activation the extension's quantized kernels see (repack.cu quantize_x_kernel), in float32.
 
     Per 32 columns (group; 256: mmq's S256 form): s = amax / 127, hi = rint(x / s),
     lo = clamp(rint((x / s - hi) · 254), ±127), x' = s / 254 · (254 · hi + lo). Used to emulate the kernels'
-    arithmetic on the CPU.
+    arithmetic on the CPU. hi_only: lo = 0, the routed experts' 8-bit activations (DS4_GPU_MOE_X8).
     """
     lead, n = x.shape[:-1], x.shape[-1]
     b = x.reshape(*lead, n // group, group)
@@ -130,5 +130,7 @@ def quantize_hilo(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     t = b / safe
     hi = torch.round(t)
     lo = torch.clamp(torch.round((t - hi) * 254.0), -127.0, 127.0)
+    if hi_only:
+        lo = torch.zeros_like(lo)
     out = (safe / 254.0) * (254.0 * hi + lo)
     return torch.where(s > 0, out, torch.zeros_like(out)).reshape(*lead, n)
