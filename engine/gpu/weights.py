@@ -41,9 +41,9 @@ MV_CHAIN = os.environ.get("DS4_GPU_MV_CHAIN", "0") in ("1", "2")
 # ... and the shared expert too (0: o_a -> o_b only; the shared expert runs on a side branch of the decode graph, where
 # a chained grid's barrier waits for CTAs that the main branch's kernels may hold off)
 MV_CHAIN_FFN = os.environ.get("DS4_GPU_MV_CHAIN_FFN", "1") == "1"
-# decode: o_b in two column slices ("2"; anything else: off), whose parts the next mHC post adds (matvec_sliced; v18,
-# prepared: o_b alone 14.0 -> 11.5 us in the kernel bench, not yet measured in a session)
-OB_SLICES = 2 if os.environ.get("DS4_GPU_OB_SLICES", "0") == "2" else 0
+# decode: o_b in two column slices ("2", the default; anything else: off), whose parts the next mHC post adds
+# (matvec_sliced; v18: o_b alone 14.0 -> 11.5 us in the kernel bench; v19: decode 7.32 / 7.40 against 7.40 / 7.49 ms)
+OB_SLICES = 2 if os.environ.get("DS4_GPU_OB_SLICES", "2") == "2" else 0
 # prefill routed experts: the padded batch holds up to this many times the mean load per expert (the rest of a
 # busy expert goes to plain GEMMs); padding rows cost GEMM work, overflow costs launches (A/B, v8: not measured)
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
