@@ -522,12 +522,13 @@ class Session(Timeline):
         gate_inp = C.blk(li, L.FFN_GATE_INP)
         # decode with DS4_GPU_ROUTER_ONE=1: the router matvec and the routing in one launch (router.cu), below
         one_launch = fused.ROUTER_ONE and self.K is not None and self.route_hook is None and b.shape[0] == 1
-        logits = None if one_launch else W.mm(gate_inp, b)
+        forked = self.K is not None and self.route_hook is None and self._in_step and "ffn" in self._branches
+        # the router matvec before the fork (its logits are the side branch's start), or after it (FFN_FORK_EARLY)
+        logits = None if one_launch or (forked and branches.FFN_FORK_EARLY) else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
-            forked = self._in_step and "ffn" in self._branches
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
-                with self.side.fork():
+                with self.side.fork(branches.FFN_PER_SM):
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
