@@ -220,9 +220,6 @@ void bind_fused_ops(py::module_& m) {
     launch_moe_combine(ptr<const float>(y_sorted), ptr<const int64_t>(slot_row), tokens, k, n, ptr<float>(out),
                        stream());
   });
-  m.def("set_topk_form", &set_topk_form, py::arg("form"),
-        "Top-k rows of at most 8192 keys by the bitonic sort (1), every row by the radix select (0), or as "
-        "$DS4_GPU_TOPK says (-1): the same selection either way.");
   m.def("topk_rows_f32", [](uintptr_t keys, int n, int64_t ld, int rows, int k, uintptr_t pos, int ratio,
                             uintptr_t sel) {
     launch_topk_rows_f32(ptr<const float>(keys), n, ld, rows, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel),

@@ -31,12 +31,6 @@ def parse_branches(spec: str) -> frozenset[str]:
 
 BRANCHES = parse_branches(os.environ.get("DS4_GPU_BRANCH", "ffn,comp"))
 SIDE_PER_SM = int(os.environ.get("DS4_GPU_SIDE_PER_SM", "0") or 0)
-# The `ffn` branch (v19 trace: the routed gate/up became resident only ~8 us after the router ended, when the shared
-# expert's streaming grid, launched on the side at the router matvec's end, left the SMs): $DS4_GPU_FFN_FORK=early forks
-# it before the router matvec (at the mHC pre's end), so the shared gate/up runs beside the router; "late" (default) after
-# it. $DS4_GPU_FFN_PER_SM caps that branch's streaming matvecs alone (0: SIDE_PER_SM). Read once, A/B switches.
-FFN_FORK_EARLY = os.environ.get("DS4_GPU_FFN_FORK", "late") == "early"
-FFN_PER_SM = int(os.environ.get("DS4_GPU_FFN_PER_SM", "0") or 0)
 
 
 class SideStream:
@@ -53,9 +47,7 @@ class SideStream:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     @contextmanager
-    def fork(self, per_sm: int = 0):
-        """per_sm: CTAs per SM of the streaming matvecs inside (0: SIDE_PER_SM)."""
-        per_sm = per_sm or SIDE_PER_SM
+    def fork(self):
         main = torch.cuda.current_stream(self.device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
@@ -63,11 +55,11 @@ class SideStream:
         try:
             with torch.cuda.stream(self.stream):
                 self._route()
-                if per_sm:
-                    self.ext.set_mv_cap(per_sm)
+                if SIDE_PER_SM:
+                    self.ext.set_mv_cap(SIDE_PER_SM)
                 yield
         finally:
-            if per_sm:
+            if SIDE_PER_SM:
                 self.ext.set_mv_cap(0)
             self._route()  # back to the main stream
             self.pending = True

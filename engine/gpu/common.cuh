@@ -342,9 +342,6 @@ void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int 
 // prefill indexer's top-k per query.
 void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio,
                           int64_t* sel, cudaStream_t s);
-// Both top-k launchers: rows of at most 8192 keys by a bitonic sort in shared memory (1, the default, $DS4_GPU_TOPK
-// unset) or every row by the radix select (0, $DS4_GPU_TOPK=radix); the same selection. -1: the environment again.
-void set_topk_form(int form);
 // indexer.cu: prefill indexer scores on the bfloat16 tensor cores, scores[t, c] = sum_h w[t, h] relu(q[t, h] . keys[c])
 // for c < n_vis[t], else -inf (c < n); q [T, Hi, di] and w [T, Hi] float32, keys [n, di] bfloat16 (exact under the
 // indexer QAT). Takes di = 128 and Hi = 8..64 in multiples of 8 (index_scores_takes).

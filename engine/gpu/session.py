@@ -49,7 +49,7 @@ ROUTE_DENOM_MIN = 6.1035e-5
 
 
 
-PREFETCH_POINTS = ("oa", "ob", "sh", "qb", "gu")
+PREFETCH_POINTS = ("oa", "ob", "sh", "qb")
 PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # decode with the fused kernels: q_a's RMS norm applied by q_b's (and the indexer's q_b) matvec while it stages x,
 # not by its own launch (the same bits); read once, an A/B switch
@@ -62,8 +62,7 @@ FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
 def parse_prefetch(spec: str) -> dict[str, float]:
     """DS4_GPU_PREFETCH: decode L2 prefetch points separated by "," or "+", each `name` or `name:fraction` (of the
     weights' bytes): oa / ob (o_a, o_b: asked for after q_b's launch), sh (shared expert: after o_b), qb (the
-    next layer's q_a, kv and q_b: after the shared expert), gu (the same, asked for when the routed experts' gate/up
-    starts: that kernel is bound by its integer pipes, with DRAM ~70% idle, v19)."""
+    next layer's q_a, kv and q_b: after the shared expert)."""
     out = {}
     for item in filter(None, (t.strip() for t in spec.replace("+", ",").split(","))):
         name, _, frac = item.partition(":")
@@ -441,14 +440,9 @@ class Session(Timeline):
                                                 pending)
             with prefill.section("ffn", on):
                 pending = (*self._moe(li, b, tok), post, comb)
-            self.prefetch("qb", self._next_q(li))
+            self.prefetch("qb", [C.blk(li + 1, t) for t in (L.ATTN_Q_A, L.ATTN_KV, L.ATTN_Q_B)]
+                          if li + 1 < cfg.n_layer else [C.OUTPUT])
         return X, pending
-
-    def _next_q(self, li: int) -> list[str]:
-        """The first matvecs' weights after layer li: the next layer's q_a, kv and q_b, or the output head."""
-        if li + 1 < self.cfg.n_layer:
-            return [C.blk(li + 1, t) for t in (L.ATTN_Q_A, L.ATTN_KV, L.ATTN_Q_B)]
-        return [C.OUTPUT]
 
     def prefetch(self, point: str, names: list[str], groups: int = 1) -> None:
         """Decode only: at `point` (DS4_GPU_PREFETCH), ask L2 for weights a later matvec of the step streams.
@@ -522,13 +516,12 @@ class Session(Timeline):
         gate_inp = C.blk(li, L.FFN_GATE_INP)
         # decode with DS4_GPU_ROUTER_ONE=1: the router matvec and the routing in one launch (router.cu), below
         one_launch = fused.ROUTER_ONE and self.K is not None and self.route_hook is None and b.shape[0] == 1
-        forked = self.K is not None and self.route_hook is None and self._in_step and "ffn" in self._branches
-        # the router matvec before the fork (its logits are the side branch's start), or after it (FFN_FORK_EARLY)
-        logits = None if one_launch or (forked and branches.FFN_FORK_EARLY) else W.mm(gate_inp, b)
+        logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
+            forked = self._in_step and "ffn" in self._branches
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
-                with self.side.fork(branches.FFN_PER_SM):
+                with self.side.fork():
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
@@ -542,7 +535,6 @@ class Session(Timeline):
             _, ids, w = one
             if xq_ready is not None:
                 self.side.wait(xq_ready)
-            self.prefetch("gu", self._next_q(li))
             out = W.moe(li, b, ids, w, limit, xq=xq)
             if forked:
                 self.side.join()

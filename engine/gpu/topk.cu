@@ -13,9 +13,6 @@
 // it are equal (exact ties would otherwise take all 8 passes). The compaction
 // takes every code with (code >> shift) > prefix and the first k - gt with (code >> shift) == prefix,
 // positions from one block-wide exclusive scan of packed (greater, equal) counts.
-#include <cstdlib>
-#include <string>
-
 #include "common.cuh"
 
 namespace ds4gpu {
@@ -221,91 +218,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
   }
 }
 
-// Bitonic form (n <= TOPK_BITONIC_MAX): the same selection as topk_rows_kernel by a different route. The rows' codes
-// and indices are sorted in shared memory by (code descending, index ascending), a strict total order, so the first k
-// entries are exactly radix select's set (its ties also go to the lowest indices); those are marked and compacted in
-// ascending index order by one block-wide scan. Why: the radix select resolves the k-th code byte by byte, each pass
-// a histogram and three barriers, up to 8 passes when the codes share their top bytes; decode's indexer (513-2048
-// visible rows of 512 wanted at 2k-8k context) spent ~12.6 us per ratio-4 layer there (v19 trace), on the critical
-// path to the attention. The sort is log2(N) (log2(N) + 1) / 2 barrier steps of N / 2 compare-exchanges.
-constexpr int TOPK_BITONIC_MAX = 8192;
-
-__device__ __forceinline__ bool topk_before(uint64_t ca, uint32_t ia, uint64_t cb, uint32_t ib) {
-  return ca > cb || (ca == cb && ia < ib);
-}
-
-template <typename Key>
-__global__ void __launch_bounds__(TOPK_THREADS) topk_bitonic_kernel(const Key* keys, int n, int64_t ld, int k,
-                                                                    const int64_t* pos, int ratio, int N,
-                                                                    int64_t* sel) {
-  pdl_begin();
-  keys += (int64_t)blockIdx.x * ld;
-  sel += (int64_t)blockIdx.x * k;
-  if (pos) pos += blockIdx.x;
-  extern __shared__ __align__(16) unsigned char tb_smem[];
-  uint64_t* code = reinterpret_cast<uint64_t*>(tb_smem);  // [N]
-  uint32_t* idx = reinterpret_cast<uint32_t*>(code + N);  // [N]
-  unsigned char* mark = reinterpret_cast<unsigned char*>(idx + N);  // [N]
-  __shared__ uint64_t warp_tot[32];
-  const int tid = threadIdx.x;
-  if (pos) {
-    const int64_t n_vis = (*pos + 1) / ratio;
-    if (n_vis <= k) {  // every visible row fits; the attention masks rows >= n_vis itself
-      for (int i = tid; i < k; i += blockDim.x) sel[i] = i;
-      return;
-    }
-  }
-  // padding past n: code 0 (NaN's) with indices >= n, so it sorts after every row
-  for (int i = tid; i < N; i += blockDim.x) {
-    code[i] = i < n ? order_code(keys[i]) : 0;
-    idx[i] = (uint32_t)i;
-    mark[i] = 0;
-  }
-  for (int size = 2; size <= N; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int t = tid; t < N / 2; t += blockDim.x) {
-        const int i = 2 * t - (t & (stride - 1)), j = i + stride;
-        const uint64_t ci = code[i], cj = code[j];
-        const uint32_t ii = idx[i], ij = idx[j];
-        // ascending by "before" inside blocks whose bit `size` is clear: the whole array ends in that order
-        if (topk_before(cj, ij, ci, ii) == ((i & size) == 0)) {
-          code[i] = cj, code[j] = ci;
-          idx[i] = ij, idx[j] = ii;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < k; i += blockDim.x) mark[idx[i]] = 1;
-  __syncthreads();
-  // compaction in ascending index order: thread t owns rows [begin, end)
-  const int chunk = (n + (int)blockDim.x - 1) / (int)blockDim.x;
-  const int begin = min(tid * chunk, n), end = min(begin + chunk, n);
-  uint64_t cnt = 0;
-  for (int i = begin; i < end; ++i) cnt += mark[i];
-  uint64_t at = block_exclusive_scan(cnt, warp_tot);
-  for (int i = begin; i < end; ++i)
-    if (mark[i]) sel[at++] = i;
-}
-
-// $DS4_GPU_TOPK: "radix" the v8 select for every size; otherwise (default "bitonic") rows of at most
-// TOPK_BITONIC_MAX keys are sorted (v19). set_topk_form overrides it (0 radix, 1 bitonic, -1 the environment).
-int& topk_form_override() {
-  static int v = -1;
-  return v;
-}
-bool topk_bitonic() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_TOPK");
-    return !(e && std::string(e) == "radix");
-  }();
-  return topk_form_override() >= 0 ? topk_form_override() == 1 : env;
-}
-
 }  // namespace
-
-void set_topk_form(int form) { topk_form_override() = form == 0 || form == 1 ? form : -1; }
 
 namespace {
 template <typename Key>
@@ -314,17 +227,7 @@ void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int6
   if (k < 1 || k > n) throw std::invalid_argument("topk_rows: need 1 <= k <= n");
   if (rows < 1 || ld < n) throw std::invalid_argument("topk_rows: need rows >= 1 and a row stride >= n");
   if (pos && ratio < 1) throw std::invalid_argument("topk_rows: ratio must be >= 1");
-  if (n <= TOPK_BITONIC_MAX && topk_bitonic()) {
-    int N = 2;
-    while (N < n) N <<= 1;
-    const size_t smem = (size_t)N * (8 + 4 + 1);
-    static size_t limit = 48 * 1024;  // the kernel's dynamic shared-memory limit: only ever raised
-    if (smem > limit) {
-      DS4_CHECK(cudaFuncSetAttribute(topk_bitonic_kernel<Key>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      limit = smem;
-    }
-    launch_k(topk_bitonic_kernel<Key>, dim3(rows), dim3(TOPK_THREADS), smem, s, keys, n, ld, k, pos, ratio, N, sel);
-  } else if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
+  if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
     launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio,
              sel);
   else
