@@ -192,9 +192,7 @@ np.savez(sys.argv[2], logits=logits, folded=s.W.folded_norms)
 
 
 def _decode(gguf: Path, out: Path, fold: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "DS4_GPU_NORM_FOLD"}
-    if fold:
-        env["DS4_GPU_NORM_FOLD"] = "1"
+    env = dict(os.environ, DS4_GPU_NORM_FOLD="1" if fold else "0")
     done = subprocess.run([sys.executable, "-c", _SESSION_SCRIPT, str(gguf), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

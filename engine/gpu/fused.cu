@@ -155,18 +155,12 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* po
 // Hadamard + FP4 steps too (v15: the indexer's 0.5M query rows per 8192-token chunk ran ~2 ms on the block kernel).
 constexpr int NR_WARP_MAX_D = 1024, NR_WARP_THREADS = 256, NR_WARP_MIN_ROWS = 256;
 
-// Rows past job a's are job b's (decode: the 64 query heads and the KV row into the ring in one launch, v19's
-// DS4_GPU_NR_WARP_DECODE); a ring job writes row pos % ring_cap.
-__global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRopeJob a, NormRopeJob b,
-                                                                         const int64_t* pos) {
+__global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRopeJob j, const int64_t* pos) {
   pdl_begin();
   constexpr int KMAX = NR_WARP_MAX_D / 32;
   const int lane = threadIdx.x & 31;
-  int64_t row = (int64_t)blockIdx.x * (NR_WARP_THREADS / 32) + (threadIdx.x >> 5);
-  if (row >= a.rows + b.rows) return;
-  const bool second = row >= a.rows;
-  const NormRopeJob& j = second ? b : a;
-  if (second) row -= a.rows;
+  const int64_t row = (int64_t)blockIdx.x * (NR_WARP_THREADS / 32) + (threadIdx.x >> 5);
+  if (row >= j.rows) return;
   const int d = j.d, nk = d / 32;
   const RowPost& o = j.o;
   float v[KMAX];
@@ -179,9 +173,8 @@ __global__ void __launch_bounds__(NR_WARP_THREADS) norm_rope_warp_kernel(NormRop
     for (int k = 0; k < KMAX; ++k)
       if (k < nk) v[k] *= in_s;
   }
-  const int64_t p = pos ? pos[row / j.rows_per_token] : 0;
-  warp_row_post<KMAX>(v, d, lane, o, (float)p);
-  float* yr = j.out + (j.ring_cap > 0 ? p % j.ring_cap : row) * d;
+  warp_row_post<KMAX>(v, d, lane, o, pos ? (float)pos[row / j.rows_per_token] : 0.0f);
+  float* yr = j.out + row * d;
 #pragma unroll
   for (int k = 0; k < KMAX; ++k)
     if (k < nk) yr[lane + 32 * k] = v[k];
@@ -195,21 +188,6 @@ static int norm_rope_warp_level() {
     return e && e[0] ? atoi(e) : 2;
   }();
   return v;
-}
-
-// $DS4_GPU_NR_WARP_DECODE=1 (A/B, v19): decode's norm_rope launches (64 query heads + the KV ring row; the indexer's
-// 64 query rows) on the warp kernel too, without block barriers; 0 (default) the block kernel below 256 rows.
-static bool norm_rope_warp_decode() {
-  static const bool v = [] {
-    const char* e = getenv("DS4_GPU_NR_WARP_DECODE");
-    return e && e[0] == '1';
-  }();
-  return v;
-}
-
-static bool warp_takes(const NormRopeJob& j) {
-  return j.rows == 0 || (j.d % 32 == 0 && j.d <= NR_WARP_MAX_D && (j.d - j.o.rope_dim) % 2 == 0 &&
-                         norm_rope_warp_level() >= ((j.o.fp8_nope || j.o.qat) ? 2 : 1));
 }
 
 // MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: route_token (router.cuh,
@@ -653,11 +631,12 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
     check_row_post(j->o, j->d);
     if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
   }
-  const bool big = jb.rows == 0 && a.rows >= NR_WARP_MIN_ROWS && a.ring_cap <= 0;
-  if ((big || norm_rope_warp_decode()) && warp_takes(a) && warp_takes(jb)) {
-    const int per_block = NR_WARP_THREADS / 32, rows = a.rows + jb.rows;
-    launch_k(norm_rope_warp_kernel, dim3((unsigned)((rows + per_block - 1) / per_block)), dim3(NR_WARP_THREADS), 0,
-             s, a, jb, pos);
+  if (jb.rows == 0 && a.rows >= NR_WARP_MIN_ROWS && a.ring_cap <= 0 && a.d % 32 == 0 &&
+      a.d <= NR_WARP_MAX_D && (a.d - a.o.rope_dim) % 2 == 0 &&
+      norm_rope_warp_level() >= ((a.o.fp8_nope || a.o.qat) ? 2 : 1)) {
+    const int per_block = NR_WARP_THREADS / 32;
+    launch_k(norm_rope_warp_kernel, dim3((unsigned)((a.rows + per_block - 1) / per_block)), dim3(NR_WARP_THREADS), 0,
+             s, a, pos);
     DS4_CHECK_LAUNCH("norm_rope_warp");
     return;
   }
