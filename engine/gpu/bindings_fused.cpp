@@ -84,13 +84,14 @@ void bind_fused_ops(py::module_& m) {
                    ptr<const float>(comb), T, n, D, ptr<float>(Xo), stream());
   });
   m.def("norm_rope", [](uintptr_t pos, const std::vector<py::tuple>& jobs) {
-    if (jobs.empty() || jobs.size() > 2) throw std::invalid_argument("norm_rope: one or two jobs");
-    NormRopeJob j[2];
+    if (jobs.empty() || jobs.size() > 3) throw std::invalid_argument("norm_rope: one to three jobs");
+    NormRopeJob j[3];
     for (size_t i = 0; i < jobs.size(); ++i) j[i] = norm_rope_job(jobs[i]);
-    launch_norm_rope(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
+    launch_norm_rope(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream(),
+                     jobs.size() > 2 ? &j[2] : nullptr);
   }, "jobs: (x, rows, d, rows_per_token, norm, w, eps, freq, rope_dim, inverse, fp8_nope, qat, had_scale, "
      "ring_cap, out, in_scale) each (in_scale: float32 per token, the row is x * in_scale[token]; 0: none); the second "
-     "runs in the same launch", py::arg("pos"), py::arg("jobs"));
+     "and third run in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("prefill_attn", [](uintptr_t q, uintptr_t win, uintptr_t comp, uintptr_t sel, uintptr_t sinks, uintptr_t out,
                            int T, int H, int d, int Wn, int n_comp, int n_sel, int ratio, int64_t pos0, float scale,
                            int exact_dims, uintptr_t out_freq, int out_rope_dim, int prefetch, uintptr_t win_pk,

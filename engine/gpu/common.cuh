@@ -223,8 +223,9 @@ struct NormRopeJob {
   int ring_cap = 0;
   float* out = nullptr;
 };
-// rows of x -> row post -> out; b (optional): a second job in the same launch (same positions).
-void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s);
+// rows of x -> row post -> out; b, c (optional): a second and a third job in the same launch (same positions).
+void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s,
+                      const NormRopeJob* c = nullptr);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
 // row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].

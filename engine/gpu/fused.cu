@@ -123,18 +123,19 @@ __global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, c
 }
 
 // One row per block: x[row] -> row_post -> out[row] (or the ring row pos % ring_cap when ring_cap > 0).
-// Token of a row: row / rows_per_token; its position pos[token]. Blocks past job a's rows do job b's
-// (decode: the query heads and the KV row in one launch).
-__global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, const int64_t* pos) {
+// Token of a row: row / rows_per_token; its position pos[token]. Blocks past job a's rows do job b's, and past
+// those job c's (decode: the query heads, the KV row and, on indexed layers, the indexer's query heads in one launch).
+__global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, NormRopeJob c, const int64_t* pos) {
   pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
-  const bool second = (int)blockIdx.x >= a.rows;
-  const NormRopeJob& j = second ? b : a;
+  const int bi = (int)blockIdx.x;
+  const int which = bi < a.rows ? 0 : (bi < a.rows + b.rows ? 1 : 2);
+  const NormRopeJob& j = which == 0 ? a : (which == 1 ? b : c);
   const int d = j.d;
   float* v = sh;
   float* tmp = sh + d;
-  const int row = second ? blockIdx.x - a.rows : blockIdx.x, t = row / j.rows_per_token;
+  const int row = bi - (which > 0 ? a.rows : 0) - (which > 1 ? b.rows : 0), t = row / j.rows_per_token;
   const float in_s = j.in_scale ? j.in_scale[t] : 1.0f;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float x = j.x[(int64_t)row * d + i];
@@ -623,11 +624,14 @@ static void check_row_post(const RowPost& o, int d) {
   if (o.qat && (d % 32 || (d & (d - 1)))) throw std::invalid_argument("FP4 simulation needs a power-of-two row");
 }
 
-void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s) {
+void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t* pos, cudaStream_t s,
+                      const NormRopeJob* c) {
+  if (c && !b) throw std::invalid_argument("norm_rope: a third job needs a second");
   NormRopeJob none = a;
   none.rows = 0;
   const NormRopeJob& jb = b ? *b : none;
-  for (const NormRopeJob* j : {&a, &jb}) {
+  const NormRopeJob& jc = c ? *c : none;
+  for (const NormRopeJob* j : {&a, &jb, &jc}) {
     check_row_post(j->o, j->d);
     if (j->rows < 0 || j->rows_per_token < 1) throw std::invalid_argument("norm_rope: bad row counts");
   }
@@ -640,8 +644,8 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
     DS4_CHECK_LAUNCH("norm_rope_warp");
     return;
   }
-  const int d = std::max(a.d, jb.rows ? jb.d : 0);
-  launch_k(norm_rope_kernel, dim3(a.rows + jb.rows), dim3(128), 2 * d * sizeof(float), s, a, jb, pos);
+  const int d = std::max(a.d, std::max(jb.rows ? jb.d : 0, jc.rows ? jc.d : 0));
+  launch_k(norm_rope_kernel, dim3(a.rows + jb.rows + jc.rows), dim3(128), 2 * d * sizeof(float), s, a, jb, jc, pos);
   DS4_CHECK_LAUNCH("norm_rope");
 }
 

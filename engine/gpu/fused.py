@@ -39,6 +39,12 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
+# decode, indexed ratio-4 layers: the indexer's small launches inside the main chain's (matvec_pair_kernel takes the
+# F16 indexer matrices beside the Q8_0 ones). `qb`: its q_b in q_b's launch (x = the normalized q_a) and its query's
+# RoPE/QAT in the query's norm_rope launch (a third job); `proj`: its proj in q_a/kv's launch (x = a). Names joined by
+# ","; "0" or empty: neither (the v19 chain: its own matvecs and norm_rope after the query's).
+IDX_MERGE = frozenset(t for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb,proj").replace("+", ",").split(",")
+                      if t.strip() in ("qb", "proj"))
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
@@ -142,20 +148,23 @@ class Fused:
                   norm: bool = False, w: torch.Tensor | None = None, eps: float = 1e-6,
                   freq: torch.Tensor | None = None, rope_dim: int = 0, inverse: bool = False, fp8_nope: int = 0,
                   qat: bool = False, out: torch.Tensor | None = None, ring_cap: int = 0,
-                  also: dict | None = None, in_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  also: dict | list[dict] | None = None, in_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of length d: [rms_norm (* w)] → [RoPE tail at pos[row // rows_per_token]] → [FP8 | FP4 sim].
         ring_cap > 0 (one row): written to out[pos % ring_cap] instead of a new tensor. also: the arguments
-        (x, d, rows_per_token and the keywords) of a second norm_rope with the same pos, run in the same
-        launch (its output is written to its `out`, which it must give). in_scale [tokens] float32: the rows are
-        x * in_scale[row // rows_per_token] (the bits of that multiply done first)."""
+        (x, d, rows_per_token and the keywords) of a second norm_rope with the same pos, or a list of up to two
+        such, run in the same launch (each output is written to its `out`, which it must give). in_scale [tokens]
+        float32: the rows are x * in_scale[row // rows_per_token] (the bits of that multiply done first)."""
         first = self._norm_rope_job(x, d, rows_per_token, norm=norm, w=w, eps=eps, freq=freq, rope_dim=rope_dim,
                                     inverse=inverse, fp8_nope=fp8_nope, qat=qat, out=out, ring_cap=ring_cap,
                                     in_scale=in_scale)
         jobs = [first]
-        if also is not None:
-            if also.get("out") is None:
-                raise ValueError("norm_rope: the second job needs its out tensor")
-            jobs.append(self._norm_rope_job(**also))
+        extra = [] if also is None else ([also] if isinstance(also, dict) else list(also))
+        if len(extra) > 2:
+            raise ValueError("norm_rope: at most two jobs besides the first")
+        for job in extra:
+            if job.get("out") is None:
+                raise ValueError("norm_rope: the jobs after the first need their out tensors")
+            jobs.append(self._norm_rope_job(**job))
         self._stream()
         self.ext.norm_rope(_p(pos), [job for job, _, _ in jobs])  # jobs hold the inputs alive until launched
         return first[1]
@@ -400,18 +409,30 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
                         0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
 
 
-def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: torch.Tensor) -> torch.Tensor:
-    """The indexer's top-k compressed rows for the decode token of ratio-4 layer li (its compressor step done)."""
+def idx_merged(sess, li: int, part: str) -> bool:
+    """Whether decode layer li runs the indexer's `part` (qb: q_b and the query's post; proj) inside the main chain's
+    launches (DS4_GPU_IDX_MERGE): an indexed ratio-4 layer whose indexer is not on a side branch."""
+    cfg = sess.cfg
+    return part in IDX_MERGE and sess._in_step and sess.K is not None and cfg.ratio(li) == 4 and \
+        sess.layers[li]["comp"].shape[0] > cfg.indexer_top_k and "idx" not in sess._branches
+
+
+def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: torch.Tensor,
+                 qi: torch.Tensor | None = None) -> torch.Tensor:
+    """The indexer's top-k compressed rows for the decode token of ratio-4 layer li (its compressor step done).
+    qi: the indexer's query rows already through their RoPE/QAT (idx_merged); None: computed here."""
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
     cfg, W, K, st = sess.cfg, sess.W, sess.K, sess.layers[li]
     Hi, di = cfg.indexer_heads, cfg.indexer_dim
     q_post = dict(freq=sess._freq[True], rope_dim=cfg.rope_dim, qat=cfg.indexer_qat)
-    qi = W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm)
-    folded = K.index_keys_takes_post(Hi, di)  # the query's RoPE/QAT inside index_keys: one launch less
-    if not folded:
-        qi = K.norm_rope(qi, di, Hi, pos, **q_post)
+    folded = False
+    if qi is None:
+        qi = W.mm(C.blk(li, L.IDX_Q_B), c, norm=q_norm)
+        folded = K.index_keys_takes_post(Hi, di)  # the query's RoPE/QAT inside index_keys: one launch less
+        if not folded:
+            qi = K.norm_rope(qi, di, Hi, pos, **q_post)
     wi = sess._idx_proj.pop(li, None)  # launched with the compressor steps (EARLY_IDX_PROJ)
     if wi is None:
         wi = W.mm(C.blk(li, L.IDX_PROJ), a)
@@ -444,11 +465,20 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
             if not sess._comp_forked:
                 compress_steps(sess, li, a, pos)
             sel = index_select(sess, li, a, c, q_norm, pos)
-    q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
+    merged = indexed and not side_index and idx_merged(sess, li, "qb")
+    also, qi = [kv_job], None
+    if merged:  # the indexer's q_b in q_b's launch, its query's RoPE/QAT in the query's norm_rope launch
+        q_lin, qi_lin = W.mm_many([C.blk(li, L.ATTN_Q_B), C.blk(li, L.IDX_Q_B)], c, norm=q_norm)
+        Hi, di = cfg.indexer_heads, cfg.indexer_dim
+        qi = torch.empty((Hi, di), dtype=torch.float32, device=sess.device)
+        also.append(dict(x=qi_lin, d=di, rows_per_token=Hi, freq=sess._freq[True], rope_dim=rd,
+                         qat=cfg.indexer_qat, out=qi))
+    else:
+        q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
     sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
     sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
     q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
-                    also=kv_job)  # the KV row into the ring in the same launch
+                    also=also)  # the KV row into the ring in the same launch
     comp = None
     if r:
         if sess._comp_forked or side_index:  # launched on the side branch (DS4_GPU_BRANCH=comp / idx)
@@ -457,7 +487,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
             compress_steps(sess, li, a, pos)
         comp = st["comp"]
         if indexed and not side_index:
-            sel = index_select(sess, li, a, c, q_norm, pos)
+            sel = index_select(sess, li, a, c, q_norm, pos, qi=qi)
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
     if weights.OB_SLICES:  # o_b's two column-slice parts (DS4_GPU_OB_SLICES=2), which the next mHC post adds
         return W.mm_then_parts(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))

@@ -24,6 +24,93 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
   mv_loop<QT, R, C>(a, g, blockIdx.x, gridDim.x, mv_smem, A);
 }
 
+// Q8_0 and F16 matrices reading one x, in one launch: phase A the Q8_0 segments (x staged as quantized planes),
+// phase B the F16 ones (x staged as floats, after A's in shared memory). Why: decode's indexed layers read the
+// normalized q_a through q_b (Q8_0) and the indexer's q_b (F16), and a through q_a/kv (Q8_0) and the indexer's
+// proj (F16); one launch each instead of two dependent ones on the critical chain. Each warp streams its A tiles,
+// then its B tiles; every row's sums are those of the one-type launches (the same staging arithmetic, the same
+// per-row order), so the outputs are their bits.
+template <int CA, int CB>
+__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_pair_kernel(MvArgs a, MvArgs b, int smem_b) {
+  extern __shared__ __align__(16) unsigned char mv_smem[];
+  constexpr int RA = 8 / CA, RB = 8 / CB;
+  MvStep<QT_Q8_0, RA, CA> A;
+  mv_first_load<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, A);
+  pdl_trigger();
+  pdl_wait();
+  const float rr = a.x_op == MV_X_RMS ? mv_rms_scale<false>(a, mv_smem) : 1.0f;  // one x: one norm for both
+  mv_stage_x_rr<QT_Q8_0>(a, 0, mv_smem, rr);
+  mv_stage_x_rr<QT_F16>(b, 0, mv_smem + smem_b, rr);
+  __syncthreads();
+  mv_loop<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, gridDim.x, mv_smem, A);
+  MvStep<QT_F16, RB, CB> B;
+  mv_first_load<QT_F16, RB, CB>(b, 0, blockIdx.x, B);
+  mv_loop<QT_F16, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem + smem_b, B);
+}
+
+template <int CA, int CB>
+static void launch_pair_cc(const MvArgs& a, const MvArgs& b, int threads, size_t smem_b, size_t smem, bool pdl,
+                           cudaStream_t stream) {
+  static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
+  auto key = std::make_pair(threads, smem);
+  auto it = resident.find(key);
+  if (it == resident.end()) {
+    if (smem > 48 * 1024)
+      DS4_CHECK(cudaFuncSetAttribute(matvec_pair_kernel<CA, CB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
+    int n = 0;
+    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_pair_kernel<CA, CB>, threads, smem));
+    it = resident.emplace(key, std::max(1, n)).first;
+  }
+  const int W = threads / 32;
+  const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
+  const int64_t most = (int64_t)per_sm * sm_count();
+  const unsigned gx = (unsigned)std::min<int64_t>((std::max(a.tiles, b.tiles) + W - 1) / W, most);
+  launch_pdl(pdl, matvec_pair_kernel<CA, CB>, dim3(gx), dim3((unsigned)threads), smem, stream, a, b, (int)smem_b);
+}
+
+template <int CA>
+static void launch_pair_c(const MvArgs& a, const MvArgs& b, int cb, int threads, size_t smem_b, size_t smem, bool pdl,
+                          cudaStream_t stream) {
+  if (cb == 2) launch_pair_cc<CA, 2>(a, b, threads, smem_b, smem, pdl, stream);
+  else if (cb == 4) launch_pair_cc<CA, 4>(a, b, threads, smem_b, smem, pdl, stream);
+  else launch_pair_cc<CA, 8>(a, b, threads, smem_b, smem, pdl, stream);
+}
+
+// ys[i] = ws[i] . x for Q8_0 and F16 matrices of one width (at least one of each, 4 in all) in one launch; false (nothing
+// launched) where the streaming kernel does not take them.
+static bool launch_matvec_pair(const Packed* const* ws, float* const* ys, int nw, const float* x, int x_op,
+                               cudaStream_t stream, bool pdl, const float* norm_w, float eps) {
+  const Packed* wq[MV_MAX_SEG];
+  const Packed* wf[MV_MAX_SEG];
+  float* yq[MV_MAX_SEG];
+  float* yf[MV_MAX_SEG];
+  int nq = 0, nf = 0;
+  for (int i = 0; i < nw; ++i) {
+    if (ws[i]->qtype == QT_Q8_0) wq[nq] = ws[i], yq[nq++] = ys[i];
+    else if (ws[i]->qtype == QT_F16) wf[nf] = ws[i], yf[nf++] = ys[i];
+    else return false;
+  }
+  MvArgs a, b;
+  int64_t rows_a = 0, rows_b = 0;
+  if (!nq || !nf || x_op == MV_X_SWIGLU || !mv_args(wq, yq, nq, x, nullptr, 1, x_op, 0.0f, a, rows_a) ||
+      !mv_args(wf, yf, nf, x, nullptr, 1, x_op, 0.0f, b, rows_b) || a.ncols != b.ncols)
+    return false;
+  if (x_op == MV_X_RMS) {
+    if (a.ncols % 4 || a.ncols > 16 * MV_RMS_THREADS || ((uintptr_t)norm_w & 15)) return false;
+    a.norm_w = b.norm_w = norm_w;
+    a.eps = b.eps = eps;
+  }
+  const MvPlan pa = mv_plan<QT_Q8_0>(a, 1, rows_a, true), pb = mv_plan<QT_F16>(b, 1, rows_b, true);
+  const size_t smem_b = (pa.smem + 15) / 16 * 16, smem = smem_b + pb.smem;
+  const int threads = (int64_t)a.tiles + b.tiles >= (int64_t)sm_count() * 8 ? 256 : 128;
+  if (pa.C == 2) launch_pair_c<2>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
+  else if (pa.C == 4) launch_pair_c<4>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
+  else launch_pair_c<8>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
+  DS4_CHECK_LAUNCH("matvec pair");
+  return true;
+}
+
 template <int QT, int R, int C>
 static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, bool pdl, cudaStream_t stream) {
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
@@ -65,6 +152,9 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
                           int x_op, float clamp, cudaStream_t stream, bool pdl, const float* norm_w, float eps) {
   MvArgs a;
   int64_t rows = 0;
+  bool mixed = false;
+  for (int i = 1; i < nw; ++i) mixed |= ws[i]->qtype != ws[0]->qtype;
+  if (mixed) return xq == nullptr && groups == 1 && launch_matvec_pair(ws, ys, nw, x, x_op, stream, pdl, norm_w, eps);
   if (!mv_args(ws, ys, nw, x, xq, groups, x_op, clamp, a, rows)) return false;
   if (x_op == MV_X_RMS) {  // one x vector of rms_norm_kernel's float4 path (the shapes whose bits mv_rms_scale has)
     if (groups != 1 || xq != nullptr || a.ncols % 4 || a.ncols > 16 * MV_RMS_THREADS || ((uintptr_t)norm_w & 15))

@@ -289,11 +289,12 @@ __device__ __forceinline__ float4 x_load4(const MvArgs& a, int g, int col, float
 // x vector g -> shared memory, columns [0, kpad), zeros past ncols.
 // Q8_0 quantize: the arithmetic of quantize_x_kernel (repack.cu), 8 lanes x 4 columns per x block, all
 // loads of a thread issued before the first use. F16: float32 in the two-plane layout of f16_slot.
+// rr: MV_X_RMS's 1 / rms of x (mv_rms_scale), which mv_stage_x computes first; mv_stage_x_rr takes it from a caller
+// that stages one x twice (matvec_pair_kernel: the Q8_0 planes and the F16 floats).
 template <int QT, bool COH = false>
-__device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char* smem) {
+__device__ __forceinline__ void mv_stage_x_rr(const MvArgs& a, int g, unsigned char* smem, float rr) {
   const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
   constexpr int QU = 8;
-  const float rr = a.x_op == MV_X_RMS ? mv_rms_scale<COH>(a, smem) : 1.0f;  // uniform: barriers inside
   if constexpr (QT == QT_F16) {
     float* s_x = (float*)smem;
     for (int base = 4 * tid; base < a.kpad; base += 4 * nthr * QU) {
@@ -359,6 +360,12 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
   }
 }
 
+template <int QT, bool COH = false>
+__device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char* smem) {
+  const float rr = a.x_op == MV_X_RMS ? mv_rms_scale<COH>(a, smem) : 1.0f;  // uniform: barriers inside
+  mv_stage_x_rr<QT, COH>(a, g, smem, rr);
+}
+
 // The streaming loop of one matvec for CTA `cta` of the `nctas` working on group g: each warp walks row tiles
 // cta * W + warp, + nctas * W, ...; A holds the warp's first step, already loaded by the caller when that tile
 // exists (weights never depend on earlier kernels, so callers issue those loads as early as they can).
@@ -413,9 +420,10 @@ struct MvPlan {
   size_t smem;
 };
 
-// Fills a's tiles, steps and padded width; rows: rows of one group over all segments.
+// Fills a's tiles, steps and padded width; rows: rows of one group over all segments. full_r: R = 8 / C always
+// (matvec_pair_kernel, templated on C only; R and C do not change a row's summation order, so neither the bits).
 template <int QT>
-MvPlan mv_plan(MvArgs& a, int groups, int64_t rows) {
+MvPlan mv_plan(MvArgs& a, int groups, int64_t rows, bool full_r = false) {
   constexpr int CC = chunk_cols<QT>();
   const int nchunks = (a.ncols + CC - 1) / CC;
   const int C = nchunks <= 2 ? 2 : (nchunks <= 4 ? 4 : 8);
@@ -423,7 +431,8 @@ MvPlan mv_plan(MvArgs& a, int groups, int64_t rows) {
   // than 16 tiles per SM, or when R does not divide the rows of a group (groups > 1)
   int R = 8 / C;
   const int64_t want = (int64_t)sm_count() * 16;
-  while (R > 1 && ((groups > 1 && a.seg[0].rows % R) || (int64_t)groups * ((rows + R - 1) / R) < want)) R /= 2;
+  while (!full_r && R > 1 && ((groups > 1 && a.seg[0].rows % R) || (int64_t)groups * ((rows + R - 1) / R) < want))
+    R /= 2;
   int tiles = 0;
   for (int i = 0; i < a.nseg; ++i) {
     a.seg[i].tile0 = tiles;

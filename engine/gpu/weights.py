@@ -254,16 +254,26 @@ class Weights:
             self._sync_stream()
             self.ext.prefetch_l2(ws, float(fraction), PF_CTAS, PF_MODE, groups)
 
-    def mm_many(self, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-        """[W_i x] for matrices of the same width; on CUDA the activation is quantized once for all."""
+    def mm_many(self, names: list[str], x: torch.Tensor,
+                norm: tuple[torch.Tensor, float] | None = None) -> list[torch.Tensor]:
+        """[W_i x] for matrices of the same width; on CUDA the activation is quantized once for all.
+        norm = (w, eps): the products of rms_norm(x) * w, the norm applied by the one launch where it takes them
+        (one token; the bits of mm(name, x, norm=norm) for each)."""
         ws = [self.mat(n) for n in names]
         if self.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1 \
                 or x.shape[0] >= GEMM_MIN:
-            return [self.mm(n, x) for n in names]
+            return [self.mm(n, x, norm=norm) for n in names]
         self._sync_stream()
         x = x.contiguous()
         T = x.shape[0]
         ys = [torch.empty((T, w.nrows), dtype=F32, device=self.device) for w in ws]
+        if norm is not None:
+            nw, eps = norm
+            if T == 1 and self.ext.matvec_multi(ws, x.data_ptr(), [y.data_ptr() for y in ys], False, 0.0,
+                                                nw.contiguous().data_ptr(), float(eps)):
+                self.folded_norms += len(ws)
+                return ys
+            return [self.mm(n, x, norm=norm) for n in names]
         if T == 1 and self.ext.matvec_multi(ws, x.data_ptr(), [y.data_ptr() for y in ys]):
             return ys  # one launch for all of them (matvec_stream.cu)
         for i in range(0, T, 8):
