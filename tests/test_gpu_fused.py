@@ -329,6 +329,35 @@ def test_compress_step_sequence(K, r, width):
     assert rel(state[2][:3], ref[2][:3]) < 1e-5 and torch.all(state[2][3:] == 0)
 
 
+def test_compress_step_two_jobs_in_one_launch(K):
+    """A ratio-4 layer's two compressors (the attention's, FP8 rows; the indexer's, FP4 QAT rows) stepped in one launch
+    of two blocks: every state and row tensor bitwise as with a launch each, over three pooling windows."""
+    g = torch.Generator().manual_seed(21)
+    rd, n_rows = 64, 8
+    jobs = []
+    for width, fp8, qat in ((1024, 448, False), (256, 0, True)):
+        d = width // 2
+        jobs.append(dict(ape=rnd(g, 4, width, scale=0.3), norm_w=rnd(g, d), r=4, eps=1e-6,
+                         freq=freq_table(rd, 160000.0), rope_dim=rd, fp8_nope=fp8, qat=qat,
+                         state=[torch.zeros(8, width, device=DEV), torch.full((8, width), -math.inf, device=DEV),
+                                torch.zeros(n_rows, d, device=DEV)]))
+    apart = [[t.clone() for t in j["state"]] for j in jobs]
+    for p in range(14):
+        pos = torch.tensor([p], device=DEV)
+        ins = [(rnd(g, 1, j["state"][0].shape[1]), rnd(g, 1, j["state"][0].shape[1])) for j in jobs]
+        args = [dict(kv=kv, sc=sc, ape=j["ape"], s_kv=j["state"][0], s_sc=j["state"][1], rows=j["state"][2],
+                     r=4, norm_w=j["norm_w"], eps=1e-6, freq=j["freq"], rope_dim=rd, fp8_nope=j["fp8_nope"],
+                     qat=j["qat"]) for j, (kv, sc) in zip(jobs, ins)]
+        K.compress_step(pos=pos, **args[0], also=args[1])
+        for a, st in zip(args, apart):
+            K.compress_step(pos=pos, **{**a, "s_kv": st[0], "s_sc": st[1], "rows": st[2]})
+    torch.cuda.synchronize()
+    for j, st in zip(jobs, apart):
+        assert torch.isfinite(j["state"][2][:3]).all() and (j["state"][2][:3] != 0).any()
+        for got, want in zip(j["state"], st):
+            assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("use_sel", [False, True])
 @pytest.mark.parametrize("p,H,n_comp", [(5, 16, 40), (300, 16, 40), (2300, 64, 600), (40, 8, 40)])
 def test_decode_attention(K, use_sel, p, H, n_comp):
@@ -471,14 +500,15 @@ def _gpu_topk_check(K, keys_np: np.ndarray, k: int) -> torch.Tensor:
     return got
 
 
-@pytest.mark.parametrize("n", [530, 2049, 8200, 70000])
+# the block's threads follow n (8 keys each up to 8192, 16 up to 16384, then re-read): both ends of each form
+@pytest.mark.parametrize("n", [7, 100, 530, 2049, 8192, 8200, 16384, 16385, 70000])
 def test_topk_rows_random(K, n):
     keys = np.random.default_rng(n).standard_normal(n)
     for k in sorted({1, 512, n}):
         _gpu_topk_check(K, keys, k)
 
 
-@pytest.mark.parametrize("n", [530, 8200, 70000])
+@pytest.mark.parametrize("n", [530, 8200, 16384, 70000])
 def test_topk_rows_ties_inf_nan(K, n):
     sets = topk_key_sets(np.random.default_rng(n + 1), n)
     for name, keys in sets.items():

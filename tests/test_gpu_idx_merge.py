@@ -6,7 +6,7 @@
 - norm_rope takes a third job: the three jobs' outputs are those of three separate launches, bit for bit.
 - The small q2 model (Q8_0 q_b and q_a/kv, F16 indexer q_b and proj) decodes the same logits, bit for bit, with the
   merges on and off (a subprocess each: the switch is read once), and with them on a decode step runs the pair kernel
-  twice per indexed layer and no separate indexer matvec.
+  once per indexed layer (twice with proj) and no separate indexer q_b matvec or query norm_rope.
 """
 
 from __future__ import annotations
@@ -163,21 +163,33 @@ def _decode(gguf: Path, out: Path, merge: str) -> dict:
     return {k: v for k, v in np.load(out).items()}
 
 
-def test_session_decode_logits_bitwise_equal(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def small_q2(tmp_path_factory) -> Path:
     from conftest import quantize_cli
 
+    gguf = tmp_path_factory.mktemp("idx_merge") / "small.gguf"
+    quantize_cli("synth", "--preset", "small", "--gguf", str(gguf), "--mix", "q2", "--quiet")
+    return gguf
+
+
+@pytest.fixture(scope="module")
+def unmerged(small_q2, tmp_path_factory) -> dict:
+    return _decode(small_q2, tmp_path_factory.mktemp("idx_merge_off") / "off.npz", "0")
+
+
+# (switch, pair launches and launches saved per indexed layer): qb (the default) merges q_b and the norm_rope jobs,
+# proj adds the indexer's proj to q_a/kv's launch
+@pytest.mark.parametrize("merge,pairs,saved", [("qb", 1, 2), ("qb,proj", 2, 3)])
+def test_session_decode_logits_bitwise_equal(small_q2, unmerged, tmp_path, merge: str, pairs: int, saved: int) -> None:
     from ds4.engine.config import preset
 
-    gguf = tmp_path / "small.gguf"
-    quantize_cli("synth", "--preset", "small", "--gguf", str(gguf), "--mix", "q2", "--quiet")
-    on, off = _decode(gguf, tmp_path / "on.npz", "qb,proj"), _decode(gguf, tmp_path / "off.npz", "0")
+    on, off = _decode(small_q2, tmp_path / "on.npz", merge), unmerged
     cfg = preset("small")
     indexed = sum(1 for i in range(cfg.n_layer) if cfg.ratio(i) == 4)  # ctx 1024: 256 rows > top-k 64 each
     assert np.isfinite(on["logits"]).all()
     assert np.array_equal(on["logits"], off["logits"]), \
         f"max |diff| {np.max(np.abs(on['logits'] - off['logits'])):.3e}"
     assert int(off["pair"]) == 0
-    assert int(on["pair"]) == 2 * indexed, (int(on["pair"]), indexed)
-    # per indexed layer: two matvecs and one norm_rope launch fewer
-    assert int(on["norm_rope"]) == int(off["norm_rope"]) - indexed
-    assert int(on["kernels"]) == int(off["kernels"]) - 3 * indexed
+    assert int(on["pair"]) == pairs * indexed, (int(on["pair"]), indexed)
+    assert int(on["norm_rope"]) == int(off["norm_rope"]) - indexed  # the indexer query's own launch is gone
+    assert int(on["kernels"]) == int(off["kernels"]) - saved * indexed

@@ -174,13 +174,26 @@ void bind_fused_ops(py::module_& m) {
      py::arg("width") = 0, py::arg("row_of") = 0,
      "out = silu(min(g, limit)) * clamp(u, +-limit) over n floats (device addresses); row_w: each row of width values "
      "also times row_w[row_of[row]] (row_of: int64, or 0 for the row itself).");
-  m.def("compress_step", [](uintptr_t kv, uintptr_t sc, uintptr_t ape, uintptr_t s_kv, uintptr_t s_sc, uintptr_t rows,
-                            uintptr_t pos, int r, int width, uintptr_t w, float eps, uintptr_t freq, int rope_dim,
-                            int fp8_nope, bool qat, float had_scale) {
-    launch_compress_step(ptr<const float>(kv), ptr<const float>(sc), ptr<const float>(ape), ptr<float>(s_kv),
-                         ptr<float>(s_sc), ptr<float>(rows), ptr<const int64_t>(pos), r, width,
-                         row_post_args(true, w, eps, freq, rope_dim, false, fp8_nope, qat, had_scale), stream());
-  });
+  m.def("compress_step", [](uintptr_t pos, const std::vector<py::tuple>& jobs) {
+    if (jobs.empty() || jobs.size() > 2) throw std::invalid_argument("compress_step: one or two jobs");
+    CompressJob j[2];
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const py::tuple& t = jobs[i];
+      if (t.size() != 15) throw std::invalid_argument("compress_step: a job has 15 fields");
+      j[i].kv = ptr<const float>(t[0].cast<uintptr_t>());
+      j[i].sc = ptr<const float>(t[1].cast<uintptr_t>());
+      j[i].ape = ptr<const float>(t[2].cast<uintptr_t>());
+      j[i].s_kv = ptr<float>(t[3].cast<uintptr_t>());
+      j[i].s_sc = ptr<float>(t[4].cast<uintptr_t>());
+      j[i].rows = ptr<float>(t[5].cast<uintptr_t>());
+      j[i].r = t[6].cast<int>();
+      j[i].width = t[7].cast<int>();
+      j[i].o = row_post_args(true, t[8].cast<uintptr_t>(), t[9].cast<float>(), t[10].cast<uintptr_t>(),
+                             t[11].cast<int>(), false, t[12].cast<int>(), t[13].cast<bool>(), t[14].cast<float>());
+    }
+    launch_compress_step(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
+  }, "jobs: (kv, sc, ape, s_kv, s_sc, rows, r, width, norm_w, eps, freq, rope_dim, fp8_nope, qat, had_scale) each; "
+     "a second job runs beside the first in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("attn_chunks", &attn_chunks);
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
                         int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,

@@ -232,8 +232,19 @@ void launch_router(const float* logits, const float* bias, const int64_t* table,
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
                    const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);
 void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s);
-void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
-                          const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s);
+// One compressor's decode step (fused.cu compress_step_kernel); pos is shared by the jobs of a launch.
+struct CompressJob {
+  const float* kv = nullptr;
+  const float* sc = nullptr;
+  const float* ape = nullptr;
+  float* s_kv = nullptr;
+  float* s_sc = nullptr;
+  float* rows = nullptr;
+  int r = 0, width = 0;
+  RowPost o;
+};
+// b (optional): a second compressor's step in the same launch (block 1).
+void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s);
 int attn_chunks(int n_keys);
 // Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1
 // of win (valid from position 0) and the comp rows sel[t] (n_sel each; null: all n_comp rows), visible below

@@ -222,11 +222,20 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // One compressor step (session._compress_step): store the token's kv and score (+ APE) in the
 // frontier; on the last token of a window pool the candidates (softmax over the window per column),
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
-__global__ void compress_step_kernel(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc,
-                                     float* rows, const int64_t* pos, int r, int width, RowPost o, bool regs) {
+// Block b runs job b (a ratio-4 layer's two compressors in one launch: on its pooling steps they pool side by side).
+__global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64_t* pos, bool regs) {
   pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
+  const CompressJob& job = blockIdx.x == 0 ? ja : jb;
+  const float* kv = job.kv;
+  const float* sc = job.sc;
+  const float* ape = job.ape;
+  float* s_kv = job.s_kv;
+  float* s_sc = job.s_sc;
+  float* rows = job.rows;
+  const int r = job.r, width = job.width;
+  const RowPost& o = job.o;
   const int64_t p = *pos;
   const int slot = r == 4 ? 4 + (int)(p % 4) : (int)(p % r);
   const int phase = (int)(p % r);
@@ -674,12 +683,17 @@ static bool compress_regs() {
   return on;
 }
 
-void launch_compress_step(const float* kv, const float* sc, const float* ape, float* s_kv, float* s_sc, float* rows,
-                          const int64_t* pos, int r, int width, const RowPost& o, cudaStream_t s) {
-  const int d = r == 4 ? width / 2 : width;
-  check_row_post(o, d);
-  launch_k(compress_step_kernel, dim3(1), dim3(256), 2 * d * sizeof(float), s, kv, sc, ape, s_kv, s_sc, rows, pos, r,
-           width, o, compress_regs());
+void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s) {
+  int d = 0;
+  for (const CompressJob* j : {&a, b}) {
+    if (!j) continue;
+    if (j->r < 1 || j->width < 1 || (j->r == 4 && j->width % 2)) throw std::invalid_argument("compress_step: bad shape");
+    const int dj = j->r == 4 ? j->width / 2 : j->width;
+    check_row_post(j->o, dj);
+    d = std::max(d, dj);
+  }
+  launch_k(compress_step_kernel, dim3(b ? 2 : 1), dim3(256), 2 * d * sizeof(float), s, a, b ? *b : a, pos,
+           compress_regs());
   DS4_CHECK_LAUNCH("compress_step");
 }
 

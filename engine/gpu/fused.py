@@ -42,9 +42,13 @@ INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
 # decode, indexed ratio-4 layers: the indexer's small launches inside the main chain's (matvec_pair_kernel takes the
 # F16 indexer matrices beside the Q8_0 ones). `qb`: its q_b in q_b's launch (x = the normalized q_a) and its query's
 # RoPE/QAT in the query's norm_rope launch (a third job); `proj`: its proj in q_a/kv's launch (x = a). Names joined by
-# ","; "0" or empty: neither (the v19 chain: its own matvecs and norm_rope after the query's).
-IDX_MERGE = frozenset(t for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb,proj").replace("+", ",").split(",")
+# ","; "0" or empty: neither (the v19 chain: its own matvecs and norm_rope after the query's). v20 (H200, 2k / 8k):
+# qb 7.26 / 7.33 ms, none 7.34 / 7.39, qb,proj 7.45 / 7.52 (q_a/kv then leave the bulk-copy kernel: 9.5 -> 16.2 us).
+IDX_MERGE = frozenset(t for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb").replace("+", ",").split(",")
                       if t.strip() in ("qb", "proj"))
+# decode, ratio-4 layers: 1 (default) both compressors' steps in one launch of two blocks (on pooling steps they pool
+# side by side: v20 trace, 18.5 + 11.9 us one after the other); 0: a launch each
+COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
@@ -223,14 +227,22 @@ class Fused:
 
     # ---- decode attention pieces -----------------------------------------------------------------
     def compress_step(self, kv, sc, ape, s_kv, s_sc, rows, pos, r: int, norm_w, eps: float, freq, rope_dim: int,
-                      fp8_nope: int, qat: bool) -> None:
-        width = kv.shape[-1]
-        d = width // 2 if r == 4 else width
-        kv, sc = kv.contiguous(), sc.contiguous()
+                      fp8_nope: int, qat: bool, also: dict | None = None) -> None:
+        """One compressor's decode step; also: a second compressor's arguments (these names, pos shared), run beside
+        it in the same launch."""
+        jobs, keep = [], []
+        for job in ({"kv": kv, "sc": sc, "ape": ape, "s_kv": s_kv, "s_sc": s_sc, "rows": rows, "r": r, "norm_w": norm_w,
+                     "eps": eps, "freq": freq, "rope_dim": rope_dim, "fp8_nope": fp8_nope, "qat": qat},
+                    *([also] if also else [])):
+            width = job["kv"].shape[-1]
+            d = width // 2 if job["r"] == 4 else width
+            kv_c, sc_c = job["kv"].contiguous(), job["sc"].contiguous()
+            keep += [kv_c, sc_c]
+            jobs.append((_p(kv_c), _p(sc_c), _p(job["ape"]), _p(job["s_kv"]), _p(job["s_sc"]), _p(job["rows"]),
+                         int(job["r"]), int(width), _p(job["norm_w"]), float(job["eps"]), _p(job["freq"]),
+                         int(job["rope_dim"]), int(job["fp8_nope"]), bool(job["qat"]), float(1.0 / math.sqrt(d))))
         self._stream()
-        self.ext.compress_step(_p(kv), _p(sc), _p(ape), _p(s_kv), _p(s_sc), _p(rows), _p(pos), int(r), int(width),
-                               _p(norm_w), float(eps), _p(freq), int(rope_dim), int(fp8_nope), bool(qat),
-                               float(1.0 / math.sqrt(d)))
+        self.ext.compress_step(_p(pos), jobs)
 
     def attention(self, q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
                   ratio: int, pos: torch.Tensor, sinks: torch.Tensor, freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -399,14 +411,20 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:
         # the indexer's head weights need only a: on this (side) branch they leave the indexer's chain
         sess._idx_proj[li] = W.mm(C.blk(li, L.IDX_PROJ), a)
+    steps = []
     for j, indexer in enumerate(jobs):
         names = names_of[indexer]
-        kv_c, sc_c = outs[2 * j], outs[2 * j + 1]
         s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
             (st["comp_kv"], st["comp_score"], st["comp"])
-        K.compress_step(kv_c, sc_c, W.vec(C.blk(li, names[2])), s_kv, s_sc, rows, pos, 4 if indexer else r,
-                        W.vec(C.blk(li, names[3])), cfg.rms_eps, sess._freq[True], cfg.rope_dim,
-                        0 if indexer else fp8, bool(indexer and cfg.indexer_qat))
+        steps.append(dict(kv=outs[2 * j], sc=outs[2 * j + 1], ape=W.vec(C.blk(li, names[2])), s_kv=s_kv, s_sc=s_sc,
+                          rows=rows, pos=pos, r=4 if indexer else r, norm_w=W.vec(C.blk(li, names[3])),
+                          eps=cfg.rms_eps, freq=sess._freq[True], rope_dim=cfg.rope_dim,
+                          fp8_nope=0 if indexer else fp8, qat=bool(indexer and cfg.indexer_qat)))
+    if COMPRESS_ONE and len(steps) == 2:  # both compressors of a ratio-4 layer in one launch, side by side
+        K.compress_step(**steps[0], also={k: v for k, v in steps[1].items() if k != "pos"})
+    else:
+        for step in steps:
+            K.compress_step(**step)
 
 
 def idx_merged(sess, li: int, part: str) -> bool:

@@ -13,13 +13,19 @@
 // it are equal (exact ties would otherwise take all 8 passes). The compaction
 // takes every code with (code >> shift) > prefix and the first k - gt with (code >> shift) == prefix,
 // positions from one block-wide exclusive scan of packed (greater, equal) counts.
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace ds4gpu {
 namespace {
 
-constexpr int TOPK_THREADS = 1024;
-constexpr int TOPK_REG_ITEMS = 8;  // n <= 8192: a thread's keys stay in registers between passes
+constexpr int TOPK_THREADS = 1024;  // the most threads of a block
+// A thread's keys stay in registers between passes: 8 each up to 8192 keys, 16 each up to 16384. The block has just the
+// threads that hold keys (whole warps, at least TOPK_MIN_THREADS): every warp runs every pass's loops and barriers, so
+// idle warps are not free. v19 ncu at 528 keys on 1024 threads: 32.6 k warp instructions, barrier stalls first, 14.7 us.
+constexpr int TOPK_REG_ITEMS = 8, TOPK_REG_ITEMS_WIDE = 16;
+constexpr int TOPK_MIN_THREADS = 64;
 
 __device__ __forceinline__ uint64_t order_code(double x) {
   if (x != x) return 0;       // NaN: below -inf (whose code is 0x000F...F)
@@ -89,7 +95,7 @@ __device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov
   }
 }
 
-// REG > 0: n <= REG * TOPK_THREADS, keys read once into registers. REG == 0: keys re-read from global
+// REG > 0: n <= REG * blockDim.x, keys read once into registers. REG == 0: keys re-read from global
 // memory each pass (striped for coalescing; the compaction reads them blocked).
 // One block per row: row b reads keys + b * ld, pos + b (when pos is set) and writes sel + b * k.
 template <int REG, typename Key>
@@ -227,9 +233,22 @@ void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int6
   if (k < 1 || k > n) throw std::invalid_argument("topk_rows: need 1 <= k <= n");
   if (rows < 1 || ld < n) throw std::invalid_argument("topk_rows: need rows >= 1 and a row stride >= n");
   if (pos && ratio < 1) throw std::invalid_argument("topk_rows: ratio must be >= 1");
+  // whole warps holding REG keys each (blocked ownership covers [0, n) with threads * REG >= n)
+  // $DS4_GPU_TOPK_FULL=1: 1024 threads at every n (the v19 launch; benchmark A/B)
+  static const bool full = [] {
+    const char* e = std::getenv("DS4_GPU_TOPK_FULL");
+    return e && e[0] == '1';
+  }();
+  auto threads_for = [n](int reg) {
+    const int t = (n + reg - 1) / reg;
+    return full ? TOPK_THREADS : std::max(TOPK_MIN_THREADS, std::min(TOPK_THREADS, (t + 31) / 32 * 32));
+  };
   if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
-    launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio,
-             sel);
+    launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS)), 0, s, keys, n, ld, k,
+             pos, ratio, sel);
+  else if (n <= TOPK_REG_ITEMS_WIDE * TOPK_THREADS)
+    launch_k(topk_rows_kernel<TOPK_REG_ITEMS_WIDE, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS_WIDE)), 0, s, keys,
+             n, ld, k, pos, ratio, sel);
   else
     launch_k(topk_rows_kernel<0, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio, sel);
   DS4_CHECK_LAUNCH("topk_rows");
