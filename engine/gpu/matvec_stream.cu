@@ -30,10 +30,7 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
 // proj (F16); one launch each instead of two dependent ones on the critical chain. Each warp streams its A tiles,
 // then its B tiles; every row's sums are those of the one-type launches (the same staging arithmetic, the same
 // per-row order), so the outputs are their bits.
-// PF ($DS4_GPU_PAIR_PF=1, the default): a warp asks L2 for its first F16 step before it consumes its last Q8_0 step
-// (mv_loop's on_last; a prefetch, since loads into registers there spill), so that step's DRAM round trip overlaps the
-// phase boundary; 0: nothing asked early (v20 first form).
-template <int CA, int CB, bool PF>
+template <int CA, int CB>
 __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_pair_kernel(MvArgs a, MvArgs b, int smem_b) {
   extern __shared__ __align__(16) unsigned char mv_smem[];
   constexpr int RA = 8 / CA, RB = 8 / CB;
@@ -45,53 +42,31 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_pair_kernel(MvArgs a
   mv_stage_x_rr<QT_Q8_0>(a, 0, mv_smem, rr);
   mv_stage_x_rr<QT_F16>(b, 0, mv_smem + smem_b, rr);
   __syncthreads();
-  const int tb0 = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // the warp's first F16 tile
-  if constexpr (PF) {
-    mv_loop<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, gridDim.x, mv_smem, A, [&]() {
-      if (tb0 < b.tiles) mv_prefetch_l2<QT_F16, RB, CB>(b, 0, tb0, 0, threadIdx.x & 31);
-    });
-  } else {
-    mv_loop<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, gridDim.x, mv_smem, A);
-  }
+  mv_loop<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, gridDim.x, mv_smem, A);
   MvStep<QT_F16, RB, CB> B;
   mv_first_load<QT_F16, RB, CB>(b, 0, blockIdx.x, B);
   mv_loop<QT_F16, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem + smem_b, B);
 }
 
-static bool pair_prefetch() {
-  static const bool v = [] {
-    const char* e = std::getenv("DS4_GPU_PAIR_PF");
-    return !(e && e[0] == '0');
-  }();
-  return v;
-}
-
-template <int CA, int CB, bool PF>
-static void launch_pair_pf(const MvArgs& a, const MvArgs& b, int threads, size_t smem_b, size_t smem, bool pdl,
+template <int CA, int CB>
+static void launch_pair_cc(const MvArgs& a, const MvArgs& b, int threads, size_t smem_b, size_t smem, bool pdl,
                            cudaStream_t stream) {
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
   auto key = std::make_pair(threads, smem);
   auto it = resident.find(key);
   if (it == resident.end()) {
     if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(matvec_pair_kernel<CA, CB, PF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      DS4_CHECK(cudaFuncSetAttribute(matvec_pair_kernel<CA, CB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      (int)smem));
     int n = 0;
-    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_pair_kernel<CA, CB, PF>, threads, smem));
+    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_pair_kernel<CA, CB>, threads, smem));
     it = resident.emplace(key, std::max(1, n)).first;
   }
   const int W = threads / 32;
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t most = (int64_t)per_sm * sm_count();
   const unsigned gx = (unsigned)std::min<int64_t>((std::max(a.tiles, b.tiles) + W - 1) / W, most);
-  launch_pdl(pdl, matvec_pair_kernel<CA, CB, PF>, dim3(gx), dim3((unsigned)threads), smem, stream, a, b, (int)smem_b);
-}
-
-template <int CA, int CB>
-static void launch_pair_cc(const MvArgs& a, const MvArgs& b, int threads, size_t smem_b, size_t smem, bool pdl,
-                           cudaStream_t stream) {
-  if (pair_prefetch()) launch_pair_pf<CA, CB, true>(a, b, threads, smem_b, smem, pdl, stream);
-  else launch_pair_pf<CA, CB, false>(a, b, threads, smem_b, smem, pdl, stream);
+  launch_pdl(pdl, matvec_pair_kernel<CA, CB>, dim3(gx), dim3((unsigned)threads), smem, stream, a, b, (int)smem_b);
 }
 
 template <int CA>

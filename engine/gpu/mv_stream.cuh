@@ -125,26 +125,6 @@ __device__ __forceinline__ void mv_load(const MvArgs& a, int g, int tile, int st
   }
 }
 
-// The L2 prefetch of what mv_load would read for (tile, step): no registers held, so a warp can ask for a later
-// phase's first step while it still streams this one (matvec_pair_kernel).
-template <int QT, int R, int C>
-__device__ __forceinline__ void mv_prefetch_l2(const MvArgs& a, int g, int tile, int step, int lane) {
-  constexpr int CC = chunk_cols<QT>();
-  constexpr int BPC = QT == QT_F16 ? 2 : 1;
-  const SegView sv = seg_of(a, tile);
-  const int col0 = step * (C * CC) + (CC / 32) * lane;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = min(sv.t * R + r, sv.rows - 1);
-    const uint8_t* qrow = sv.qs + g * a.gq + row * a.qs_row;
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-      const int col = col0 + c * CC;
-      if (col < a.ncols) asm volatile("prefetch.global.L2 [%0];" ::"l"(qrow + (int64_t)BPC * col));
-    }
-  }
-}
-
 // x staged for F16: chunk k's 256 columns as two planes of 128, lane l's columns 8 l .. 8 l + 3 at
 // [256 k + 4 l] and 8 l + 4 .. 8 l + 7 at [256 k + 128 + 4 l], so a warp's float4 reads are contiguous.
 __device__ __forceinline__ int f16_slot(int col) {
@@ -389,15 +369,9 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
 // The streaming loop of one matvec for CTA `cta` of the `nctas` working on group g: each warp walks row tiles
 // cta * W + warp, + nctas * W, ...; A holds the warp's first step, already loaded by the caller when that tile
 // exists (weights never depend on earlier kernels, so callers issue those loads as early as they can).
-// on_last (optional) runs once, when the warp has issued its last load and before it consumes its last step: a caller
-// with more work after this matvec (matvec_pair_kernel) issues that work's first loads there, so they are in flight
-// across this loop's tail. It does not run for a warp without tiles.
-struct MvNoOp {
-  __device__ __forceinline__ void operator()() const {}
-};
-template <int QT, int R, int C, typename OnLast = MvNoOp>
+template <int QT, int R, int C>
 __device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nctas, const unsigned char* smem,
-                                        MvStep<QT, R, C>& A, OnLast&& on_last = OnLast{}) {
+                                        MvStep<QT, R, C>& A) {
   const int lane = threadIdx.x & 31, W = blockDim.x >> 5;
   const int T = a.tiles, NW = nctas * W;
   MvStep<QT, R, C> B;
@@ -410,7 +384,6 @@ __device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nct
     int tb = ta, sb = sa + 1;  // the step after A's, into B
     if (sb > last) { sb = 0; tb += NW; }
     if (tb < T) mv_load<QT, R, C>(a, g, tb, sb, lane, B);
-    else on_last();
     mv_consume<QT, R, C>(A, smem, a.kpad, sa, lane, acc);
     if (sa == last) mv_finish<R>(a, g, ta, lane, acc);
     if (tb >= T) break;
@@ -418,7 +391,6 @@ __device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nct
     sa = sb + 1;
     if (sa > last) { sa = 0; ta += NW; }
     if (ta < T) mv_load<QT, R, C>(a, g, ta, sa, lane, A);
-    else on_last();
     mv_consume<QT, R, C>(B, smem, a.kpad, sb, lane, acc);
     if (sb == last) mv_finish<R>(a, g, tb, lane, acc);
   }
