@@ -6,7 +6,8 @@
 - norm_rope takes a third job: the three jobs' outputs are those of three separate launches, bit for bit.
 - The small q2 model (Q8_0 q_b and q_a/kv, F16 indexer q_b and proj) decodes the same logits, bit for bit, with the
   merges on and off (a subprocess each: the switch is read once), and with them on a decode step runs the pair kernel
-  once per indexed layer (twice with proj) and no separate indexer q_b matvec or query norm_rope.
+  once per indexed layer (twice with proj) and no separate indexer q_b matvec or query norm_rope (nor proj matvec
+  with comp or proj).
 """
 
 from __future__ import annotations
@@ -87,6 +88,19 @@ def test_mixed_types_in_one_launch_give_the_bits_of_each_alone(cols: int, mats, 
         assert np.array_equal(got, want), f"{t.name} {rows}x{cols}: max |diff| {np.nanmax(np.abs(got - want)):.3e}"
         if rows * cols <= 4 << 20:
             assert rel_err(got.astype(np.float64), dequant(t, raw, cols) @ xd) <= TOL
+
+
+def test_five_segments_in_one_launch() -> None:
+    """A ratio-4 layer's four F16 compressor matrices and the indexer's proj (64 rows) read a in one launch: each
+    product is its launch alone, bit for bit."""
+    ext = gpu.load()
+    up = [_upload(f"five.{i}", Q.F16, 4096, r, 90 + i) for i, r in enumerate((1024, 1024, 256, 256, 64))]
+    x, _ = _x(4096, 5)
+    ys = [torch.full((1, w.nrows), NAN, device="cuda") for w, _ in up]
+    assert ext.matvec_multi([w for w, _ in up], x.data_ptr(), [y.data_ptr() for y in ys])
+    torch.cuda.synchronize()
+    for (w, _), y in zip(up, ys):
+        assert np.array_equal(y.cpu().numpy()[0], _alone(w, x, None)), w.name
 
 
 def test_pair_declines_other_types() -> None:
@@ -177,9 +191,9 @@ def unmerged(small_q2, tmp_path_factory) -> dict:
     return _decode(small_q2, tmp_path_factory.mktemp("idx_merge_off") / "off.npz", "0")
 
 
-# (switch, pair launches and launches saved per indexed layer): qb (the default) merges q_b and the norm_rope jobs,
-# proj adds the indexer's proj to q_a/kv's launch
-@pytest.mark.parametrize("merge,pairs,saved", [("qb", 1, 2), ("qb,proj", 2, 3)])
+# (switch, pair launches and launches saved per indexed layer): qb merges q_b and the norm_rope jobs, comp (with qb the
+# default) adds the indexer's proj to the compressors' launch, proj to q_a/kv's instead
+@pytest.mark.parametrize("merge,pairs,saved", [("qb", 1, 2), ("qb,comp", 1, 3), ("qb,proj", 2, 3)])
 def test_session_decode_logits_bitwise_equal(small_q2, unmerged, tmp_path, merge: str, pairs: int, saved: int) -> None:
     from ds4.engine.config import preset
 

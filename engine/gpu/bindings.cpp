@@ -358,9 +358,9 @@ bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, c
                   bool swiglu, float clamp, uintptr_t norm_w, float eps) {
   if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_multi: one y per weight");
   if (swiglu && norm_w) throw std::invalid_argument("matvec_multi: swiglu or norm_w, not both");
-  if (ws.size() > 4) return false;
-  const Packed* ps[4];
-  float* yp[4];
+  if (ws.size() > 5) return false;  // mv_stream.cuh MV_MAX_SEG
+  const Packed* ps[5];
+  float* yp[5];
   for (size_t i = 0; i < ws.size(); ++i) {
     ps[i] = &ws[i]->p;
     yp[i] = ptr<float>(ys[i]);

@@ -27,7 +27,7 @@ TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here
 ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "0") == "1"
 # decode: 1 launches the indexer's head-weight matvec (w = proj a) with the compressor steps, on their side branch,
 # instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
-# q_b on the main branch), so off by default
+# q_b on the main branch), so off by default; DS4_GPU_IDX_MERGE=comp puts it into the compressors' own launch instead
 EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
@@ -39,13 +39,14 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
-# decode, indexed ratio-4 layers: the indexer's small launches inside the main chain's (matvec_pair_kernel takes the
-# F16 indexer matrices beside the Q8_0 ones). `qb`: its q_b in q_b's launch (x = the normalized q_a) and its query's
-# RoPE/QAT in the query's norm_rope launch (a third job); `proj`: its proj in q_a/kv's launch (x = a). Names joined by
-# ","; "0" or empty: neither (the v19 chain: its own matvecs and norm_rope after the query's). v20 (H200, 2k / 8k):
-# qb 7.26 / 7.33 ms, none 7.34 / 7.39, qb,proj 7.45 / 7.52 (q_a/kv then leave the bulk-copy kernel: 9.5 -> 16.2 us).
-IDX_MERGE = frozenset(t for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb").replace("+", ",").split(",")
-                      if t.strip() in ("qb", "proj"))
+# decode, indexed ratio-4 layers: the indexer's small launches inside other launches (matvec_pair_kernel takes the F16
+# indexer matrices beside Q8_0 ones). `qb`: its q_b in q_b's launch (x = the normalized q_a) and its query's RoPE/QAT in
+# the query's norm_rope launch (a third job); `comp`: its proj (x = a) as a fifth segment of the compressors' launch
+# (F16, x = a; on the `comp` side branch); `proj`: its proj in q_a/kv's launch instead. Names joined by ","; "0" or
+# empty: none (the v19 chain: its own matvecs and norm_rope after the query's). v20 (H200, 2k / 8k): qb 7.26 / 7.33 ms,
+# none 7.34 / 7.39, qb,proj 7.45 / 7.52 (q_a/kv then leave the bulk-copy kernel: 9.5 -> 16.2 us).
+IDX_MERGE = frozenset(t.strip() for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb,comp").replace("+", ",").split(",")
+                      if t.strip() in ("qb", "proj", "comp"))
 # decode, ratio-4 layers: 1 (default) both compressors' steps in one launch of two blocks (on pooling steps they pool
 # side by side: v20 trace, 18.5 + 11.9 us one after the other); 0: a launch each
 COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
@@ -403,11 +404,17 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     names_of = {True: (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM),
                 False: (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)}
     mats = [C.blk(li, names_of[ix][j]) for ix in jobs for j in (0, 1)]
-    # both compressors' kv and score products in one launch where the four matrices share type and width
+    # both compressors' kv and score products in one launch where the four matrices share type and width (and the
+    # indexer's proj, which reads a too, as a fifth: DS4_GPU_IDX_MERGE=comp)
     ws = [W.mat(n) for n in mats]
-    outs = W.mm_many(mats, a) if all(not isinstance(w, torch.Tensor) for w in ws) and \
-        len({(w.qtype, w.ncols) for w in ws}) == 1 else \
+    one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
+    proj = C.blk(li, L.IDX_PROJ)
+    with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
+        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
+    outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
         [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    if with_proj:
+        sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:
         # the indexer's head weights need only a: on this (side) branch they leave the indexer's chain
         sess._idx_proj[li] = W.mm(C.blk(li, L.IDX_PROJ), a)

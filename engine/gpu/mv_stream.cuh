@@ -1,5 +1,5 @@
 // Batch-1 streaming matvec for Q8_0 and F16 weights: y_s[r] = W_s[r] . x for up to MV_MAX_SEG matrices
-// of one width in one launch (segments: q_a + kv, shared gate + up, compressor kv + score), or one
+// of one width in one launch (segments: q_a + kv, shared gate + up, compressor kv + score (+ indexer proj)), or one
 // block-diagonal matrix (groups: y[r] = W[r] . x[g(r)]).
 //
 // Why this kernel (v4, Q8_0 only: "matvec_q8"): the general one (matvec.cu) reached 0.46-0.54 of copy
@@ -32,7 +32,7 @@ namespace ds4gpu {
 
 constexpr int MV_CHUNK_BYTES = 512;  // one warp-wide 16-byte load per row
 constexpr int MV_MAX_THREADS = 256;
-constexpr int MV_MAX_SEG = 4;
+constexpr int MV_MAX_SEG = 5;  // a ratio-4 layer's compressor matrices and the indexer's proj (decode)
 constexpr int Q8_MAX_COLS = 16384;   // Q8_0 x planes in shared memory: 2.125 B per column (34 KB here)
 constexpr int F16_MAX_COLS = 8192;   // F16: float32 x in shared memory (32 KB here)
 
