@@ -235,6 +235,39 @@ def bench_chain(rng: np.random.Generator, a_names, groups: int, b_name: str, swi
         ext.set_mv_chain_form(-1)
 
 
+# Decode's one-launch sets (ext.matvec_multi) of an indexed layer, against a launch per matrix: (label, [(type, ne)],
+# whether x is RMS-normalized by the launch). q_b beside the indexer's q_b is the Q8_0 + F16 pair kernel.
+MULTIS = [
+    ("q_b + indexer q_b", [(Q.Q8_0, (1024, 32768)), (Q.F16, (1024, 8192))], True),
+    ("compressors + indexer proj", [(Q.F16, (4096, 1024))] * 2 + [(Q.F16, (4096, 256))] * 2 + [(Q.F16, (4096, 64))],
+     False),
+]
+
+
+def bench_multi(rng: np.random.Generator, mats, norm: bool, one: bool, iters: int) -> tuple[float, int]:
+    """ms per set of matvecs on one x: one matvec_multi launch, or one launch per matrix."""
+    ext = gpu.load()
+    nbytes = sum(row_bytes(q, ne[0]) * ne[1] for q, ne in mats)
+    copies = max(1, min(16, -(-ROTATE_BYTES // nbytes)))
+    ws = [[gpu.upload(f"multi{c}.{i}", q, ne, random_raw(q, ne[1], ne[0], rng)) for i, (q, ne) in enumerate(mats)]
+          for c in range(copies)]
+    K = mats[0][1][0]
+    x = ext.Array.from_numpy(rng.standard_normal((1, K)).astype(np.float32))
+    nw = ext.Array.from_numpy((1.0 + 0.1 * rng.standard_normal(K)).astype(np.float32))
+    ys = [ext.Array.empty([1, ne[1]]) for _, ne in mats]
+    nptr = nw.ptr if norm else 0
+
+    def record(i: int) -> None:
+        w = ws[i % copies]
+        if not one:
+            for wi, y in zip(w, ys):
+                ext.matvec(wi, x, y, 1, nptr, 1e-6)
+        elif not ext.matvec_multi(w, x.ptr, [y.ptr for y in ys], False, 0.0, nptr, 1e-6):
+            raise RuntimeError(f"matvec_multi declined {[q.name for q, _ in mats]}")
+
+    return time_graph(record, copies, iters), nbytes
+
+
 def k_sweep(rng: np.random.Generator, copy_gbps: float, iters: int) -> list[dict]:
     """Batch-1 Q8_0 matvecs of the same bytes as q_b (35.65 MB) at row lengths K = 512 .. 16384, on the streaming and
     the bulk-copy kernel: what a row's length (x staged per CTA, a warp's serial steps) costs at constant bytes."""
@@ -335,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         for form, how in ((0, "2 launches"), (1, "chain regs"), (2, "chain bulk")):
             ms, nbytes = bench_chain(rng, a_names, groups, b_name, swiglu, form, iters)
             add(f"{label} ({how})", "Q8_0", 1, ms, nbytes)
+    for label, mats, norm in MULTIS:
+        if not wanted(label):
+            continue
+        types = "+".join(dict.fromkeys(q.name for q, _ in mats))
+        for one, how in ((False, "a launch each"), (True, "one launch")):
+            ms, nbytes = bench_multi(rng, mats, norm, one, iters)
+            add(f"{label} ({how})", types, 1, ms, nbytes)
     sweep = k_sweep(rng, copy_gbps, iters) if args.k_sweep else []
     ms = floor_ms = None
     if wanted("layer"):
