@@ -23,31 +23,13 @@ import pytest
 from ds4.engine import gpu
 from ds4.gguf_tools.constants import QuantType as Q
 
-from test_gpu_kernels import TOL, dequant, random_blocks, rel_err
+from test_gpu_kernels import TOL, dequant, rel_err
+from test_gpu_norm_fold import EPS, NAN, _arr, _inputs as _x, upload as _upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason())),
               pytest.mark.usefixtures("ext_on_torch_stream")]
 
 torch = pytest.importorskip("torch")
-EPS = 1e-6
-NAN = float("nan")
-
-
-def _arr(t: torch.Tensor):
-    return gpu.load().Array.view(t.data_ptr(), list(t.shape), False)
-
-
-def _upload(name: str, qtype: Q, cols: int, rows: int, seed: int):
-    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
-    return gpu.upload(name, qtype, (cols, rows), raw), raw
-
-
-def _x(cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    x[:, : cols // 8] *= 20.0  # uneven x blocks: the quantization scales differ
-    w = (1.0 + 0.5 * rng.standard_normal(cols)).astype(np.float32)
-    return torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
 
 
 def _alone(w, x: torch.Tensor, nw: torch.Tensor | None) -> np.ndarray:
