@@ -39,14 +39,14 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
-# decode, indexed ratio-4 layers: the indexer's small launches inside other launches (matvec_pair_kernel takes the F16
-# indexer matrices beside Q8_0 ones). `qb`: its q_b in q_b's launch (x = the normalized q_a) and its query's RoPE/QAT in
-# the query's norm_rope launch (a third job); `comp`: its proj (x = a) as a fifth segment of the compressors' launch
-# (F16, x = a; on the `comp` side branch); `proj`: its proj in q_a/kv's launch instead. Names joined by ","; "0" or
-# empty: none (the v19 chain: its own matvecs and norm_rope after the query's). v20 (H200, 2k / 8k): qb 7.26 / 7.33 ms,
-# none 7.34 / 7.39, qb,proj 7.45 / 7.52 (q_a/kv then leave the bulk-copy kernel: 9.5 -> 16.2 us).
+# decode, indexed ratio-4 layers: the indexer's small launches inside other launches. `qb`: its q_b (F16) in q_b's
+# launch (Q8_0, x = the normalized q_a; matvec_pair_kernel) and its query's RoPE/QAT in the query's norm_rope launch (a
+# third job); `comp`: its proj (x = a) as a fifth segment of the compressors' F16 launch (on the `comp` side branch).
+# Names joined by ","; "0" or empty: neither (the v19 chain: its own matvecs and norm_rope after the query's). v20 (H200,
+# 2k / 8k): qb,comp 7.03 / 7.10 ms, qb 7.09 / 7.17 (call 5); qb 7.26 / 7.33, none 7.34 / 7.39 (call 2). The proj in
+# q_a/kv's launch instead lost (7.45 / 7.52: q_a/kv leave the bulk-copy kernel, 9.5 -> 16.2 us) and is gone.
 IDX_MERGE = frozenset(t.strip() for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb,comp").replace("+", ",").split(",")
-                      if t.strip() in ("qb", "proj", "comp"))
+                      if t.strip() in ("qb", "comp"))
 # decode, ratio-4 layers: 1 (default) both compressors' steps in one launch of two blocks (on pooling steps they pool
 # side by side: v20 trace, 18.5 + 11.9 us one after the other); 0: a launch each
 COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
@@ -435,7 +435,7 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
 
 
 def idx_merged(sess, li: int, part: str) -> bool:
-    """Whether decode layer li runs the indexer's `part` (qb: q_b and the query's post; proj) inside the main chain's
+    """Whether decode layer li runs the indexer's `part` (qb: q_b and the query's post; comp: proj) inside other
     launches (DS4_GPU_IDX_MERGE): an indexed ratio-4 layer whose indexer is not on a side branch."""
     cfg = sess.cfg
     return part in IDX_MERGE and sess._in_step and sess.K is not None and cfg.ratio(li) == 4 and \

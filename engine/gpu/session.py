@@ -427,13 +427,7 @@ class Session(Timeline):
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
             with prefill.section("q_a_kv", on):
-                # one launch for both (and the indexer's proj, which also reads a, on DS4_GPU_IDX_MERGE layers)
-                merge_proj = fused.idx_merged(self, li, "proj")
-                outs = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)] +
-                                 ([C.blk(li, L.IDX_PROJ)] if merge_proj else []), a)
-                qa, kv = outs[:2]
-                if merge_proj:
-                    self._idx_proj[li] = outs[2]  # taken by fused.index_select
+                qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
