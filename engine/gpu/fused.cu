@@ -335,6 +335,7 @@ struct KeyList {
   const int64_t* sel;    // null: compressed rows 0..n_comp-1, else the indexer's selection
   int n_comp;            // rows listed after the raw ones
   int ratio;
+  int pv_quads = 0;      // attn_partial_block's P.V by head quads ($DS4_GPU_ATTN_PV=1)
 };
 
 __device__ __forceinline__ const float* key_row(const KeyList& L, int kk, int64_t p, int d, bool* visible) {
@@ -416,6 +417,31 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
     part_ml[((int64_t)c * H + h) * 2 + 1] = l;
   }
   __syncthreads();
+  if (L.pv_quads) {
+    // Thread (head quad hq, float4 column j4) takes 4 heads: each key's float4 is loaded once for the 4 (the per-head
+    // loop below loads it once per head: 2560 shared-memory wavefronts per 8-head block against 1024 here). Per output
+    // the same products added in the same key order: the same bits.
+    const int nq = (hb + 3) / 4;
+    for (int i = threadIdx.x; i < nq * d4; i += ATT_THREADS) {
+      const int hq = i / d4, j4 = i % d4, h0 = 4 * hq;
+      float4 acc[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int kk = 0; kk < ATT_KEYS; ++kk) {
+        const float4 kv = ((const float4*)keys)[kk * d4 + j4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float e = h0 + u < hb ? prob[(h0 + u) * ATT_KEYS + kk] : 0.0f;
+          acc[u].x += e * kv.x; acc[u].y += e * kv.y; acc[u].z += e * kv.z; acc[u].w += e * kv.w;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (h0 + u < hb) ((float4*)(part_o + ((int64_t)c * H + g * hb + h0 + u) * d))[j4] = acc[u];
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) {
     const int hh = i / d4, j4 = i % d4, h = g * hb + hh;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -699,6 +725,21 @@ void launch_compress_step(const CompressJob& a, const CompressJob* b, const int6
 
 int attn_chunks(int n_keys) { return (n_keys + ATT_KEYS - 1) / ATT_KEYS; }
 
+// $DS4_GPU_ATTN_PV=1: decode attention's P.V by head quads (attn_partial_block; the same bits). Prepared in v20, not yet
+// measured on a GPU, so off by default. set_attn_pv overrides it for this process (0, 1; -1 the environment).
+static int& attn_pv_override() {
+  static int v = -1;
+  return v;
+}
+void set_attn_pv(int mode) { attn_pv_override() = mode == 0 || mode == 1 ? mode : -1; }
+static int attn_pv_mode() {
+  static const int env = [] {
+    const char* e = std::getenv("DS4_GPU_ATTN_PV");
+    return e && e[0] == '1' ? 1 : 0;
+  }();
+  return attn_pv_override() >= 0 ? attn_pv_override() : env;
+}
+
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
 // 1: attn_one_kernel with $DS4_GPU_ATTN_ONE_HEADS heads per block (1..8, default 2). The last block of a group
 //    combines all its heads, reading heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per
@@ -730,7 +771,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   const int hb = H % ATT_HEADS == 0 ? ATT_HEADS : (H <= ATT_HEADS ? H : 0);
   if (hb == 0) throw std::invalid_argument("attention: heads must be <= 8 or a multiple of 8");
   check_row_post(o, d);
-  KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1};
+  KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1, attn_pv_mode()};
   const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);
   if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
   if (((uintptr_t)q | (uintptr_t)part_o | (uintptr_t)out) & 15)
