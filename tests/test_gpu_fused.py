@@ -359,9 +359,9 @@ def test_compress_step_two_jobs_in_one_launch(K):
 
 
 @pytest.mark.parametrize("p,H,n_comp,use_sel", [(2300, 64, 600, True), (300, 16, 40, False), (40, 6, 40, False)])
-def test_decode_attention_pv_by_head_quads_same_bits(K, p, H, n_comp, use_sel):
-    """DS4_GPU_ATTN_PV (ext.set_attn_pv): P.V by head quads gives the per-head loop's output bit for bit, with a partial
-    last quad (6 heads) too."""
+def test_decode_attention_register_tiles_same_bits(K, p, H, n_comp, use_sel):
+    """DS4_GPU_ATTN_TILES (ext.set_attn_tiles): scores in 4 x 4 (head, key) tiles and P.V by head quads give the per-head
+    loops' output bit for bit, with a partial last head quad (6 heads) too."""
     g = torch.Generator().manual_seed(30 + p)
     d, rd, cap, r = 512, 64, 128, 4
     q, raw, comp = rnd(g, H, d), rnd(g, cap, d), rnd(g, n_comp, d)
@@ -371,10 +371,10 @@ def test_decode_attention_pv_by_head_quads_same_bits(K, p, H, n_comp, use_sel):
     outs = []
     try:
         for mode in (0, 1):
-            K.ext.set_attn_pv(mode)
+            K.ext.set_attn_tiles(mode)
             outs.append(K.attention(q, raw, comp, sel, r, pos, sinks, freq, rd).clone())
     finally:
-        K.ext.set_attn_pv(-1)
+        K.ext.set_attn_tiles(-1)
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])

@@ -246,7 +246,7 @@ struct CompressJob {
 // b (optional): a second compressor's step in the same launch (block 1).
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s);
 int attn_chunks(int n_keys);
-void set_attn_pv(int mode);  // decode attention P.V by head quads: 0, 1, or -1 ($DS4_GPU_ATTN_PV)
+void set_attn_tiles(int mode);  // decode attention partials in register tiles: 0, 1, or -1 ($DS4_GPU_ATTN_TILES)
 // Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1
 // of win (valid from position 0) and the comp rows sel[t] (n_sel each; null: all n_comp rows), visible below
 // (pos + 1) / ratio; out [T, H, d]. Takes d a multiple of 64 up to 512 (prefill_attn_takes).

@@ -335,7 +335,7 @@ struct KeyList {
   const int64_t* sel;    // null: compressed rows 0..n_comp-1, else the indexer's selection
   int n_comp;            // rows listed after the raw ones
   int ratio;
-  int pv_quads = 0;      // attn_partial_block's P.V by head quads ($DS4_GPU_ATTN_PV=1)
+  int tiles = 0;         // attn_partial_block's scores and P.V in register tiles ($DS4_GPU_ATTN_TILES=1)
 };
 
 __device__ __forceinline__ const float* key_row(const KeyList& L, int kk, int64_t p, int d, bool* visible) {
@@ -386,7 +386,39 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
   const float4* qg = (const float4*)(q + (int64_t)g * hb * d);
   for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) ((float4*)qs)[i] = __ldg(qg + i);
   __syncthreads();
-  if (warp < hb) {  // warp w scores head w against every key of the chunk
+  if (L.tiles) {
+    // Warp w scores the 4 heads of quad w / 4 against the 4 keys of quad w % 4 (8 warps: 2 head quads x 4 key quads):
+    // per column 8 shared-memory loads for 16 products, where the per-head form below loads 17 for 16 (1024 against
+    // 2176 wavefronts per 8-head block). Each score is the same chain of products in the same column order and the
+    // same warp sum: the same bits.
+    static_assert(ATT_THREADS / 32 == 8 && ATT_KEYS == 16, "the tile form deals 2 x 4 quads to 8 warps");
+    const int h0 = 4 * (warp >> 2), k0 = 4 * (warp & 3);
+    if (h0 < hb) {
+      float a[4][4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) a[u][v] = 0.0f;
+      for (int j = lane; j < d; j += 32) {
+        float x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) x[u] = h0 + u < hb ? qs[(h0 + u) * d + j] : 0.0f;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const float kv = keys[(k0 + v) * d + j];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) a[u][v] += x[u] * kv;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const float s0 = warp_sum_f(a[u][v]);
+          if (lane == 0 && h0 + u < hb) prob[(h0 + u) * ATT_KEYS + k0 + v] = vis[k0 + v] ? s0 * scale : -INFINITY;
+        }
+    }
+  } else if (warp < hb) {  // warp w scores head w against every key of the chunk
     float a0[ATT_KEYS];
 #pragma unroll
     for (int kk = 0; kk < ATT_KEYS; ++kk) a0[kk] = 0.0f;
@@ -417,7 +449,7 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
     part_ml[((int64_t)c * H + h) * 2 + 1] = l;
   }
   __syncthreads();
-  if (L.pv_quads) {
+  if (L.tiles) {
     // Thread (head quad hq, float4 column j4) takes 4 heads: each key's float4 is loaded once for the 4 (the per-head
     // loop below loads it once per head: 2560 shared-memory wavefronts per 8-head block against 1024 here). Per output
     // the same products added in the same key order: the same bits.
@@ -725,19 +757,20 @@ void launch_compress_step(const CompressJob& a, const CompressJob* b, const int6
 
 int attn_chunks(int n_keys) { return (n_keys + ATT_KEYS - 1) / ATT_KEYS; }
 
-// $DS4_GPU_ATTN_PV=1: decode attention's P.V by head quads (attn_partial_block; the same bits). Prepared in v20, not yet
-// measured on a GPU, so off by default. set_attn_pv overrides it for this process (0, 1; -1 the environment).
-static int& attn_pv_override() {
+// $DS4_GPU_ATTN_TILES=1: decode attention's partial blocks compute scores and P.V in register tiles (attn_partial_block;
+// the same bits). Prepared in v20, not yet measured on a GPU, so off by default. set_attn_tiles overrides it for this
+// process (0, 1; -1 the environment).
+static int& attn_tiles_override() {
   static int v = -1;
   return v;
 }
-void set_attn_pv(int mode) { attn_pv_override() = mode == 0 || mode == 1 ? mode : -1; }
-static int attn_pv_mode() {
+void set_attn_tiles(int mode) { attn_tiles_override() = mode == 0 || mode == 1 ? mode : -1; }
+static int attn_tiles_mode() {
   static const int env = [] {
-    const char* e = std::getenv("DS4_GPU_ATTN_PV");
+    const char* e = std::getenv("DS4_GPU_ATTN_TILES");
     return e && e[0] == '1' ? 1 : 0;
   }();
-  return attn_pv_override() >= 0 ? attn_pv_override() : env;
+  return attn_tiles_override() >= 0 ? attn_tiles_override() : env;
 }
 
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
@@ -771,7 +804,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   const int hb = H % ATT_HEADS == 0 ? ATT_HEADS : (H <= ATT_HEADS ? H : 0);
   if (hb == 0) throw std::invalid_argument("attention: heads must be <= 8 or a multiple of 8");
   check_row_post(o, d);
-  KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1, attn_pv_mode()};
+  KeyList L{raw, cap, comp, sel, comp ? n_comp : 0, ratio > 0 ? ratio : 1, attn_tiles_mode()};
   const int n_keys = cap + L.n_comp, nc = attn_chunks(n_keys);
   if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
   if (((uintptr_t)q | (uintptr_t)part_o | (uintptr_t)out) & 15)
