@@ -49,17 +49,24 @@ PAIR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("split", [0, 1])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("cols,mats", PAIR_CASES)
-def test_mixed_types_in_one_launch_give_the_bits_of_each_alone(cols: int, mats, norm: bool) -> None:
+def test_mixed_types_in_one_launch_give_the_bits_of_each_alone(cols: int, mats, norm: bool, split: int) -> None:
+    """split (ext.set_pair_split, DS4_GPU_PAIR_SPLIT): the CTAs' warps split between the two types instead of one phase
+    after the other; the same bits either way."""
     ext = gpu.load()
     up = [_upload(f"pair.{cols}.{i}.{t.name}", t, cols, r, 7 * cols + i) for i, (t, r) in enumerate(mats)]
     ws = [w for w, _ in up]
     x, nw = _x(cols, cols)
     ys = [torch.full((1, w.nrows), NAN, device="cuda") for w in ws]
-    took = ext.matvec_multi(ws, x.data_ptr(), [y.data_ptr() for y in ys], False, 0.0,
-                            nw.data_ptr() if norm else 0, EPS)
-    torch.cuda.synchronize()
+    ext.set_pair_split(split)
+    try:
+        took = ext.matvec_multi(ws, x.data_ptr(), [y.data_ptr() for y in ys], False, 0.0,
+                                nw.data_ptr() if norm else 0, EPS)
+        torch.cuda.synchronize()
+    finally:
+        ext.set_pair_split(-1)
     assert took, "the pair kernel declined a Q8_0 + F16 set"
     xd = x.cpu().numpy()[0].astype(np.float64)
     if norm:

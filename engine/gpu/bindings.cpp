@@ -591,6 +591,9 @@ PYBIND11_MODULE(_ext, m) {
         "Routed experts' activations at 8 bits, hi plane only, as ds4 (1), at ~16 bits, hi + lo (0), or as "
         "$DS4_GPU_MOE_X8 says (-1).");
   m.def("moe_x8", &moe_x8, "Whether the routed experts read 8-bit activations now.");
+  m.def("set_pair_split", &set_pair_split, py::arg("mode"),
+        "matvec_multi's Q8_0 + F16 launches: 1 warps split between the types, 0 one phase after the other, -1 back to "
+        "$DS4_GPU_PAIR_SPLIT");
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");

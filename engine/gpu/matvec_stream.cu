@@ -30,27 +30,51 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs
 // proj (F16); one launch each instead of two dependent ones on the critical chain. Each warp streams its A tiles,
 // then its B tiles; every row's sums are those of the one-type launches (the same staging arithmetic, the same
 // per-row order), so the outputs are their bits.
+// wa > 0 ($DS4_GPU_PAIR_SPLIT=1, prepared in v20, not yet measured): the first wa warps of every CTA stream A and the
+// others B, each from the start, so there is no phase boundary and every SM streams both types at once; 0: phases.
 template <int CA, int CB>
-__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_pair_kernel(MvArgs a, MvArgs b, int smem_b) {
+__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_pair_kernel(MvArgs a, MvArgs b, int smem_b, int wa) {
   extern __shared__ __align__(16) unsigned char mv_smem[];
   constexpr int RA = 8 / CA, RB = 8 / CB;
+  const int W = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  const bool on_a = wa == 0 || warp < wa;
+  // this warp's index among the warps streaming its matrix, and their number
+  const int wi = wa == 0 ? blockIdx.x * W + warp : (on_a ? blockIdx.x * wa + warp : blockIdx.x * (W - wa) + warp - wa);
+  const int nw = wa == 0 ? gridDim.x * W : gridDim.x * (on_a ? wa : W - wa);
   MvStep<QT_Q8_0, RA, CA> A;
-  mv_first_load<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, A);
+  if (on_a) mv_first_load_w<QT_Q8_0, RA, CA>(a, 0, wi, A);  // B's first loads wait for the staging: no spills
   pdl_trigger();
   pdl_wait();
   const float rr = a.x_op == MV_X_RMS ? mv_rms_scale<false>(a, mv_smem) : 1.0f;  // one x: one norm for both
   mv_stage_x_rr<QT_Q8_0>(a, 0, mv_smem, rr);
   mv_stage_x_rr<QT_F16>(b, 0, mv_smem + smem_b, rr);
   __syncthreads();
-  mv_loop<QT_Q8_0, RA, CA>(a, 0, blockIdx.x, gridDim.x, mv_smem, A);
-  MvStep<QT_F16, RB, CB> B;
-  mv_first_load<QT_F16, RB, CB>(b, 0, blockIdx.x, B);
-  mv_loop<QT_F16, RB, CB>(b, 0, blockIdx.x, gridDim.x, mv_smem + smem_b, B);
+  if (on_a) mv_loop_w<QT_Q8_0, RA, CA>(a, 0, wi, nw, mv_smem, A);
+  if (wa == 0 || !on_a) {
+    MvStep<QT_F16, RB, CB> B;
+    mv_first_load_w<QT_F16, RB, CB>(b, 0, wi, B);
+    mv_loop_w<QT_F16, RB, CB>(b, 0, wi, nw, mv_smem + smem_b, B);
+  }
+}
+
+// $DS4_GPU_PAIR_SPLIT=1: matvec_pair_kernel's warps split between the two types by their bytes (prepared, off).
+// set_pair_split overrides it for this process (0, 1; -1 the environment).
+static int& pair_split_override() {
+  static int v = -1;
+  return v;
+}
+void set_pair_split(int mode) { pair_split_override() = mode == 0 || mode == 1 ? mode : -1; }
+static bool pair_split() {
+  static const bool env = [] {
+    const char* e = std::getenv("DS4_GPU_PAIR_SPLIT");
+    return e && e[0] == '1';
+  }();
+  return pair_split_override() >= 0 ? pair_split_override() == 1 : env;
 }
 
 template <int CA, int CB>
-static void launch_pair_cc(const MvArgs& a, const MvArgs& b, int threads, size_t smem_b, size_t smem, bool pdl,
-                           cudaStream_t stream) {
+static void launch_pair_cc(const MvArgs& a, const MvArgs& b, double frac_a, int threads, size_t smem_b, size_t smem,
+                           bool pdl, cudaStream_t stream) {
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
   auto key = std::make_pair(threads, smem);
   auto it = resident.find(key);
@@ -65,16 +89,20 @@ static void launch_pair_cc(const MvArgs& a, const MvArgs& b, int threads, size_t
   const int W = threads / 32;
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t most = (int64_t)per_sm * sm_count();
-  const unsigned gx = (unsigned)std::min<int64_t>((std::max(a.tiles, b.tiles) + W - 1) / W, most);
-  launch_pdl(pdl, matvec_pair_kernel<CA, CB>, dim3(gx), dim3((unsigned)threads), smem, stream, a, b, (int)smem_b);
+  // split: A warps per CTA by A's share of the bytes (at least one of each); the grid then covers both lists at once
+  const int wa = pair_split() ? std::max(1, std::min(W - 1, (int)(W * frac_a + 0.5))) : 0;
+  const int64_t need = wa ? std::max((a.tiles + wa - 1) / wa, (b.tiles + (W - wa) - 1) / (W - wa))
+                          : (std::max(a.tiles, b.tiles) + W - 1) / W;
+  const unsigned gx = (unsigned)std::min<int64_t>(need, most);
+  launch_pdl(pdl, matvec_pair_kernel<CA, CB>, dim3(gx), dim3((unsigned)threads), smem, stream, a, b, (int)smem_b, wa);
 }
 
 template <int CA>
-static void launch_pair_c(const MvArgs& a, const MvArgs& b, int cb, int threads, size_t smem_b, size_t smem, bool pdl,
-                          cudaStream_t stream) {
-  if (cb == 2) launch_pair_cc<CA, 2>(a, b, threads, smem_b, smem, pdl, stream);
-  else if (cb == 4) launch_pair_cc<CA, 4>(a, b, threads, smem_b, smem, pdl, stream);
-  else launch_pair_cc<CA, 8>(a, b, threads, smem_b, smem, pdl, stream);
+static void launch_pair_c(const MvArgs& a, const MvArgs& b, int cb, double frac_a, int threads, size_t smem_b,
+                          size_t smem, bool pdl, cudaStream_t stream) {
+  if (cb == 2) launch_pair_cc<CA, 2>(a, b, frac_a, threads, smem_b, smem, pdl, stream);
+  else if (cb == 4) launch_pair_cc<CA, 4>(a, b, frac_a, threads, smem_b, smem, pdl, stream);
+  else launch_pair_cc<CA, 8>(a, b, frac_a, threads, smem_b, smem, pdl, stream);
 }
 
 // ys[i] = ws[i] . x for Q8_0 and F16 matrices of one width (at least one of each, 4 in all) in one launch; false (nothing
@@ -104,9 +132,11 @@ static bool launch_matvec_pair(const Packed* const* ws, float* const* ys, int nw
   const MvPlan pa = mv_plan<QT_Q8_0>(a, 1, rows_a, true), pb = mv_plan<QT_F16>(b, 1, rows_b, true);
   const size_t smem_b = (pa.smem + 15) / 16 * 16, smem = smem_b + pb.smem;
   const int threads = (int64_t)a.tiles + b.tiles >= (int64_t)sm_count() * 8 ? 256 : 128;
-  if (pa.C == 2) launch_pair_c<2>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
-  else if (pa.C == 4) launch_pair_c<4>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
-  else launch_pair_c<8>(a, b, pb.C, threads, smem_b, smem, pdl, stream);
+  const double bytes_a = (double)rows_a * (a.qs_row + a.sc_row), bytes_b = (double)rows_b * 2 * b.ncols;
+  const double frac_a = bytes_a / (bytes_a + bytes_b);
+  if (pa.C == 2) launch_pair_c<2>(a, b, pb.C, frac_a, threads, smem_b, smem, pdl, stream);
+  else if (pa.C == 4) launch_pair_c<4>(a, b, pb.C, frac_a, threads, smem_b, smem, pdl, stream);
+  else launch_pair_c<8>(a, b, pb.C, frac_a, threads, smem_b, smem, pdl, stream);
   DS4_CHECK_LAUNCH("matvec pair");
   return true;
 }

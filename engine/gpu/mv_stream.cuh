@@ -369,13 +369,15 @@ __device__ __forceinline__ void mv_stage_x(const MvArgs& a, int g, unsigned char
 // The streaming loop of one matvec for CTA `cta` of the `nctas` working on group g: each warp walks row tiles
 // cta * W + warp, + nctas * W, ...; A holds the warp's first step, already loaded by the caller when that tile
 // exists (weights never depend on earlier kernels, so callers issue those loads as early as they can).
+// mv_loop_w: the same for warp w of nw warps that share the matrix (mv_loop: all warps of the grid); A holds its
+// first step (mv_first_load_w).
 template <int QT, int R, int C>
-__device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nctas, const unsigned char* smem,
-                                        MvStep<QT, R, C>& A) {
-  const int lane = threadIdx.x & 31, W = blockDim.x >> 5;
-  const int T = a.tiles, NW = nctas * W;
+__device__ __forceinline__ void mv_loop_w(const MvArgs& a, int g, int w, int nw, const unsigned char* smem,
+                                          MvStep<QT, R, C>& A) {
+  const int lane = threadIdx.x & 31;
+  const int T = a.tiles, NW = nw;
   MvStep<QT, R, C> B;
-  int ta = cta * W + (threadIdx.x >> 5), sa = 0;  // the step buffer A holds
+  int ta = w, sa = 0;  // the step buffer A holds
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -396,11 +398,21 @@ __device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nct
   }
 }
 
-// The first step of the warp's first tile into A (nothing when the warp has no tile).
+template <int QT, int R, int C>
+__device__ __forceinline__ void mv_loop(const MvArgs& a, int g, int cta, int nctas, const unsigned char* smem,
+                                        MvStep<QT, R, C>& A) {
+  const int W = blockDim.x >> 5;
+  mv_loop_w<QT, R, C>(a, g, cta * W + (threadIdx.x >> 5), nctas * W, smem, A);
+}
+
+// The first step of warp w's first tile into A (nothing when the warp has no tile); mv_first_load: w from the CTA.
+template <int QT, int R, int C>
+__device__ __forceinline__ void mv_first_load_w(const MvArgs& a, int g, int w, MvStep<QT, R, C>& A) {
+  if (w < a.tiles) mv_load<QT, R, C>(a, g, w, 0, threadIdx.x & 31, A);
+}
 template <int QT, int R, int C>
 __device__ __forceinline__ void mv_first_load(const MvArgs& a, int g, int cta, MvStep<QT, R, C>& A) {
-  const int t = cta * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t < a.tiles) mv_load<QT, R, C>(a, g, t, 0, threadIdx.x & 31, A);
+  mv_first_load_w<QT, R, C>(a, g, cta * (blockDim.x >> 5) + (threadIdx.x >> 5), A);
 }
 
 // ---- host side: the launch plan shared by the plain and the chained launches ----
