@@ -1,4 +1,4 @@
-"""The routed gate/up rows kernel with its IQ2_XXS sign masks from shared-memory tables (DS4_GPU_GU_LUT, form 2 the default since v18)
+"""The routed gate/up rows kernel with its IQ2_XXS sign masks from shared-memory tables (DS4_GPU_GU_LUT: form 3, the default since v21, reads form 2's tables by byte offsets)
 against the same kernel with the masks computed: the decoded codes are the same integers, so h must be the same bits,
 for one token (decode) and several, with an expert id out of range among them (its h is NaN either way)."""
 
@@ -31,7 +31,7 @@ def test_sign_tables_give_the_same_bits() -> None:
         ids = ext.Array.from_numpy(ids_np)
         wts = ext.Array.from_numpy(rng.uniform(0.1, 0.5, (T, k)).astype(np.float32))
         outs = []
-        for mode in (0, 1, 2):
+        for mode in (0, 1, 2, 3):
             ext.set_gateup_lut(mode)
             try:
                 h = ext.Array.empty([T * k, n_ff])

@@ -585,7 +585,8 @@ PYBIND11_MODULE(_ext, m) {
         "says (None); splits: warps per 16-row unit (1, 2, 4, 8; 0 = automatic / $DS4_GPU_GU_MMA_SPLIT).");
   m.def("gateup_mma_enabled", &gateup_mma_enabled);
   m.def("set_gateup_lut", &set_gateup_lut, py::arg("mode"),
-        "IQ2_XXS gate/up rows kernel with the sign-mask tables (1: 3 CTAs per SM, 2: 2), without (0) or as "
+        "IQ2_XXS gate/up rows kernel with the sign-mask tables (1: 3 CTAs per SM, 2: 2, 3 (default): 2 read by byte offsets), "
+        "without (0) or as "
         "$DS4_GPU_GU_LUT says (-1).");
   m.def("set_moe_x8", &set_moe_x8, py::arg("mode"),
         "Routed experts' activations at 8 bits, hi plane only, as ds4 (1), at ~16 bits, hi + lo (0), or as "

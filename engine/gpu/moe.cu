@@ -145,9 +145,11 @@ __device__ __forceinline__ void gu_quantize_h_block(const float* h, const XQ& xq
 // both are unused.
 // LUT (IQ2_XXS, $DS4_GPU_GU_LUT=1 or 2, the default): the 16-replica grid and sign-mask tables (Iq2LutTables) instead of
 // the 32-replica grid with the signs computed: the same codes, so the same bits.
-template <int QT, bool LUT>
-using GuTables = std::conditional_t<LUT, Iq2LutTables, Iq2LaneTables>;
-template <int QT, bool LUT>
+// LUT 3 (v21, the default): the same tables read by byte offsets from a uniform base (Iq2LutTablesU), 2 CTAs per SM.
+template <int QT, int LUT>
+using GuTables =
+    std::conditional_t<LUT == 3, Iq2LutTablesU, std::conditional_t<LUT != 0, Iq2LutTables, Iq2LaneTables>>;
+template <int QT, int LUT>
 __host__ __device__ constexpr size_t gu_table_bytes() {
   return QT != QT_IQ2_XXS ? 0 : (LUT ? IQ2_LUT_TABLE_BYTES : IQ2_LANE_TABLE_BYTES);
 }
@@ -155,7 +157,7 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
 template <int QT, int XM, int LUT = 0, bool X8 = false>
-__global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
+__global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h, const float* x,
@@ -163,13 +165,14 @@ __global__ void __launch_bounds__(GU_THREADS, LUT == 2 ? 2 : 3) moe_gateup_rows_
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
-  constexpr size_t table_bytes = gu_table_bytes<QT, LUT != 0>();
-  using TB = GuTables<QT, LUT != 0>;
+  constexpr size_t table_bytes = gu_table_bytes<QT, LUT>();
+  using TB = GuTables<QT, LUT>;
   pdl_trigger();
   const int lane = threadIdx.x & 31;
   TB tb{};
   if constexpr (QT == QT_IQ2_XXS) {
-    if constexpr (LUT != 0) tb = iq2_lut_tables_init(s_rep);
+    if constexpr (LUT == 3) tb = iq2_lut_tables_init_u(s_rep);
+    else if constexpr (LUT != 0) tb = iq2_lut_tables_init(s_rep);
     else iq2_lane_tables_init(s_rep), tb = TB{s_rep, lane};
     __syncthreads();
   } else {
@@ -298,17 +301,18 @@ static int gateup_x_quant() {
 }
 
 // $DS4_GPU_GU_LUT: IQ2_XXS gate/up (x from global memory) with the sign-mask tables, 1 at 3 CTAs per SM, 2 at 2 (no
-// spills; the default since v18: decode 7.35 against 7.41 ms at 2k, mode 1 7.42); 0 the computed masks.
-// set_gateup_lut overrides it for this process (0-2; -1 the environment).
+// spills; v18: decode 7.35 against 7.41 ms at 2k, mode 1 7.42), 3 (the default since v21) form 2's tables read by byte
+// offsets from a uniform base (Iq2LutTablesU; the same bits in 13% fewer instructions: kernel bench 20.9 -> 19.0 us,
+// decode 6.65 -> 6.56 ms); 0 the computed masks. set_gateup_lut overrides it for this process (0-3; -1 the environment).
 static int& gateup_lut_override() {
   static int v = -1;
   return v;
 }
-void set_gateup_lut(int mode) { gateup_lut_override() = mode >= 0 && mode <= 2 ? mode : -1; }
+void set_gateup_lut(int mode) { gateup_lut_override() = mode >= 0 && mode <= 3 ? mode : -1; }
 static int gateup_lut_mode() {
   static const int env = [] {
     const char* e = getenv("DS4_GPU_GU_LUT");
-    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
+    return e && e[0] >= '0' && e[0] <= '3' ? e[0] - '0' : 3;
   }();
   return gateup_lut_override() >= 0 ? gateup_lut_override() : env;
 }
@@ -343,7 +347,7 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const size_t smem = gu_table_bytes<QT, LUT != 0>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
+  const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
   raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8>, smem, smem_set);
@@ -360,7 +364,7 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
                                cudaStream_t stream) {
   if (moe_x8()) {  // 8-bit x: the sign tables (IQ2_XXS, unless GU_LUT=0) or the computed masks, x from global memory
     if (QT == QT_IQ2_XXS && gateup_lut_mode() != 0)
-      launch_gateup_rows_as<QT, GU_X_GLOBAL, 2, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+      launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
     else
       launch_gateup_rows_as<QT, GU_X_GLOBAL, 0, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
     return;
@@ -372,6 +376,8 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 1>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3)
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, 3>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else
     launch_gateup_rows_as<QT, GU_X_GLOBAL>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
 }

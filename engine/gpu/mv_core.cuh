@@ -48,6 +48,7 @@ __device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__u
 // was half of the shared-memory wavefronts that bound the 2-bit kernels (ncu: L1/TEX 82% busy).
 struct Iq2Tables {
   static constexpr bool kSignLut = false;  // signs from the 7-bit field arithmetically (iq2_sign_bytes)
+  static constexpr bool kByteOff = false;  // lookups by entry index (Iq2LutTablesU: by byte offset)
   const unsigned long long* grid;
   __device__ __forceinline__ unsigned long long operator()(int i) const { return grid[i]; }
 };
@@ -56,7 +57,7 @@ struct Iq2Tables {
 // so a warp's 32 random lookups take the minimum 2 wavefronts instead of ~5 (64 KB; for persistent
 // kernels that build it once per CTA).
 struct Iq2LaneTables {
-  static constexpr bool kSignLut = false;
+  static constexpr bool kSignLut = false, kByteOff = false;
   const uint2* rep;
   int lane;
   __device__ __forceinline__ unsigned long long operator()(int i) const {
@@ -73,7 +74,7 @@ constexpr size_t IQ2_LANE_TABLE_BYTES = 256 * 32 * sizeof(uint2);
 // grid. Why: ncu has the rows kernel throttled by its integer pipes, and the masks' arithmetic (popc, two multiplies,
 // masks and shifts: ~11 of a group's ~17 integer instructions) becomes one shared-memory load.
 struct Iq2LutTables {
-  static constexpr bool kSignLut = true;
+  static constexpr bool kSignLut = true, kByteOff = false;
   static constexpr int kSign = 256 * 16;  // the sign masks follow the grid: [128][16]
   const uint2* p;  // the tables' base + lane % 16 (one pointer: the kernel runs at 80 registers)
   __device__ __forceinline__ unsigned long long operator()(int i) const {
@@ -83,6 +84,16 @@ struct Iq2LutTables {
   __device__ __forceinline__ uint2 signs(uint32_t s7) const { return p[kSign + 16 * s7]; }
 };
 constexpr size_t IQ2_LUT_TABLE_BYTES = (256 + 128) * 16 * sizeof(uint2);
+
+// The 8 byte masks of a 7-bit sign field (byte j 0xff where element j is negative; element 7's sign is the parity).
+__device__ __forceinline__ uint2 iq2_sign_masks(uint32_t s7) {
+  const uint32_t s8 = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
+  uint32_t m[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    if (s8 >> j & 1u) m[j >> 2] |= 0xffu << (8 * (j & 3));
+  return make_uint2(m[0], m[1]);
+}
 
 // Every thread of the CTA: the grid's 16 replicas (all of a thread's loads issued before its stores), then the sign
 // masks computed in place.
@@ -103,14 +114,33 @@ __device__ __forceinline__ Iq2LutTables iq2_lut_tables_init(uint2* base) {
   }
   uint2* sign = base + Iq2LutTables::kSign;
   for (int i = threadIdx.x; i < 128 * 16; i += blockDim.x) {
-    const uint32_t s7 = (uint32_t)i >> 4, s8 = s7 | ((uint32_t)(__popc(s7) & 1) << 7);
-    uint32_t m[2] = {0u, 0u};
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (s8 >> j & 1u) m[j >> 2] |= 0xffu << (8 * (j & 3));
-    sign[i] = make_uint2(m[0], m[1]);
+    sign[i] = iq2_sign_masks((uint32_t)i >> 4);
   }
   return Iq2LutTables{base + (threadIdx.x & 15)};
+}
+
+// v21 ($DS4_GPU_GU_LUT=3): Iq2LutTables' tables read through byte offsets from one warp-uniform shared-window address.
+// A lookup's offset is (field << 7) | (lane % 16) * 8 (128 bytes per entry: 16 replicas of 8), one shift and one LOP3,
+// and ptxas adds the uniform base in the load (LDS [R + UR]). Form 2's SASS spends ~4 instructions per lookup (mask, OR
+// with the lane, LEA, shift) on 32 lookups per 4 rows x 32 columns: its loop is 459 instructions, this one's 398. The same
+// loads, so the same codes and bits.
+// v21 measurement: the kernel bench's gate/up 20.9 -> 19.0 us, decode 6.65 -> 6.56 ms per token at 2k. 16-byte sign entries
+// that also held m & 0x01010101 (one LOP3 less per word, LDS.128) ran 20.6 us: removed.
+struct Iq2LutTablesU {
+  static constexpr bool kSignLut = true, kByteOff = true;
+  static constexpr uint32_t kSignBytes = Iq2LutTables::kSign * sizeof(uint2);  // the sign masks' byte offset
+  uint32_t base;      // shared-window address of the grid (the same in every thread)
+  uint32_t lane_off;  // (lane % 16) * 8: this lane's replica
+  __device__ __forceinline__ uint2 at(uint32_t off) const {
+    uint2 v;
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(base + off));
+    return v;
+  }
+};
+
+__device__ __forceinline__ Iq2LutTablesU iq2_lut_tables_init_u(uint2* base) {
+  iq2_lut_tables_init(base);
+  return Iq2LutTablesU{(uint32_t)__cvta_generic_to_shared(base), (threadIdx.x & 15u) * 8u};
 }
 
 __device__ __forceinline__ void iq2_tables_init(unsigned long long* grid) {
@@ -207,6 +237,17 @@ __device__ __forceinline__ void decode_xb(const RawXb& in, const TB& grid, XbCod
     o.min0 = dmin * (float)((in.s1 >> 4) & 15);
     o.mul1 = (in.s1 >> 8) & 15;
     o.min1 = dmin * (float)((in.s1 >> 12) & 15);
+  } else if constexpr (QT == QT_IQ2_XXS && TB::kByteOff) {  // Iq2LutTablesU: the same codes as the index forms
+    const uint32_t a0 = in.q[0], a1 = in.q[1];
+    o.dscale = half_bits(in.s0) * (0.5f + (float)(a1 >> 28)) * 0.25f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t g_off = (k == 0 ? a0 << 7 : a0 >> (8 * k - 7)) & 0x7f80u;  // grid byte k, times 128
+      const uint32_t s_off = (k == 0 ? a1 << 7 : a1 >> (7 * k - 7)) & 0x3f80u;  // sign field k, times 128
+      const uint2 g = grid.at(g_off | grid.lane_off), m = grid.at((s_off | grid.lane_off) + TB::kSignBytes);
+      o.c[2 * k] = (g.x ^ m.x) + (m.x & 0x01010101u);
+      o.c[2 * k + 1] = (g.y ^ m.y) + (m.y & 0x01010101u);
+    }
   } else if constexpr (QT == QT_IQ2_XXS) {
     const uint32_t a0 = in.q[0], a1 = in.q[1];
     o.dscale = half_bits(in.s0) * (0.5f + (float)(a1 >> 28)) * 0.25f;
