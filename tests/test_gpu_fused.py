@@ -104,6 +104,33 @@ def test_hc_post_pre(K, head, with_y2, D):
     assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
 
 
+@pytest.mark.parametrize("logit_scale", [0.5, 8.0])  # 8: near one-hot rows, sums far from 1
+def test_sinkhorn_by_reciprocals_gives_the_same_bits(K, logit_scale):
+    """DS4_GPU_HC_RCP (ext.set_hc_rcp): Sinkhorn's fast divisions as rcp.approx and multiplies in the one-launch
+    mHC kernel and the prefill rows kernel: the same comb, post and out, bit for bit (div.approx.f32 is that product
+    for normal divisors)."""
+    g = torch.Generator().manual_seed(5)
+    T, n, D = 3, 4, 4096
+    M = (2 + n) * n
+    X, y1 = rnd(g, T, n, D), rnd(g, T, D)
+    post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
+    Wf = rnd(g, M, n * D, scale=0.02)
+    scale, base, nw = rnd(g, 3).abs() * logit_scale, rnd(g, M, scale=0.5), rnd(g, D)
+    Xr = rnd(g, 64, n, D)  # prefill rows: hc_pre's rows kernel from DS4_GPU_HC_GEMM_MIN (64) rows
+    runs = []
+    for mode in (0, 1):
+        K.ext.set_hc_rcp(mode)
+        try:
+            one = K.hc_post_pre(X, y1, None, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6)
+            rows = K.hc_pre(Xr, Wf, scale, base, nw, 20, 1e-6, 1e-6)
+            torch.cuda.synchronize()
+            runs.append([t.clone() for t in (*one, *rows)])
+        finally:
+            K.ext.set_hc_rcp(-1)
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_hc_post_pre_refuses_in_place(K):
     g = torch.Generator().manual_seed(12)
     T, n, D = 1, 4, 1024

@@ -65,6 +65,9 @@ void bind_fused_ops(py::module_& m) {
      py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
      py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
      py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
+  m.def("set_hc_rcp", &set_hc_rcp, py::arg("mode"),
+        "Sinkhorn of the one-launch mHC kernels by reciprocals and multiplies (1), by fast divisions (0) or as "
+        "$DS4_GPU_HC_RCP says (-1); the same bits");
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),
         "whether hc_pre takes parts = -1 (the mix [T, M] from a GEMM, the norm in the kernel) for this shape");
   m.def("hc_one_launch_takes", &hc_one_launch_takes, py::arg("T"), py::arg("n"), py::arg("D"), py::arg("head"),

@@ -209,6 +209,9 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
 // then hc_pre of Xo. Only where hc_one_launch_takes(T, n, D, head); Xo must not overlap the inputs (not in
 // place, unlike hc_post); X, Xo, y1, y2 16-byte aligned. One stream per device (per-device arrival counts).
 bool hc_one_launch_takes(int T, int n, int D, bool head);
+// $DS4_GPU_HC_RCP: Sinkhorn's divisions as reciprocals and multiplies in the one-thread form (1 on, 0 off, -1 as the
+// environment says; the same bits).
+void set_hc_rcp(int mode);
 bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (prefill rows form)
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,

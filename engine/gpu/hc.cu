@@ -300,8 +300,19 @@ __device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the
 }
 
 // comb = Sinkhorn(softmax rows of the 4 x 4 logits) with hc_pre_kernel's arithmetic, in one thread.
+// rcp ($DS4_GPU_HC_RCP=1, v21, prepared): each row / column sum's reciprocal by rcp.approx (one MUFU.RCP) and four
+// multiplies. __fdividef(v, y) is div.approx.f32, v * (1 / y) with that approximate reciprocal plus a range check for
+// |y| >= 2^126 (FSETP, FSEL and two more multiplies per sum in the SASS); the sums here are normal floats near 1, so the
+// products are the same bits. Why: this one thread is the last CTA's tail (v21 SASS: ~128 instructions per iteration,
+// 20 iterations, one dependent chain), and the next kernel waits for the whole grid; python -m ds4.engine.gpu.bench_hc
+// times the kernel at 0, 1 and 20 iterations.
+__device__ __forceinline__ float rcp_approx(float y) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+}
 __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
-                                          float eps, float* comb) {
+                                          float eps, float* comb, bool rcp) {
   float v[4][4];
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
@@ -316,7 +327,23 @@ __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, 
 #pragma unroll
     for (int b = 0; b < 4; ++b) v[a][b] = e[b] / s + eps;
   }
-  for (int it = 0; it < iters; ++it) {
+  for (int it = 0; it < iters && rcp; ++it) {
+    if (it > 0) {
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const float inv = rcp_approx((v[a][0] + v[a][1]) + (v[a][2] + v[a][3]) + eps);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) v[a][b] *= inv;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float inv = rcp_approx((v[0][b] + v[1][b]) + (v[2][b] + v[3][b]) + eps);
+#pragma unroll
+      for (int a = 0; a < 4; ++a) v[a][b] *= inv;
+    }
+  }
+  for (int it = 0; it < iters && !rcp; ++it) {
     if (it > 0) {
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
@@ -344,12 +371,12 @@ __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, 
 __device__ __forceinline__ void hc1_finish(const float4 (&xs)[HC1_MAXU][4], const float* mixs, float r,
                                            const float* scale, const float* base, const float* norm_w, int n, int D,
                                            int iters, float eps_rms, float eps_hc, bool head, int t, float* out,
-                                           float* post_out, float* comb_out, float* red) {
+                                           float* post_out, float* comb_out, float* red, bool rcp) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, D4 = D / 4;
   if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
     if (head) return;
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
-    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16);
+    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
     return;
   }
   float pre[4];
@@ -384,7 +411,8 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
                                                                  float* part, const float* scale, const float* base,
                                                                  const float* norm_w, int n, int D, int iters,
                                                                  float eps_rms, float eps_hc, bool head, float* out,
-                                                                 float* post_out, float* comb_out, HcPost hp) {
+                                                                 float* post_out, float* comb_out, HcPost hp,
+                                                                 bool rcp) {
   pdl_trigger();
   float w0[4][8];  // the first mix rows of this warp: weights, so requested before the wait for the predecessor
   hc_mix_load_w(Wf, M, n * D, blockIdx.x, threadIdx.x >> 5, w0);
@@ -436,7 +464,8 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
   }
   __syncthreads();
   const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
-  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red);
+  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red,
+             rcp);
 }
 
 // mHC pre, pass 2, for prefill rows (the mix from one float32 GEMM, P = 1, no norm column): one 256-thread block per
@@ -448,7 +477,8 @@ __global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float
                                                                      const float* scale, const float* base,
                                                                      const float* norm_w, int n, int D, int M,
                                                                      int iters, float eps_rms, float eps_hc, bool head,
-                                                                     float* out, float* post_out, float* comb_out) {
+                                                                     float* out, float* post_out, float* comb_out,
+                                                                     bool rcp) {
   pdl_begin();
   __shared__ float mixs[8 * 10 + 1];
   __shared__ float red[32];
@@ -473,7 +503,8 @@ __global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float
       ss += xs[k][i].x * xs[k][i].x + xs[k][i].y * xs[k][i].y + xs[k][i].z * xs[k][i].z + xs[k][i].w * xs[k][i].w;
   ss = block_sum(ss, red);  // its barriers also publish mixs
   const float r = rsqrtf(ss / (float)(n * D) + eps_rms);
-  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red);
+  hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red,
+             rcp);
 }
 
 // mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
@@ -550,6 +581,21 @@ __global__ void hc_post4_kernel(const float* X, const float* y1, const float* y2
 int hc_parts(int n, int D) { return (n * D + HC_COLS - 1) / HC_COLS; }
 
 // $DS4_GPU_HC_ONE=0: the two-launch hc_pre for decode too (benchmark A/B).
+// $DS4_GPU_HC_RCP=1 (v21, prepared): sinkhorn4's divisions as one reciprocal per sum and multiplies (the same bits; see
+// sinkhorn4). set_hc_rcp overrides it for this process (0, 1; -1 the environment).
+static int& hc_rcp_override() {
+  static int v = -1;
+  return v;
+}
+void set_hc_rcp(int mode) { hc_rcp_override() = mode == 0 || mode == 1 ? mode : -1; }
+static bool hc_rcp() {
+  static const bool env = [] {
+    const char* e = getenv("DS4_GPU_HC_RCP");
+    return e && e[0] == '1';
+  }();
+  return hc_rcp_override() >= 0 ? hc_rcp_override() == 1 : env;
+}
+
 static bool hc_one_launch() {
   static const bool v = [] {
     const char* e = getenv("DS4_GPU_HC_ONE");
@@ -596,7 +642,7 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
   hp.Xo = Xo;
   const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
   launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
-           eps_rms, eps_hc, head, out, post, comb, hp);
+           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp());
   DS4_CHECK_LAUNCH("hc_post_pre");
 }
 
@@ -609,7 +655,7 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
   if (parts < 0) {  // prefill rows: part is the mix [T, M] from one GEMM, without the norm column
     if (!hc_pre_rows_takes(n, D, head)) throw std::invalid_argument("hc_pre: rows form does not take this shape");
     launch_k(hc_pre_rows_kernel, dim3(T), dim3(HC1_THREADS), 0, s, X, (const float*)part, scale, base, norm_w, n, D, M,
-             iters, eps_rms, eps_hc, head, out, post, comb);
+             iters, eps_rms, eps_hc, head, out, post, comb, hc_rcp());
     DS4_CHECK_LAUNCH("hc_pre_rows");
     return;
   }
@@ -619,7 +665,7 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
     if ((n * D) % 8) throw std::invalid_argument("hc_pre: n * D must be a multiple of 8");
     if (hc_one_launch_takes(T, n, D, head)) {
       launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D,
-               iters, eps_rms, eps_hc, head, out, post, comb, HcPost());
+               iters, eps_rms, eps_hc, head, out, post, comb, HcPost(), hc_rcp());
       DS4_CHECK_LAUNCH("hc_mix_pre");
       return;
     }
