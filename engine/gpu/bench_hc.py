@@ -20,9 +20,10 @@ def time_hc(iters: int, reps: int, D: int = 4096, n: int = 4) -> float:
 
     from ds4.engine import gpu
     from ds4.engine.gpu.fused import Fused
+    from ds4.engine.gpu.graph_timing import torch_graph_us
 
     K = Fused(gpu.load(), torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(iters)
+    g = torch.Generator(device="cuda").manual_seed(0)  # the same inputs at every iteration count
     M = (2 + n) * n
 
     def rnd(*shape, s=1.0):
@@ -36,29 +37,7 @@ def time_hc(iters: int, reps: int, D: int = 4096, n: int = 4) -> float:
     def call():
         K.hc_post_pre(X, y1, None, post_in, comb_in, Wf, scale, base, norm_w, iters, 1e-6, 1e-6)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    per_graph = 20  # launches per graph: Python's ~20 µs per call would otherwise be what is timed
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n_graphs = max(1, reps // per_graph)
-    start.record()
-    for _ in range(n_graphs):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (n_graphs * per_graph)
+    return torch_graph_us(call, reps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ def time_topk(n: int, visible: int, k: int, reps: int) -> tuple[float, float]:
 
     from ds4.engine import gpu
     from ds4.engine.gpu.fused import Fused
+    from ds4.engine.gpu.graph_timing import torch_graph_us
 
     K = Fused(gpu.load(), torch.device("cuda"))
     rng = np.random.default_rng(n + visible)
@@ -31,28 +32,7 @@ def time_topk(n: int, visible: int, k: int, reps: int) -> tuple[float, float]:
     for _ in range(5):
         K.topk(keys, k, pos, 4)
     torch.cuda.synchronize()
-    times = []
-    per_graph = 20  # launches captured per graph: the host's ~20 us per Python call would otherwise be what is timed
-    for fn in (lambda: K.topk(keys, k, pos, 4), lambda: torch.topk(keys, k)):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(per_graph):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(max(1, reps // per_graph)):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / (max(1, reps // per_graph) * per_graph))
-    return times[0], times[1]
+    return (torch_graph_us(lambda: K.topk(keys, k, pos, 4), reps), torch_graph_us(lambda: torch.topk(keys, k), reps))
 
 
 def main(argv: list[str] | None = None) -> int:
