@@ -333,6 +333,29 @@ def test_router_ties_pick_lowest_index_in_score_order(K, E):
         assert ids[t].tolist() == order
 
 
+@pytest.mark.parametrize("E", [16, 64, 256])
+def test_router_with_several_threads_per_expert_gives_the_same_ids_and_weights(K, E):
+    """DS4_GPU_ROUTER_Q (ext.set_router_q): 2 or 4 threads per expert, each ranking against part of the scores, give
+    the one-thread ranks: the same ids and weights, bit for bit, with exact ties (also at the k-th place) and a NaN."""
+    g = torch.Generator().manual_seed(70 + E)
+    T, k = 5, 6
+    levels = torch.tensor([0.5, 1.0, 2.0, 2.0, 3.0])
+    logits = levels[torch.randint(0, 5, (T, E), generator=g)].to(DEV)
+    logits[1] = rnd(g, E, scale=3.0)
+    logits[2, 3] = float("nan")
+    bias = rnd(g, E, scale=0.1)
+    tok = torch.zeros(T, dtype=torch.long, device=DEV)
+    runs = []
+    for q in (1, 2, 4):
+        K.ext.set_router_q(q)
+        try:
+            runs.append([t.clone() for t in K.router(logits, bias, None, tok, k, 1.5)])
+        finally:
+            K.ext.set_router_q(-1)
+    for ids, w in runs[1:]:
+        assert torch.equal(ids, runs[0][0]) and torch.equal(w.view(torch.int32), runs[0][1].view(torch.int32))
+
+
 def test_swiglu(K):
     g = torch.Generator().manual_seed(6)
     a, b = rnd(g, 3, 700, scale=8.0), rnd(g, 3, 700, scale=8.0)

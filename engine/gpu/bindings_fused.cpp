@@ -170,6 +170,8 @@ void bind_fused_ops(py::module_& m) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),
                   T, E, k, scale, ptr<int32_t>(ids), ptr<float>(wts), stream());
   });
+  m.def("set_router_q", &set_router_q, py::arg("q"),
+        "threads per expert in the router's ranking: 1, 2 or 4 (the same ids and weights), -1 as $DS4_GPU_ROUTER_Q says");
   m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
                          int k, float scale, uintptr_t ids, uintptr_t wts) {
     return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),

@@ -235,6 +235,9 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
                       const NormRopeJob* c = nullptr);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
+// $DS4_GPU_ROUTER_Q: threads per expert in router_kernel's ranking (1, 2, 4; -1 as the environment says; the same ids
+// and weights).
+void set_router_q(int q);
 // row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
                    const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);

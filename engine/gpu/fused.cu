@@ -194,12 +194,14 @@ static int norm_rope_warp_level() {
 // MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: route_token (router.cuh,
 // shared with the one-launch decode router of router.cu). Top-k by rank (the v3 kernel ran k argmax passes on
 // one warp, ~7 us).
+// $DS4_GPU_ROUTER_Q=4 (v21, prepared): 4 threads per expert (ROUTER_MAX_E * 4 per CTA), each ranking against a quarter
+// of the scores (route_token; the same ranks, so the same ids and weights); unset or 1: one thread per expert.
 constexpr int ROUTER_THREADS = ROUTER_MAX_E;
-__global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
-                                                                const int64_t* table, const int64_t* tok, int E,
-                                                                int k, float scale, int32_t* ids, float* wts) {
+__global__ void __launch_bounds__(4 * ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
+                                                                    const int64_t* table, const int64_t* tok, int E,
+                                                                    int k, float scale, int32_t* ids, float* wts) {
   pdl_begin();
-  route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts);
+  route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts, blockDim.x / ROUTER_THREADS);
 }
 
 // row_w != null: each row of `width` values is also multiplied by its weight row_w[row_of ? row_of[row] : row] (the
@@ -716,10 +718,25 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
   DS4_CHECK_LAUNCH("norm_rope");
 }
 
+static int& router_q_override() {
+  static int v = -1;
+  return v;
+}
+void set_router_q(int q) { router_q_override() = q == 1 || q == 2 || q == 4 ? q : -1; }
+static int router_q() {
+  static const int env = [] {
+    const char* e = std::getenv("DS4_GPU_ROUTER_Q");
+    return e && (e[0] == '2' || e[0] == '4') ? e[0] - '0' : 1;
+  }();
+  return router_q_override() > 0 ? router_q_override() : env;
+}
+
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s) {
   if (E > 256 || k > 16 || k > E) throw std::invalid_argument("router: E <= 256 and k <= 16");
-  launch_k(router_kernel, dim3(T), dim3(ROUTER_THREADS), 0, s, logits, bias, table, tok, E, k, scale, ids, wts);
+  // blockDim / ROUTER_THREADS threads per expert (route_token's Q)
+  launch_k(router_kernel, dim3(T), dim3(router_q() * ROUTER_THREADS), 0, s, logits, bias, table, tok, E, k, scale, ids,
+           wts);
   DS4_CHECK_LAUNCH("router");
 }
 
