@@ -456,6 +456,29 @@ def test_decode_attention_register_tiles_same_bits(K, p, H, n_comp, use_sel):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("p,H,n_comp,use_sel", [(2300, 64, 600, True), (300, 16, 40, False), (40, 6, 40, False),
+                                               (9000, 8, 2200, True)])
+def test_decode_attention_staged_combine_same_bits(K, p, H, n_comp, use_sel):
+    """DS4_GPU_ATTN_STAGE (ext.set_attn_stage): the combine with its head's chunk outputs staged in shared memory by
+    cp.async adds the same products in the same order: the output bit for bit (also past the window, with 40 chunks)."""
+    g = torch.Generator().manual_seed(60 + p)
+    d, rd, cap, r = 512, 64, 128, 4
+    q, raw, comp = rnd(g, H, d), rnd(g, cap, d), rnd(g, n_comp, d)
+    sinks, freq = rnd(g, H), freq_table(rd, 160000.0)
+    pos = torch.tensor([p], device=DEV)
+    sel = torch.randperm(n_comp, generator=g)[:min(512, n_comp * 3 // 5)].to(DEV) if use_sel else None
+    outs = []
+    try:
+        for mode in (0, 1):
+            K.ext.set_attn_stage(mode)
+            outs.append(K.attention(q, raw, comp, sel, r, pos, sinks, freq, rd).clone())
+    finally:
+        K.ext.set_attn_stage(-1)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("use_sel", [False, True])
 @pytest.mark.parametrize("p,H,n_comp", [(5, 16, 40), (300, 16, 40), (2300, 64, 600), (40, 8, 40)])
 def test_decode_attention(K, use_sel, p, H, n_comp):

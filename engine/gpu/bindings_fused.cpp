@@ -210,6 +210,9 @@ void bind_fused_ops(py::module_& m) {
   }, "jobs: (kv, sc, ape, s_kv, s_sc, rows, r, width, norm_w, eps, freq, rope_dim, fp8_nope, qat, had_scale) each; "
      "a second job runs beside the first in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("attn_chunks", &attn_chunks);
+  m.def("set_attn_stage", &set_attn_stage, py::arg("mode"),
+        "decode attention's combine with its chunk outputs staged in shared memory by cp.async (the same bits): 1 on, "
+        "0 off, -1 back to $DS4_GPU_ATTN_STAGE");
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,

@@ -256,6 +256,7 @@ struct CompressJob {
 // b (optional): a second compressor's step in the same launch (block 1).
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s);
 int attn_chunks(int n_keys);
+void set_attn_stage(int mode);  // decode attention's combine from chunk outputs staged by cp.async: 0, 1, -1 ($DS4_GPU_ATTN_STAGE)
 void set_attn_tiles(int mode);  // decode attention partials in register tiles: 0, 1, or -1 ($DS4_GPU_ATTN_TILES)
 // Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1
 // of win (valid from position 0) and the comp rows sel[t] (n_sel each; null: all n_comp rows), visible below
