@@ -52,9 +52,10 @@ def test_power_keeps_greedy_output_and_halves_busy_time(eval_model, direction, t
     percent, fraction, busy, slept = int(m[1]), float(m[2]), float(m[3]), float(m[4])
     assert percent == 50 and 0.3 < fraction < 0.7
     assert slept > 0.3 * busy > 0
-    # from outside: the throttled run's wall time grows by about the time it slept (loose bound:
-    # startup and model loading are unthrottled and this machine is shared)
-    assert wall_half > wall_full + 0.3 * slept, (wall_full, wall_half, slept)
+    # from outside: the throttled run's wall time holds the time it says it slept (its busy time comes on top). Not
+    # compared with the unthrottled run's wall time: on a loaded machine that varies by more than the sleep (a CI run
+    # beside compiler jobs had 3.60 s unthrottled against 3.05 s throttled with 1.1 s slept).
+    assert wall_half > slept + 0.5 * busy, (wall_full, wall_half, busy, slept)
 
 
 def test_power_user_errors(eval_model):
