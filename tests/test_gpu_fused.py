@@ -131,32 +131,6 @@ def test_sinkhorn_by_reciprocals_gives_the_same_bits(K, logit_scale):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def test_deferred_sinkhorn_gives_the_same_bits(K):
-    """hc_post_pre(..., logits=) writes comb's logits instead of comb, and sinkhorn() makes comb from them: the one-launch
-    kernel's Sinkhorn on the same logits, so the same comb (and X', out, post) bit for bit, under both division forms."""
-    g = torch.Generator().manual_seed(9)
-    T, n, D = 2, 4, 4096
-    M = (2 + n) * n
-    X, y1, y2 = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D)
-    post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
-    Wf = rnd(g, M, n * D, scale=0.02)
-    scale, base, nw = rnd(g, 3), rnd(g, M, scale=0.5), rnd(g, D)
-    for rcp in (0, 1):
-        K.ext.set_hc_rcp(rcp)
-        try:
-            want = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6)
-            logits = torch.empty((T, 16), dtype=torch.float32, device=DEV)
-            got = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, logits=logits)
-            K.sinkhorn(logits, 20, 1e-6, got[3])
-            torch.cuda.synchronize()
-        finally:
-            K.ext.set_hc_rcp(-1)
-        for a, b in zip(want, got):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rcp={rcp}"
-    with pytest.raises(ValueError, match="float32"):
-        K.sinkhorn(torch.empty((T, 8), device=DEV), 20, 1e-6, got[3])
-
-
 def test_hc_post_pre_refuses_in_place(K):
     g = torch.Generator().manual_seed(12)
     T, n, D = 1, 4, 1024
@@ -333,29 +307,6 @@ def test_router_ties_pick_lowest_index_in_score_order(K, E):
         assert ids[t].tolist() == order
 
 
-@pytest.mark.parametrize("E", [16, 64, 256])
-def test_router_with_several_threads_per_expert_gives_the_same_ids_and_weights(K, E):
-    """DS4_GPU_ROUTER_Q (ext.set_router_q): 2 or 4 threads per expert, each ranking against part of the scores, give
-    the one-thread ranks: the same ids and weights, bit for bit, with exact ties (also at the k-th place) and a NaN."""
-    g = torch.Generator().manual_seed(70 + E)
-    T, k = 5, 6
-    levels = torch.tensor([0.5, 1.0, 2.0, 2.0, 3.0])
-    logits = levels[torch.randint(0, 5, (T, E), generator=g)].to(DEV)
-    logits[1] = rnd(g, E, scale=3.0)
-    logits[2, 3] = float("nan")
-    bias = rnd(g, E, scale=0.1)
-    tok = torch.zeros(T, dtype=torch.long, device=DEV)
-    runs = []
-    for q in (1, 2, 4):
-        K.ext.set_router_q(q)
-        try:
-            runs.append([t.clone() for t in K.router(logits, bias, None, tok, k, 1.5)])
-        finally:
-            K.ext.set_router_q(-1)
-    for ids, w in runs[1:]:
-        assert torch.equal(ids, runs[0][0]) and torch.equal(w.view(torch.int32), runs[0][1].view(torch.int32))
-
-
 def test_swiglu(K):
     g = torch.Generator().manual_seed(6)
     a, b = rnd(g, 3, 700, scale=8.0), rnd(g, 3, 700, scale=8.0)
@@ -451,29 +402,6 @@ def test_decode_attention_register_tiles_same_bits(K, p, H, n_comp, use_sel):
             outs.append(K.attention(q, raw, comp, sel, r, pos, sinks, freq, rd).clone())
     finally:
         K.ext.set_attn_tiles(-1)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("p,H,n_comp,use_sel", [(2300, 64, 600, True), (300, 16, 40, False), (40, 6, 40, False),
-                                               (9000, 8, 2200, True)])
-def test_decode_attention_staged_combine_same_bits(K, p, H, n_comp, use_sel):
-    """DS4_GPU_ATTN_STAGE (ext.set_attn_stage): the combine with its head's chunk outputs staged in shared memory by
-    cp.async adds the same products in the same order: the output bit for bit (also past the window, with 40 chunks)."""
-    g = torch.Generator().manual_seed(60 + p)
-    d, rd, cap, r = 512, 64, 128, 4
-    q, raw, comp = rnd(g, H, d), rnd(g, cap, d), rnd(g, n_comp, d)
-    sinks, freq = rnd(g, H), freq_table(rd, 160000.0)
-    pos = torch.tensor([p], device=DEV)
-    sel = torch.randperm(n_comp, generator=g)[:min(512, n_comp * 3 // 5)].to(DEV) if use_sel else None
-    outs = []
-    try:
-        for mode in (0, 1):
-            K.ext.set_attn_stage(mode)
-            outs.append(K.attention(q, raw, comp, sel, r, pos, sinks, freq, rd).clone())
-    finally:
-        K.ext.set_attn_stage(-1)
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])

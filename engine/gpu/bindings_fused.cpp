@@ -75,22 +75,12 @@ void bind_fused_ops(py::module_& m) {
   m.def("hc_post_pre", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post_in, uintptr_t comb_in, uintptr_t Xo,
                           uintptr_t Wf, uintptr_t part, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T, int n,
                           int D, int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post,
-                          uintptr_t comb, uintptr_t logits) {
+                          uintptr_t comb) {
     launch_hc_post_pre(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post_in),
                        ptr<const float>(comb_in), ptr<float>(Xo), ptr<const float>(Wf), ptr<float>(part),
                        ptr<const float>(scale), ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters,
-                       eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream(),
-                       ptr<float>(logits));
-  }, "Xo = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of Xo, in one launch; logits (non-zero): comb's 16 "
-     "logits per token written there instead of comb (sinkhorn4 makes comb from them)",
-     py::arg("X"), py::arg("y1"), py::arg("y2"), py::arg("post_in"), py::arg("comb_in"), py::arg("Xo"), py::arg("Wf"),
-     py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"), py::arg("n"), py::arg("D"),
-     py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"), py::arg("out"), py::arg("post"),
-     py::arg("comb"), py::arg("logits") = 0);
-  m.def("sinkhorn4", [](uintptr_t logits, int T, int iters, float eps, uintptr_t comb) {
-    launch_sinkhorn4(ptr<const float>(logits), T, iters, eps, ptr<float>(comb), stream());
-  }, "comb [T, 4, 4] = Sinkhorn of the logits hc_post_pre wrote (the one-launch kernel's arithmetic)",
-     py::arg("logits"), py::arg("T"), py::arg("iters"), py::arg("eps"), py::arg("comb"));
+                       eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream());
+  }, "Xo = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of Xo, in one launch");
   m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
                       uintptr_t Xo) {
     launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),
@@ -170,8 +160,6 @@ void bind_fused_ops(py::module_& m) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),
                   T, E, k, scale, ptr<int32_t>(ids), ptr<float>(wts), stream());
   });
-  m.def("set_router_q", &set_router_q, py::arg("q"),
-        "threads per expert in the router's ranking: 1, 2 or 4 (the same ids and weights), -1 as $DS4_GPU_ROUTER_Q says");
   m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
                          int k, float scale, uintptr_t ids, uintptr_t wts) {
     return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),
@@ -210,9 +198,6 @@ void bind_fused_ops(py::module_& m) {
   }, "jobs: (kv, sc, ape, s_kv, s_sc, rows, r, width, norm_w, eps, freq, rope_dim, fp8_nope, qat, had_scale) each; "
      "a second job runs beside the first in the same launch", py::arg("pos"), py::arg("jobs"));
   m.def("attn_chunks", &attn_chunks);
-  m.def("set_attn_stage", &set_attn_stage, py::arg("mode"),
-        "decode attention's combine with its chunk outputs staged in shared memory by cp.async (the same bits): 1 on, "
-        "0 off, -1 back to $DS4_GPU_ATTN_STAGE");
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,

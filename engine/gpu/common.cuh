@@ -216,10 +216,7 @@ bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (pre
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr);
-// logits (non-null, n = 4, not head): comb's 16 logits per token go there and comb is not written; launch_sinkhorn4
-// makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn).
-void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s);
+                        float* out, float* post, float* comb, cudaStream_t s);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
 struct NormRopeJob {
@@ -235,9 +232,6 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
                       const NormRopeJob* c = nullptr);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
-// $DS4_GPU_ROUTER_Q: threads per expert in router_kernel's ranking (1, 2, 4; -1 as the environment says; the same ids
-// and weights).
-void set_router_q(int q);
 // row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
                    const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);
@@ -256,7 +250,6 @@ struct CompressJob {
 // b (optional): a second compressor's step in the same launch (block 1).
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s);
 int attn_chunks(int n_keys);
-void set_attn_stage(int mode);  // decode attention's combine from chunk outputs staged by cp.async: 0, 1, -1 ($DS4_GPU_ATTN_STAGE)
 void set_attn_tiles(int mode);  // decode attention partials in register tiles: 0, 1, or -1 ($DS4_GPU_ATTN_TILES)
 // Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1
 // of win (valid from position 0) and the comp rows sel[t] (n_sel each; null: all n_comp rows), visible below

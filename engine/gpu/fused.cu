@@ -194,14 +194,12 @@ static int norm_rope_warp_level() {
 // MoE routing (model-spec §3.7 steps 1-3) for token blockIdx.x, one thread per expert: route_token (router.cuh,
 // shared with the one-launch decode router of router.cu). Top-k by rank (the v3 kernel ran k argmax passes on
 // one warp, ~7 us).
-// $DS4_GPU_ROUTER_Q=4 (v21, prepared): 4 threads per expert (ROUTER_MAX_E * 4 per CTA), each ranking against a quarter
-// of the scores (route_token; the same ranks, so the same ids and weights); unset or 1: one thread per expert.
 constexpr int ROUTER_THREADS = ROUTER_MAX_E;
-__global__ void __launch_bounds__(4 * ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
-                                                                    const int64_t* table, const int64_t* tok, int E,
-                                                                    int k, float scale, int32_t* ids, float* wts) {
+__global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* logits, const float* bias,
+                                                                const int64_t* table, const int64_t* tok, int E,
+                                                                int k, float scale, int32_t* ids, float* wts) {
   pdl_begin();
-  route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts, blockDim.x / ROUTER_THREADS);
+  route_token<false>(logits, bias, table, tok, blockIdx.x, E, k, scale, ids, wts);
 }
 
 // row_w != null: each row of `width` values is also multiplied by its weight row_w[row_of ? row_of[row] : row] (the
@@ -513,16 +511,6 @@ constexpr int ATT_CHUNKS_AT_ONCE = 8;                 // chunks whose loads are 
 __host__ __device__ constexpr int attn_combine_floats(int d, int nh, int n_chunks) {
   return nh * d + d + nh * n_chunks + 2 * nh * ATT_VWARPS + 32 + nh;
 }
-// staged ($DS4_GPU_ATTN_STAGE=1, v21, prepared; one head per block): the block first asks for all of its head's chunk
-// outputs (n_chunks x d floats) by cp.async into shared memory after the floats above (attn_combine_floats rounded up
-// to 4, then n_chunks * d), so they arrive while the max and the sums are formed; each column then adds its chunks
-// from shared memory in the same order 0..n-1: the same bits. Why: each column thread otherwise issues its chunks'
-// loads 8 at a time, one L2 round trip per 8 chunks (40 chunks at Flash's ratio-4 layers: combine 6.8 us against 4.4
-// at 9 chunks in the v21 trace), and the other 384 threads wait.
-__host__ __device__ constexpr int attn_combine_stage_offset(int d, int n_chunks) {
-  return (attn_combine_floats(d, 1, n_chunks) + 3) & ~3;
-}
-template <bool staged = false>
 __device__ void attn_combine_heads(const float* part_o, const float* part_ml, int n_chunks, int H, int d, int h0,
                                    int nh, const float* sinks, float p, const RowPost& o, float* out, float* sh) {
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
@@ -533,17 +521,6 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   float* sums = mxs + nh * ATT_VWARPS;     // [nh][ATT_VWARPS] sum of each virtual warp's l_c w_c
   float* red = sums + nh * ATT_VWARPS;     // [32] row_post's block_sum
   float* lsum = red + 32;                  // [nh] the softmax denominator of each head
-  float* stage = sh + attn_combine_stage_offset(d, n_chunks);  // staged: [n_chunks][d] this head's chunk outputs
-  if constexpr (staged) {  // nh == 1
-    const int d4 = d / 4;
-    for (int i = tid; i < n_chunks * d4; i += nt) {
-      const int c = i / d4, j = i - c * d4;
-      const unsigned dst = (unsigned)__cvta_generic_to_shared(stage + 4 * i);
-      const float* src = part_o + ((int64_t)c * H + h0) * d + 4 * j;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
   // (virtual warp vw, head hh) pairs i = vw * nh + hh go round the real warps: the few virtual warps that have
   // chunks (n_chunks <= 32 vw) are spread over different warps, so their loads are in flight together.
   for (int i = warp; i < nh * ATT_VWARPS; i += nw) {
@@ -584,22 +561,7 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   // interleaved with the adds would have 1-2 in flight). Each column adds its chunks in order 0..n-1.
   const int d4 = d / 4, n4 = nh * d4;
   const int64_t cstride4 = (int64_t)H * d4;  // float4s from one chunk to the next
-  if constexpr (staged) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncthreads();
-    for (int i = tid; i < n4; i += nt) {
-      const float4* src = (const float4*)stage + i;
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int c = 0; c < n_chunks; ++c) {
-        const float4 x = src[(int64_t)c * d4];
-        const float wk = wc[c];
-        acc.x += x.x * wk; acc.y += x.y * wk; acc.z += x.z * wk; acc.w += x.w * wk;
-      }
-      const float L = lsum[0];
-      ((float4*)v)[i] = make_float4(acc.x / L, acc.y / L, acc.z / L, acc.w / L);
-    }
-  }
-  for (int i = tid; !staged && i < n4; i += nt) {
+  for (int i = tid; i < n4; i += nt) {
     const int hh = i / d4;
     const float4* src = (const float4*)(part_o + (int64_t)(h0 + hh) * d) + i % d4;
     const float* w = wc + hh * n_chunks;
@@ -624,14 +586,13 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   for (int i = tid; i < n4; i += nt) ((float4*)(out + (int64_t)h0 * d))[i] = ((const float4*)v)[i];
 }
 
-template <bool STAGED>
 __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const float* part_o, const float* part_ml,
                                                                            int n_chunks, int H, int d,
                                                                            const float* sinks, const int64_t* pos,
                                                                            RowPost o, float* out) {
   pdl_begin();
   extern __shared__ __align__(16) float sh[];
-  attn_combine_heads<STAGED>(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
+  attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
 }
 
 // Both passes in one launch ($DS4_GPU_ATTN_ONE=1): the partial blocks as attn_partial_kernel; each then counts
@@ -755,25 +716,10 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
   DS4_CHECK_LAUNCH("norm_rope");
 }
 
-static int& router_q_override() {
-  static int v = -1;
-  return v;
-}
-void set_router_q(int q) { router_q_override() = q == 1 || q == 2 || q == 4 ? q : -1; }
-static int router_q() {
-  static const int env = [] {
-    const char* e = std::getenv("DS4_GPU_ROUTER_Q");
-    return e && (e[0] == '2' || e[0] == '4') ? e[0] - '0' : 1;
-  }();
-  return router_q_override() > 0 ? router_q_override() : env;
-}
-
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s) {
   if (E > 256 || k > 16 || k > E) throw std::invalid_argument("router: E <= 256 and k <= 16");
-  // blockDim / ROUTER_THREADS threads per expert (route_token's Q)
-  launch_k(router_kernel, dim3(T), dim3(router_q() * ROUTER_THREADS), 0, s, logits, bias, table, tok, E, k, scale, ids,
-           wts);
+  launch_k(router_kernel, dim3(T), dim3(ROUTER_THREADS), 0, s, logits, bias, table, tok, E, k, scale, ids, wts);
   DS4_CHECK_LAUNCH("router");
 }
 
@@ -825,23 +771,6 @@ static int attn_tiles_mode() {
     return e && e[0] == '0' ? 0 : 1;
   }();
   return attn_tiles_override() >= 0 ? attn_tiles_override() : env;
-}
-
-// $DS4_GPU_ATTN_STAGE=1 (v21, prepared): attn_combine_kernel stages its head's chunk outputs in shared memory by
-// cp.async (attn_combine_heads; the same bits), up to ATT_STAGE_MAX_BYTES of shared memory per block. set_attn_stage
-// overrides it for this process (0, 1; -1 the environment).
-constexpr size_t ATT_STAGE_MAX_BYTES = 200 * 1024;
-static int& attn_stage_override() {
-  static int v = -1;
-  return v;
-}
-void set_attn_stage(int mode) { attn_stage_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool attn_stage_mode() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_ATTN_STAGE");
-    return e && e[0] == '1';
-  }();
-  return attn_stage_override() >= 0 ? attn_stage_override() == 1 : env;
 }
 
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
@@ -916,17 +845,14 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
            part_ml);
   DS4_CHECK_LAUNCH("attention partial");
-  // staged (attn_combine_heads): the chunk outputs in shared memory too, while they fit beside the rest
-  const size_t stage_floats = (size_t)attn_combine_stage_offset(d, nc) + (size_t)nc * d;
-  const bool staged = attn_stage_mode() && d % 4 == 0 && stage_floats * sizeof(float) <= ATT_STAGE_MAX_BYTES;
-  size_t shm2 = sizeof(float) * (staged ? stage_floats : (size_t)attn_combine_floats(d, 1, nc));
-  static size_t shm2_set[2] = {0, 0};
-  auto combine = staged ? attn_combine_kernel<true> : attn_combine_kernel<false>;
-  if (shm2 > 48 * 1024 && shm2 > shm2_set[staged]) {
-    DS4_CHECK(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
-    shm2_set[staged] = shm2;
+  size_t shm2 = sizeof(float) * (size_t)attn_combine_floats(d, 1, nc);
+  static size_t shm2_set = 0;
+  if (shm2 > 48 * 1024 && shm2 > shm2_set) {
+    DS4_CHECK(cudaFuncSetAttribute(attn_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
+    shm2_set = shm2;
   }
-  launch_k(combine, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o, out);
+  launch_k(attn_combine_kernel, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o,
+           out);
   DS4_CHECK_LAUNCH("attention combine");
 }
 

@@ -30,11 +30,10 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
 // passes. NaN scores rank last (as -inf, lowest index first). The outcome does not depend on blockDim.x: each
 // expert's score and rank are computed alone, and thread 0 sums the k weights in rank order.
 // COH: the logits were written by other CTAs of the calling grid, so they are read from L2 (__ldcg).
-// Q (1, 2 or 4; Q * E <= blockDim.x when above 1): threads per expert in the ranking.
 template <bool COH>
 __device__ __forceinline__ void route_token(const float* logits, const float* bias, const int64_t* table,
                                             const int64_t* tok, int t, int E, int k, float scale, int32_t* ids,
-                                            float* wts, int Q = 1) {
+                                            float* wts) {
   __shared__ float s[ROUTER_MAX_E];
   __shared__ __align__(16) float sb[ROUTER_MAX_E];
   __shared__ int chosen[ROUTER_MAX_K];
@@ -54,28 +53,6 @@ __device__ __forceinline__ void route_token(const float* logits, const float* bi
   __syncthreads();
   if (table) {
     if (tid < k) chosen[tid] = (int)table[tok[t] * k + tid];
-  } else if (Q > 1) {
-    // Q = 2 or 4 adjacent lanes per expert ($DS4_GPU_ROUTER_Q, v21, prepared), each counting over 1/Q of the scores,
-    // summed by xor shuffles: the same integer ranks in a quarter of the dependent loop (v21 SASS: ~33 instructions
-    // per float4 of scores, 64 of them per thread at one thread per expert).
-    const int n4 = (E + 3) / 4, per = (n4 + Q - 1) / Q;
-    const int e = tid / Q, q = tid % Q;
-    const float me = e < E ? sb[e] : 0.0f;
-    int r0 = 0, r1 = 0, r2 = 0, r3 = 0;
-    const float4* sb4 = (const float4*)sb;
-    const int j4_end = e < E ? min(n4, (q + 1) * per) : 0;
-    for (int j4 = q * per; j4 < j4_end; ++j4) {
-      const float4 o = sb4[j4];
-      const int j = 4 * j4;
-      r0 += o.x > me || (o.x == me && j < e);
-      r1 += o.y > me || (o.y == me && j + 1 < e);
-      r2 += o.z > me || (o.z == me && j + 2 < e);
-      r3 += o.w > me || (o.w == me && j + 3 < e);
-    }
-    int rank = r0 + r1 + r2 + r3;
-    rank += __shfl_xor_sync(0xffffffffu, rank, 1);  // every lane of the block reaches these (nt: a multiple of 32)
-    if (Q == 4) rank += __shfl_xor_sync(0xffffffffu, rank, 2);
-    if (q == 0 && e < E && rank < k) chosen[rank] = e;
   } else {
     for (int e = tid; e < E; e += nt) {
       const float me = sb[e];
