@@ -607,3 +607,49 @@ def test_topk_rows_in_cuda_graph(K):
         torch.cuda.synchronize()
         assert torch.equal(sel, K.topk(keys, k, pos, 4)), p
         assert np.array_equal(sel.cpu().numpy(), topk_rows_model(keys_np, k, p, 4)), p
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize("post_form", ["none", "y1", "y1+y2"])
+def test_hc_cluster_kernel_matches_the_one_launch_kernel(K, T, head, post_form):
+    """DS4_GPU_HC_CLUSTER (ext.set_hc_cluster): decode's mHC pre as one cluster of 16 CTAs per token (partials through
+    distributed shared memory, out's norm through the Gram matrix of the streams). X' as hc_post computes it; out,
+    post and comb as the float64 ops and within float rounding of the arrival-count kernel. Run twice per mode (no
+    state may carry between launches)."""
+    g = torch.Generator().manual_seed(40 + T)
+    n, D = 4, 4096
+    M = n if head else (2 + n) * n
+    X, y1, y2 = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D)
+    if post_form != "y1+y2":
+        y2 = None
+    post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
+    Wf = rnd(g, M, n * D, scale=0.02)
+    scale, base, nw = rnd(g, 3) if not head else rnd(g, 1), rnd(g, M, scale=0.5), rnd(g, D)
+    runs = []
+    for mode in (1, 0):
+        K.ext.set_hc_cluster(mode)
+        try:
+            assert K.ext.hc_cluster_takes(n, D, M) == bool(mode)
+            for _ in range(2):
+                if post_form == "none":
+                    res = (X, *K.hc_pre(X, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head))
+                else:
+                    res = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head)
+            torch.cuda.synchronize()
+            runs.append([t.clone() for t in res])
+        finally:
+            K.ext.set_hc_cluster(-1)
+    (Xn, out, post, comb), (Xn0, out0, post0, comb0) = runs
+    if post_form != "none":
+        assert rel(Xn, K.hc_post(X, y1, y2, post_in, comb_in)) < 1e-7
+    assert rel(out, out0) < 2e-6
+    Xd = Xn.double()
+    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
+    if head:
+        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
+    else:
+        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
+        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
+        assert rel(post, post0) < 2e-6 and rel(comb, comb0) < 2e-6
+    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5

@@ -65,6 +65,11 @@ void bind_fused_ops(py::module_& m) {
      py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
      py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
      py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
+  m.def("set_hc_cluster", &set_hc_cluster, py::arg("mode"),
+        "Decode's one-launch mHC pre as one thread block cluster of 16 CTAs per token (1), the arrival-count kernel (0) "
+        "or as $DS4_GPU_HC_CLUSTER says (-1); the same values to float rounding, not the same bits");
+  m.def("hc_cluster_takes", &hc_cluster_takes, py::arg("n"), py::arg("D"), py::arg("M"),
+        "whether decode's one-launch mHC pre runs as the cluster kernel now (switch on, shape and device allow it)");
   m.def("set_hc_rcp", &set_hc_rcp, py::arg("mode"),
         "Sinkhorn of the one-launch mHC kernels by reciprocals and multiplies (1), by fast divisions (0) or as "
         "$DS4_GPU_HC_RCP says (-1); the same bits");

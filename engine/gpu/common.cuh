@@ -213,6 +213,8 @@ bool hc_one_launch_takes(int T, int n, int D, bool head);
 // $DS4_GPU_HC_RCP: Sinkhorn's divisions as reciprocals and multiplies in the one-thread form (1 on, 0 off, -1 as the
 // environment says; the same bits).
 void set_hc_rcp(int mode);
+void set_hc_cluster(int mode);
+bool hc_cluster_takes(int n, int D, int M);  // whether decode's mHC pre runs as hc_cluster_kernel now  // hc.cu: 1 decode's one-launch mHC pre as one cluster of 16 CTAs ($DS4_GPU_HC_CLUSTER); -1: env
 bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (prefill rows form)
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
