@@ -609,16 +609,16 @@ def test_topk_rows_in_cuda_graph(K):
         assert np.array_equal(sel.cpu().numpy(), topk_rows_model(keys_np, k, p, 4)), p
 
 
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T,D", [(1, 4096), (3, 4096), (1, 512), (2, 1024)])  # 512: CTAs of one warp (`small`)
 @pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("post_form", ["none", "y1", "y1+y2"])
-def test_hc_cluster_kernel_matches_the_one_launch_kernel(K, T, head, post_form):
+def test_hc_cluster_kernel_matches_the_one_launch_kernel(K, T, D, head, post_form):
     """DS4_GPU_HC_CLUSTER (ext.set_hc_cluster): decode's mHC pre as one cluster of 16 CTAs per token (partials through
     distributed shared memory, out's norm through the Gram matrix of the streams). X' as hc_post computes it; out,
     post and comb as the float64 ops and within float rounding of the arrival-count kernel. Run twice per mode (no
     state may carry between launches)."""
-    g = torch.Generator().manual_seed(40 + T)
-    n, D = 4, 4096
+    g = torch.Generator().manual_seed(40 + T + D)
+    n = 4
     M = n if head else (2 + n) * n
     X, y1, y2 = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D)
     if post_form != "y1+y2":

@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
              rcp);
 }
 
-// mHC pre in one cluster (decode, n = 4; $DS4_GPU_HC_CLUSTER=1): HCC_CTAS CTAs of one thread block cluster share a
+// mHC pre in one cluster (decode, n = 4; $DS4_GPU_HC_CLUSTER, default 1): HCC_CTAS CTAs of one thread block cluster share a
 // token; CTA c owns columns d in [c D / 16, (c + 1) D / 16) of all four streams, one column per thread. Why: the
 // one-launch kernel above ends in a serial tail (fence, arrival count, the last block's L2 reads of every partial
 // and of X', then out over all D columns in one block): ~10-11 us per call in the session, 87 calls per token. Here
@@ -566,18 +566,18 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
     if (lane == 0) s_warp[warp][32 + k] = e;
   }
   __syncthreads();
-  if (tid < HCC_Q) {
+  for (int k = tid; k < HCC_Q; k += blockDim.x) {  // a loop: a CTA of one warp (D = 512) has fewer threads than HCC_Q
     float sum = 0.0f;
-    for (int k = 0; k < (int)(blockDim.x >> 5); ++k) sum += s_warp[k][tid];
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) sum += s_warp[w][k];
 #pragma unroll
-    for (int r = 0; r < HCC_CTAS; ++r) cluster.map_shared_rank(&s_all[0][0], r)[c * HCC_Q + tid] = sum;
+    for (int r = 0; r < HCC_CTAS; ++r) cluster.map_shared_rank(&s_all[0][0], r)[c * HCC_Q + k] = sum;
   }
   cluster.sync();  // every CTA's partials are in every CTA (release / acquire at cluster scope)
-  if (tid < HCC_Q) {
+  for (int k = tid; k < HCC_Q; k += blockDim.x) {
     float sum = 0.0f;
 #pragma unroll
-    for (int r = 0; r < HCC_CTAS; ++r) sum += s_all[r][tid];  // the same order in every CTA: the same totals
-    s_tot[tid] = sum;
+    for (int r = 0; r < HCC_CTAS; ++r) sum += s_all[r][k];  // the same order in every CTA: the same totals
+    s_tot[k] = sum;
   }
   __syncthreads();
   const float r = rsqrtf(s_tot[HCC_MAX_M] / (float)nD + eps_rms);
@@ -745,8 +745,9 @@ bool hc_pre_rows_takes(int n, int D, bool head) {
   return on && n <= 4 && (head || n == 4) && D % 4 == 0 && D / 4 <= HC1_MAXU * HC1_COLS;
 }
 
-// $DS4_GPU_HC_CLUSTER=1 (v22, an A/B switch, off): decode's one-launch mHC pre as hc_cluster_kernel (one cluster of 16
-// CTAs per token). set_hc_cluster overrides it (0, 1; -1 the environment). Taken where the device can place a cluster
+// $DS4_GPU_HC_CLUSTER (default 1 since v22; 0 the arrival-count kernel): decode's one-launch mHC pre as hc_cluster_kernel
+// (one cluster of 16 CTAs per token). v22: bench_hc 7.09 -> 5.52 us at 0 Sinkhorn iterations, 8.20 -> 6.94 at 20;
+// decode 6.51 / 6.60 -> 6.40 / 6.48 ms at 2k / 8k. set_hc_cluster overrides it (0, 1; -1 the environment). Taken where the device can place a cluster
 // of 16 (non-portable size) and n = 4, D / 16 a multiple of 32 of at most 256 columns, M <= 24.
 static int& hc_cluster_override() {
   static int v = -1;
@@ -774,7 +775,7 @@ static bool hc_cluster_available() {
 bool hc_cluster_takes(int n, int D, int M) {
   static const bool env = [] {
     const char* e = getenv("DS4_GPU_HC_CLUSTER");
-    return e && e[0] == '1';
+    return !(e && e[0] == '0');
   }();
   const bool on = hc_cluster_override() >= 0 ? hc_cluster_override() == 1 : env;
   const int dc = D / HCC_CTAS;
