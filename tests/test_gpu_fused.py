@@ -131,6 +131,34 @@ def test_sinkhorn_by_reciprocals_gives_the_same_bits(K, logit_scale):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+def test_deferred_sinkhorn_gives_the_same_bits(K):
+    """hc_post_pre(..., logits=) writes comb's logits instead of comb, and sinkhorn() makes comb from them: the one-launch
+    kernel's Sinkhorn on the same logits, so the same comb (and X', out, post) bit for bit, under both division forms."""
+    g = torch.Generator().manual_seed(9)
+    T, n, D = 2, 4, 4096
+    M = (2 + n) * n
+    X, y1, y2 = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D)
+    post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
+    Wf = rnd(g, M, n * D, scale=0.02)
+    scale, base, nw = rnd(g, 3), rnd(g, M, scale=0.5), rnd(g, D)
+    for rcp, cluster in ((0, 0), (1, 0), (0, 1), (1, 1)):  # both division forms, both mHC kernels
+        K.ext.set_hc_rcp(rcp)
+        K.ext.set_hc_cluster(cluster)
+        try:
+            want = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6)
+            logits = torch.empty((T, 16), dtype=torch.float32, device=DEV)
+            got = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, logits=logits)
+            K.sinkhorn(logits, 20, 1e-6, got[3])
+            torch.cuda.synchronize()
+        finally:
+            K.ext.set_hc_rcp(-1)
+            K.ext.set_hc_cluster(-1)
+        for a, b in zip(want, got):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rcp={rcp} cluster={cluster}"
+    with pytest.raises(ValueError, match="float32"):
+        K.sinkhorn(torch.empty((T, 8), device=DEV), 20, 1e-6, got[3])
+
+
 def test_hc_post_pre_refuses_in_place(K):
     g = torch.Generator().manual_seed(12)
     T, n, D = 1, 4, 1024

@@ -205,3 +205,23 @@ def test_unknown_branch_names_are_refused():
     assert branches.parse_branches(" ffn , comp") == branches.parse_branches("comp+ffn") == {"ffn", "comp"}
     with pytest.raises(ValueError, match="unknown branch"):
         branches.parse_branches("ffn,attn")
+
+
+def test_deferred_sinkhorn_leaves_the_logits_bitwise_equal(models, monkeypatch):
+    """DS4_GPU_HC_DEFER=1: decode's mHC kernels write comb's logits and Sinkhorn runs on a stream of its own
+    (branches.DeferredSinkhorn), joined before the next mHC: the same logits, bit for bit, eager and graph-replayed."""
+    from ds4.engine.gpu import branches
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m = models["small"]
+    toks = _prompt(m.config, 40, seed=13)
+    monkeypatch.setattr(branches, "HC_DEFER", False)
+    base = GpuSession(m, ctx=512)
+    want = np.stack([base.decode(t) for t in toks])
+    monkeypatch.setattr(branches, "HC_DEFER", True)
+    for graphs in (False, True):
+        g = GpuSession(m, ctx=512, weights=base.W, graphs=graphs)
+        assert g.hc_defer is not None
+        got = np.stack([g.decode(t) for t in toks])
+        assert g.hc_defer.stream is not None, "no Sinkhorn was deferred"
+        assert np.array_equal(got, want), f"graphs={graphs}"

@@ -33,6 +33,46 @@ BRANCHES = parse_branches(os.environ.get("DS4_GPU_BRANCH", "ffn,comp"))
 SIDE_PER_SM = int(os.environ.get("DS4_GPU_SIDE_PER_SM", "0") or 0)
 
 
+# $DS4_GPU_HC_DEFER=1 (v22, an A/B switch): decode's mHC Sinkhorn beside the chain (DeferredSinkhorn). v21 measured
+# no gain when the arrival-count kernel hid Sinkhorn behind its out pass; in the cluster kernel it is the tail.
+HC_DEFER = os.environ.get("DS4_GPU_HC_DEFER", "0") == "1"
+
+
+class DeferredSinkhorn:
+    """comb of decode's one-launch mHC kernels made on a stream of its own.
+
+    Why: comb (Sinkhorn's 20 dependent iterations, one thread of the kernel's last CTA) is read only by the next
+    sublayer's mHC, but the next kernel of the chain waits for the whole mHC grid, Sinkhorn included. Here the mHC
+    kernel writes comb's 16 logits and `sinkhorn4_kernel` runs beside the chain; `join()` (before the next mHC reads
+    comb) makes the current stream wait for it. The same arithmetic on the same logits: the same bits."""
+
+    def __init__(self, K, device: torch.device):
+        self.K, self.device = K, device
+        self.stream: torch.cuda.Stream | None = None
+        self.pending = False
+
+    def post_pre(self, X: torch.Tensor, pending: tuple, args: tuple):
+        """K.hc_post_pre(X, *pending, *args) with comb deferred; args = (fn, scale, base, norm, iters, eps_rms, eps_hc)."""
+        self.join()  # pending's comb is the previous deferred one
+        main = torch.cuda.current_stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        logits = torch.empty((X.shape[0], 16), dtype=torch.float32, device=self.device)
+        Xn, out, post, comb = self.K.hc_post_pre(X, *pending, *args, logits=logits)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            self.K.sinkhorn(logits, args[4], args[6], comb)
+        for t in (logits, comb):  # used on the side stream too: the allocator must not hand them out before it is done
+            t.record_stream(self.stream)
+        self.pending = True
+        return Xn, out, post, comb
+
+    def join(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.pending = False
+
+
 class SideStream:
     """One side stream per session. `fork()` makes it wait for everything launched so far on the current
     stream and routes the extension's launches to it inside the block; `join()` makes the current stream wait

@@ -219,7 +219,10 @@ bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (pre
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s);
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr);
+// logits (non-null, n = 4, not head): comb's 16 logits per token go there and comb is not written; launch_sinkhorn4
+// makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn).
+void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s);
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
                     int n, int D, float* Xo, cudaStream_t s);
 struct NormRopeJob {

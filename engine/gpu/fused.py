@@ -115,14 +115,19 @@ class Fused:
 
     def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
                     comb_in: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                    norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False):
+                    norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False,
+                    logits: torch.Tensor | None = None):
         """X' = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of X': (X', out, post, comb). One launch for
-        decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise."""
+        decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise.
+        logits ([T, 16] float32, one launch only): comb's logits are written there and comb is left for sinkhorn()
+        (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
         aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (X, y1, y2))  # float4 loads in the kernel
         if not (aligned and self.ext.hc_one_launch_takes(T, n, D, bool(head))) or Wf.dtype != F32 \
                 or tuple(Wf.shape) != (M, n * D):
+            if logits is not None:
+                raise ValueError("hc_post_pre: deferred comb logits need the one-launch kernel's shapes")
             Xn = self.hc_post(X, y1, y2, post_in, comb_in)
             return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head))
         X, y1, Wf = X.contiguous(), y1.contiguous(), Wf.contiguous()
@@ -136,8 +141,16 @@ class Fused:
         self._stream()
         self.ext.hc_post_pre(_p(X), _p(y1), _p(y2), _p(post_in), _p(comb_in), _p(Xn), _p(Wf), _p(part), _p(scale),
                              _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms), float(eps_hc), bool(head),
-                             _p(out), _p(post), _p(comb))
+                             _p(out), _p(post), _p(comb), 0 if logits is None else _p(logits))
         return Xn, out, post, comb
+
+    def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float, comb: torch.Tensor) -> None:
+        """comb [T, 4, 4] = Sinkhorn of the logits [T, 16] hc_post_pre(..., logits=) wrote: its one-launch arithmetic."""
+        T = logits.shape[0]
+        if logits.dtype != F32 or tuple(logits.shape) != (T, 16) or comb.dtype != F32 or tuple(comb.shape) != (T, 4, 4):
+            raise ValueError("sinkhorn: logits must be float32 [T, 16] and comb float32 [T, 4, 4]")
+        self._stream()
+        self.ext.sinkhorn4(_p(logits), T, int(iters), float(eps), _p(comb))
 
     def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
                 comb: torch.Tensor) -> torch.Tensor:

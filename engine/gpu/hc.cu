@@ -313,14 +313,21 @@ __device__ __forceinline__ float rcp_approx(float y) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
   return r;
 }
-__device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
-                                          float eps, float* comb, bool rcp) {
+// Comb logit i (entry 4 a + b) of the mix, and all 16.
+__device__ __forceinline__ float comb_logit(const float* mixs, float r, float sc, const float* base, int i) {
+  return mixs[8 + i] * r * sc + base[8 + i];
+}
+__device__ __forceinline__ void comb_logits(const float* mixs, float r, float sc, const float* base, float (&l)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) l[i] = comb_logit(mixs, r, sc, base, i);
+}
+__device__ __forceinline__ void sinkhorn4_of(const float (&lg)[16], int iters, float eps, float* comb, bool rcp) {
   float v[4][4];
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
     float l[4];
 #pragma unroll
-    for (int b = 0; b < 4; ++b) l[b] = mixs[8 + 4 * a + b] * r * sc + base[8 + 4 * a + b];
+    for (int b = 0; b < 4; ++b) l[b] = lg[4 * a + b];
     const float mx = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
     float e[4];
 #pragma unroll
@@ -366,6 +373,27 @@ __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, 
 #pragma unroll
     for (int b = 0; b < 4; ++b) comb[4 * a + b] = v[a][b];
 }
+__device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
+                                          float eps, float* comb, bool rcp) {
+  float l[16];
+  comb_logits(mixs, r, sc, base, l);
+  sinkhorn4_of(l, iters, eps, comb, rcp);
+}
+
+// $DS4_GPU_HC_DEFER=1 (v22): decode's mHC kernel writes comb's 16 logits (logits_out) and this kernel, launched by the
+// session on a stream of its own, runs Sinkhorn from them (one block of one warp per token). comb is read only by the
+// next sublayer's mHC, so its 20 dependent iterations leave the decode chain; the same arithmetic on the same logits,
+// so the same bits. (v21 measured no gain with hc_mix_pre_kernel, whose last warp ran Sinkhorn beside the block's out
+// pass; in hc_cluster_kernel it is the tail: bench_hc 5.52 us at 0 iterations, 6.94 at 20.)
+__global__ void sinkhorn4_kernel(const float* logits, int iters, float eps, bool rcp, float* comb) {
+  pdl_begin();
+  if (threadIdx.x != 0) return;
+  const int t = blockIdx.x;
+  float l[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) l[i] = logits[16 * t + i];
+  sinkhorn4_of(l, iters, eps, comb + 16 * t, rcp);
+}
 
 // The end of both pass-2 forms, once r (the RMS factor of flatten(X)) and the mix (mixs) are known: the last warp writes
 // post and comb (Sinkhorn in one thread) while the HC1_COLS column threads, which hold their columns of the n <= 4
@@ -373,12 +401,17 @@ __device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, 
 __device__ __forceinline__ void hc1_finish(const float4 (&xs)[HC1_MAXU][4], const float* mixs, float r,
                                            const float* scale, const float* base, const float* norm_w, int n, int D,
                                            int iters, float eps_rms, float eps_hc, bool head, int t, float* out,
-                                           float* post_out, float* comb_out, float* red, bool rcp) {
+                                           float* post_out, float* comb_out, float* red, bool rcp,
+                                           float* logits_out = nullptr) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, D4 = D / 4;
   if (warp == HC1_THREADS / 32 - 1) {  // post and comb; the column threads do not wait for this warp
     if (head) return;
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(mixs[n + lane] * r * scale[1] + base[n + lane]);
-    if (lane == 0) sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
+    if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these
+      if (lane < 16) logits_out[(int64_t)t * 16 + lane] = comb_logit(mixs, r, scale[2], base, lane);
+    } else if (lane == 0) {
+      sinkhorn4(mixs, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
+    }
     return;
   }
   float pre[4];
@@ -414,7 +447,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
                                                                  const float* norm_w, int n, int D, int iters,
                                                                  float eps_rms, float eps_hc, bool head, float* out,
                                                                  float* post_out, float* comb_out, HcPost hp,
-                                                                 bool rcp) {
+                                                                 bool rcp, float* logits_out) {
   pdl_trigger();
   float w0[4][8];  // the first mix rows of this warp: weights, so requested before the wait for the predecessor
   hc_mix_load_w(Wf, M, n * D, blockIdx.x, threadIdx.x >> 5, w0);
@@ -467,7 +500,7 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
   __syncthreads();
   const float r = rsqrtf(mixs[M] / (float)(n * D) + eps_rms);
   hc1_finish(xs, mixs, r, scale, base, norm_w, n, D, iters, eps_rms, eps_hc, head, t, out, post_out, comb_out, red,
-             rcp);
+             rcp, logits_out);
 }
 
 // mHC pre in one cluster (decode, n = 4; $DS4_GPU_HC_CLUSTER, default 1): HCC_CTAS CTAs of one thread block cluster share a
@@ -508,7 +541,7 @@ __device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
 __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREADS, 1)
     hc_cluster_kernel(const float* X, const float* Wf, int M, const float* scale, const float* base,
                       const float* norm_w, int D, int iters, float eps_rms, float eps_hc, bool head, float* out,
-                      float* post_out, float* comb_out, HcPost hp, bool rcp) {
+                      float* post_out, float* comb_out, HcPost hp, bool rcp, float* logits_out) {
   namespace cg = cooperative_groups;
   constexpr int n = 4;
   __shared__ float s_warp[HCC_MAX_THREADS / 32][HCC_Q];
@@ -595,7 +628,11 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
   out[(int64_t)t * D + d] = u * r2 * (norm_w ? __ldg(norm_w + d) : 1.0f);
   if (c == 0 && warp == 0 && !head) {  // post and comb, after this warp's out columns
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(s_tot[n + lane] * r * scale[1] + base[n + lane]);
-    if (lane == 0) sinkhorn4(s_tot, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
+    if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these
+      if (lane < 16) logits_out[(int64_t)t * 16 + lane] = comb_logit(s_tot, r, scale[2], base, lane);
+    } else if (lane == 0) {
+      sinkhorn4(s_tot, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
+    }
   }
 }
 
@@ -784,9 +821,10 @@ bool hc_cluster_takes(int n, int D, int M) {
 }
 static void launch_hc_cluster(const float* X, const float* Wf, int M, const float* scale, const float* base,
                               const float* norm_w, int T, int D, int iters, float eps_rms, float eps_hc, bool head,
-                              float* out, float* post, float* comb, const HcPost& hp, cudaStream_t s) {
+                              float* out, float* post, float* comb, const HcPost& hp, cudaStream_t s,
+                              float* logits = nullptr) {
   launch_k(hc_cluster_kernel, dim3(HCC_CTAS, T), dim3(D / HCC_CTAS), 0, s, X, Wf, M, scale, base, norm_w, D, iters,
-           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp());
+           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits);
   DS4_CHECK_LAUNCH("hc_cluster");
 }
 
@@ -798,8 +836,9 @@ bool hc_one_launch_takes(int T, int n, int D, bool head) {
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s) {
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits) {
   if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
+  if (logits && (head || n != 4)) throw std::invalid_argument("hc_post_pre: deferred comb logits need n = 4, no head");
   // the blocks read all streams of X at their columns while others write X': never in place
   const uintptr_t o0 = (uintptr_t)Xo, o1 = o0 + sizeof(float) * (size_t)T * n * D;
   auto overlaps = [&](const float* p, int64_t count) {
@@ -819,12 +858,19 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
   hp.Xo = Xo;
   const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
   if (hc_cluster_takes(n, D, M)) {
-    launch_hc_cluster(X, Wf, M, scale, base, norm_w, T, D, iters, eps_rms, eps_hc, head, out, post, comb, hp, s);
+    launch_hc_cluster(X, Wf, M, scale, base, norm_w, T, D, iters, eps_rms, eps_hc, head, out, post, comb, hp, s,
+                      logits);
     return;
   }
   launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
-           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp());
+           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits);
   DS4_CHECK_LAUNCH("hc_post_pre");
+}
+
+void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s) {
+  if (T < 1 || iters < 0) throw std::invalid_argument("sinkhorn4: T >= 1 and iters >= 0");
+  launch_k(sinkhorn4_kernel, dim3(T), dim3(32), 0, s, logits, iters, eps, hc_rcp(), comb);
+  DS4_CHECK_LAUNCH("sinkhorn4");
 }
 
 void launch_hc_pre(const float* X, const float* Wf, float* part, const float* scale, const float* base,
@@ -850,7 +896,7 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
     }
     if (hc_one_launch_takes(T, n, D, head)) {
       launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D,
-               iters, eps_rms, eps_hc, head, out, post, comb, HcPost(), hc_rcp());
+               iters, eps_rms, eps_hc, head, out, post, comb, HcPost(), hc_rcp(), (float*)nullptr);
       DS4_CHECK_LAUNCH("hc_mix_pre");
       return;
     }

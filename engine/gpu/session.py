@@ -122,6 +122,8 @@ class Session(Timeline):
         # decode graph branches (DS4_GPU_BRANCH): independent work on a side stream
         self._branches = branches.BRANCHES if self.K is not None else frozenset()
         self.side = branches.SideStream(self.W.ext, self.device) if self._branches else None
+        self.hc_defer = branches.DeferredSinkhorn(self.K, self.device) if branches.HC_DEFER and self.K is not None \
+            else None
         self._comp_forked = False
         self.tc_attn = tc.TC_ATTN and self.device.type == "cuda"  # prefill attention products on tensor cores
         self.tf32_attn = tc.TF32_ATTN and self.device.type == "cuda"  # ... as TF32 (a speed mode)
@@ -482,6 +484,8 @@ class Session(Timeline):
             args = (W.dense(C.blk(li, fn)), W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), W.vec(C.blk(li, norm)),
                     cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
             if pending is not None:
+                if self.hc_defer is not None and self._in_step and T == 1 and n == 4:
+                    return self.hc_defer.post_pre(X, pending, args)
                 return self.K.hc_post_pre(X, *pending, *args)
             return (X, *self.K.hc_pre(X, *args))
         if pending is not None:
@@ -499,6 +503,8 @@ class Session(Timeline):
             args = (W.dense(C.OUTPUT_HC_FN), W.vec(C.OUTPUT_HC_SCALE), W.vec(C.OUTPUT_HC_BASE), W.vec(C.OUTPUT_NORM), 0,
                     cfg.rms_eps, cfg.hc_eps)
             if pending is not None:
+                if self.hc_defer is not None:
+                    self.hc_defer.join()  # the last sublayer's comb
                 _, h, _, _ = self.K.hc_post_pre(X, *pending, *args, head=True)
             else:
                 h, _, _ = self.K.hc_pre(X, *args, head=True)
