@@ -11,9 +11,8 @@
 namespace ds4gpu {
 
 // Grid (persistent CTAs per group, groups); CTA of 4 or 8 warps; dynamic shared memory: the staged x.
-// MINB: CTAs per SM the registers must allow: 2, or 3 for the lean form ($DS4_GPU_MV_LEAN), which runs 2 per SM.
-template <int QT, int R, int C, int MINB = 2>
-__global__ void __launch_bounds__(MV_MAX_THREADS, MINB) matvec_stream_kernel(MvArgs a) {
+template <int QT, int R, int C>
+__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs a) {
   extern __shared__ __align__(16) unsigned char mv_smem[];
   const int g = blockIdx.y;
   MvStep<QT, R, C> A;
@@ -142,63 +141,35 @@ static bool launch_matvec_pair(const Packed* const* ws, float* const* ys, int nw
   return true;
 }
 
-// $DS4_GPU_MV_LEAN=1 (v22, an A/B switch, off): steps of 4 chunks instead of 8 (half the registers per buffer), the
-// kernel compiled for 3 CTAs per SM and run at 2, so a third of each SM's registers stays free for the next kernel's
-// CTAs. Why: at 2 x 256 threads x 128 registers the grid holds the whole register file until its last tile, so under
-// programmatic dependent launch the next matvec's CTAs cannot become resident and issue their first weight loads
-// before this grid ends (the in-session matvecs take 14-15 us per 35.6 MB against 9.7-11.5 in the kernel bench).
-// The same bits: R and C do not change a row's summation order. set_mv_lean overrides it (0, 1; -1 the environment).
-static int& mv_lean_override() {
-  static int v = -1;
-  return v;
-}
-void set_mv_lean(int mode) { mv_lean_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool mv_lean() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_MV_LEAN");
-    return e && e[0] == '1';
-  }();
-  return mv_lean_override() >= 0 ? mv_lean_override() == 1 : env;
-}
-
-template <int QT, int R, int C, int MINB>
+template <int QT, int R, int C>
 static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, bool pdl, cudaStream_t stream) {
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
   auto key = std::make_pair(threads, smem);
   auto it = resident.find(key);
   if (it == resident.end()) {
     if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(matvec_stream_kernel<QT, R, C, MINB>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      DS4_CHECK(cudaFuncSetAttribute(matvec_stream_kernel<QT, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
     int n = 0;
-    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_stream_kernel<QT, R, C, MINB>, threads, smem));
+    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_stream_kernel<QT, R, C>, threads, smem));
     it = resident.emplace(key, std::max(1, n)).first;
   }
   const int W = threads / 32;
-  const int fit = MINB > 2 ? std::min(2, it->second) : it->second;  // the lean form leaves room for one more CTA
-  const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), fit) : fit;
+  const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t per_group = std::max<int64_t>(1, (int64_t)per_sm * sm_count() / groups);
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, per_group);
-  launch_pdl(pdl, matvec_stream_kernel<QT, R, C, MINB>, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem,
-             stream, a);
+  launch_pdl(pdl, matvec_stream_kernel<QT, R, C>, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem, stream, a);
 }
 
 template <int QT>
 static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_t stream) {
-  if (mv_lean()) {
-    const MvPlan p = mv_plan<QT>(a, groups, rows, false, 4);
-    if (p.C == 2 && p.R == 2) launch_rc<QT, 2, 2, 3>(a, groups, p.threads, p.smem, pdl, stream);
-    else if (p.C == 2) launch_rc<QT, 1, 2, 3>(a, groups, p.threads, p.smem, pdl, stream);
-    else launch_rc<QT, 1, 4, 3>(a, groups, p.threads, p.smem, pdl, stream);
-    return;
-  }
   const MvPlan p = mv_plan<QT>(a, groups, rows);
-  if (p.C == 2 && p.R == 4) launch_rc<QT, 4, 2, 2>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 2 && p.R == 2) launch_rc<QT, 2, 2, 2>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 2) launch_rc<QT, 1, 2, 2>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 4 && p.R == 2) launch_rc<QT, 2, 4, 2>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 4) launch_rc<QT, 1, 4, 2>(a, groups, p.threads, p.smem, pdl, stream);
-  else launch_rc<QT, 1, 8, 2>(a, groups, p.threads, p.smem, pdl, stream);
+  if (p.C == 2 && p.R == 4) launch_rc<QT, 4, 2>(a, groups, p.threads, p.smem, pdl, stream);
+  else if (p.C == 2 && p.R == 2) launch_rc<QT, 2, 2>(a, groups, p.threads, p.smem, pdl, stream);
+  else if (p.C == 2) launch_rc<QT, 1, 2>(a, groups, p.threads, p.smem, pdl, stream);
+  else if (p.C == 4 && p.R == 2) launch_rc<QT, 2, 4>(a, groups, p.threads, p.smem, pdl, stream);
+  else if (p.C == 4) launch_rc<QT, 1, 4>(a, groups, p.threads, p.smem, pdl, stream);
+  else launch_rc<QT, 1, 8>(a, groups, p.threads, p.smem, pdl, stream);
 }
 
 // matvec_tma.cu: the same products with the weights streamed by bulk copies ($DS4_GPU_MV_TMA; the same bits).
