@@ -45,3 +45,25 @@ def test_layer_slice_runs_from_one_mark_to_the_next():
 def test_short_names_drop_namespaces_and_templates():
     assert dt._short("void ds4gpu::(anonymous namespace)::matvec_stream_kernel<1, 2, 4>(ds4gpu::MvArgs)") == \
         "void matvec_stream_kernel"
+
+
+def test_frontier_advance_credits_the_kernels_that_end_last_and_sums_to_the_span():
+    step = _step(0.0, 2)
+    rows = {n: (c, a, d) for n, c, a, d in dt.frontier_advance(step)}
+    assert sum(a for _, a, _ in rows.values()) == dt.summarize(step)["span_us"]
+    # layer 0: hc 0-10 (+10), the side kernel 12-16 (+6), the matvec 11-23 (+7), hc 24-34 (+11), router 35-40 (+6);
+    # layer 1 the same 41 us later, the 1 us gap before it credited to its first hc (+11); the head 82-212 (+1 + 130)
+    assert rows["compress_step_kernel"] == (2, 12.0, 8.0)
+    assert rows["router_kernel"] == (2, 12.0, 10.0)
+    assert rows["hc_mix_pre_kernel"] == (4, 10.0 + 11.0 + 11.0 + 11.0, 40.0)
+    assert rows["matvec_stream_kernel"] == (3, 7.0 + 7.0 + 131.0, 154.0)
+    assert dt.frontier_advance(step)[0][0] == "matvec_stream_kernel"
+
+
+def test_a_kernel_ending_inside_a_longer_one_takes_the_time_up_to_its_end():
+    """The attribution follows the order of ends: a side kernel that ends while a longer one runs takes the time up to
+    its end, the longer one the rest; one that starts and ends inside an already advanced span takes nothing."""
+    step = [_k("long", 0.0, 20.0), _k("inside", 5.0, 3.0, stream=9), _k("after", 21.0, 4.0),
+            _k("late", 21.5, 1.0, stream=9), _k("nested", 22.0, 1.0, stream=11)]
+    rows = {n: a for n, _, a, _ in dt.frontier_advance(step)}
+    assert rows == {"inside": 8.0, "long": 12.0, "late": 2.5, "nested": 0.5, "after": 2.0}

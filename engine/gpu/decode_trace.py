@@ -73,6 +73,25 @@ def summarize(step: list[dict]) -> dict:
             "by_name": sorted(([n, c, t] for n, (c, t) in by.items()), key=lambda r: -r[2])}
 
 
+def frontier_advance(step: list[dict]) -> list[list]:
+    """[name, launches, advance_us, duration_us] per kernel name, largest advance first. Kernels taken in the order
+    they end; each one's advance is how far its end moves the step's frontier (the latest end so far, from the step's
+    first start). The advances sum to the span, gaps included. With PDL on, durations include each kernel's wait for
+    its predecessor, so summed durations overlap; the advances do not, and follow the chain of kernels that end last.
+    A side kernel that ends while a longer one runs takes the time up to its end (the longer one the rest), so
+    side-stream kernels can take some of the chain's credit."""
+    front = min(k["ts"] for k in step)
+    by = defaultdict(lambda: [0, 0.0, 0.0])
+    for k in sorted(step, key=lambda k: k["ts"] + k["dur"]):
+        end = k["ts"] + k["dur"]
+        row = by[k["name"]]
+        row[0] += 1
+        row[1] += max(0.0, end - front)
+        row[2] += k["dur"]
+        front = max(front, end)
+    return sorted(([n, c, a, d] for n, (c, a, d) in by.items()), key=lambda r: -r[2])
+
+
 def layer_slice(step: list[dict], n_layer: int, li: int) -> list[dict]:
     """The kernels between the li-th and (li+1)-th launch of the step's most frequent per-layer kernel that
     appears exactly 2 n_layer times (the mHC pre: twice per layer)."""
@@ -129,6 +148,10 @@ def main(argv=None) -> int:
           f"idle {r['idle_us']:.0f}; spans of all steps: {spans}")
     for name, c, t in r["by_name"][:40]:
         print(f"  {t:8.1f} us {c:5d}x {t / c:6.2f}  {name}")
+    print("frontier advance (how far each kernel moves the step's latest end; sums to the span): us, launches, us per"
+          " launch, name")
+    for name, c, a, _ in frontier_advance(step)[:25]:
+        print(f"  {a:8.1f} us {c:5d}x {a / c:6.2f}  {name}")
     for si in range(max(0, len(steps) - args.list_steps), len(steps)):
         for li in args.layer:
             lk = layer_slice(steps[si], cfg.n_layer, li)
