@@ -181,3 +181,41 @@ def test_grid_cap_per_sm_gives_the_same_bits(tmp_path) -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(np.load(out))
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("qtype,cols,rows,groups", [
+    (Q.Q8_0, 1024, 32768, 1),  # q_b (steps of 2 chunks x 4 rows by default, 2 x 8 big)
+    (Q.Q8_0, 4096, 8192, 8),   # o_a: grouped, 8 chunks x 1 row by default, 8 x 2 big
+    (Q.Q8_0, 8192, 4096, 1),   # o_b unsliced: two steps per row by default, 8 x 2 big
+    (Q.Q8_0, 1280, 300, 1),    # a partial last step, few rows (R halved down to 1)
+    (Q.F16, 4096, 2048, 1),    # F16 (8 chunks of 256 columns by default)
+    (Q.F16, 520, 40, 1),       # F16 odd width
+])
+def test_big_steps_give_the_same_bits(qtype: Q, cols: int, rows: int, groups: int) -> None:
+    """DS4_GPU_MV_BIG (ext.set_mv_big): steps of 16 chunks at 1 CTA per SM. A row is still summed by one warp in the
+    same order, so every output is bitwise the default form's, and both hold to the float64 reference. The bulk-copy
+    kernel is switched off so every Q8_0 shape reaches the streaming kernel."""
+    ext = gpu.load()
+    rng = np.random.default_rng(cols * 7 + rows + groups)
+    w, wd = upload(f"big.{qtype.name}.{cols}.{rows}.{groups}", qtype, cols, rows, rng)
+    x = rng.standard_normal(groups * cols).astype(np.float32)
+    x[: cols // 8] *= 20.0
+    xt = torch.from_numpy(x).cuda()
+    outs = []
+    ext.set_mv_tma(0)
+    try:
+        for big in (0, 1, 0):
+            ext.set_mv_big(big)
+            y = torch.full((1, rows), float("nan"), device="cuda")
+            ext.matvec(w, ext.Array.view(xt.data_ptr(), [1, groups * cols]), ext.Array.view(y.data_ptr(), [1, rows]),
+                       groups)
+            torch.cuda.synchronize()
+            outs.append(y.cpu().numpy()[0])
+    finally:
+        ext.set_mv_big(-1)
+        ext.set_mv_tma(-1)
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    rg = rows // groups
+    want = np.concatenate([wd[g * rg:(g + 1) * rg] @ x[g * cols:(g + 1) * cols].astype(np.float64)
+                           for g in range(groups)])
+    assert rel_err(outs[1], want) <= (F16_TOL if qtype == Q.F16 else TOL)

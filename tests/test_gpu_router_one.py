@@ -93,16 +93,25 @@ def assert_same(got, want) -> None:
     (8, 64, 2),      # the tiny test model
 ])
 @pytest.mark.parametrize("mode", ["bias", "plain", "hashed"])
-def test_one_launch_gives_the_bits_of_the_two_launches(E, K, k, mode) -> None:
+@pytest.mark.parametrize("cluster", [0, 1])
+def test_one_launch_gives_the_bits_of_the_two_launches(E, K, k, mode, cluster) -> None:
+    """cluster = 1: DS4_GPU_ROUTER_CLUSTER's kernel (one cluster of 16 CTAs, logits into CTA 0's shared memory); it
+    takes widths that are multiples of 256 (the tiny model's 64 columns stay on the arrival-count kernel)."""
+    ext = gpu.load()
     rng = np.random.default_rng(E + K + len(mode))
     w = gpu.upload(f"router_one.{E}.{K}.{mode}", Q.F16, (K, E), random_blocks(Q.F16, E, K, rng))
     bias, table, tok = routing_inputs(mode, E, k, rng)
-    for call in range(3):  # a fresh x each time: a stale arrival count would leave ids/wts unwritten
-        x = cuda(rng.standard_normal((1, K)) * (1.0 + call))
-        want = two_launches(w, x, bias, table, tok, k, 1.5)
-        got = one_launch(w, x, bias, table, tok, k, 1.5)
-        assert_same(got, want)
-        check_spec(*got, bias, table, tok, k, 1.5)
+    ext.set_router_cluster(cluster)
+    try:
+        assert ext.router_cluster_takes(E, K) == bool(cluster and K % 256 == 0)
+        for call in range(3):  # a fresh x each time: a stale arrival count would leave ids/wts unwritten
+            x = cuda(rng.standard_normal((1, K)) * (1.0 + call))
+            want = two_launches(w, x, bias, table, tok, k, 1.5)
+            got = one_launch(w, x, bias, table, tok, k, 1.5)
+            assert_same(got, want)
+            check_spec(*got, bias, table, tok, k, 1.5)
+    finally:
+        ext.set_router_cluster(-1)
 
 
 def test_calls_alternating_between_layers() -> None:
@@ -124,11 +133,20 @@ def test_calls_alternating_between_layers() -> None:
         assert_same(outs[i], two_launches(ws[i % 2], x, *ins[i % 2], k, 2.5))
 
 
-def test_graph_replays() -> None:
+@pytest.mark.parametrize("cluster", [0, 1])
+def test_graph_replays(cluster) -> None:
     """Captured once, replayed with new x: every replay routes (the count is back at 0 after each)."""
     from ds4.engine.gpu.fused import Fused
 
     ext = gpu.load()
+    ext.set_router_cluster(cluster)
+    try:
+        _graph_replays(ext, Fused)
+    finally:
+        ext.set_router_cluster(-1)
+
+
+def _graph_replays(ext, Fused) -> None:
     K_ = Fused(ext, torch.device("cuda"))
     rng = np.random.default_rng(5)
     E, K, k = 256, 4096, 6

@@ -175,6 +175,11 @@ void bind_fused_ops(py::module_& m) {
     launch_router(ptr<const float>(logits), ptr<const float>(bias), ptr<const int64_t>(table), ptr<const int64_t>(tok),
                   T, E, k, scale, ptr<int32_t>(ids), ptr<float>(wts), stream());
   });
+  m.def("set_router_cluster", &set_router_cluster, py::arg("mode"),
+        "router_one as one thread block cluster of 16 CTAs (1), the arrival-count kernel (0) or as "
+        "$DS4_GPU_ROUTER_CLUSTER says (-1); the same bits");
+  m.def("router_cluster_takes", &router_cluster_takes, py::arg("E"), py::arg("K"),
+        "whether router_one runs as the cluster kernel now for E experts of K columns");
   m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
                          int k, float scale, uintptr_t ids, uintptr_t wts) {
     return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),

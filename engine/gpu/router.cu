@@ -9,6 +9,8 @@
 // for the next launch (graph replays). No CTA ever waits for another, so the grid need not be co-resident.
 #include <math.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -55,6 +57,96 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) router_one_kernel(MvArgs a,
   if (threadIdx.x == 0) g_router_ticket = 0;  // all others have arrived: ready for the next launch
 }
 
+// The router in one thread block cluster ($DS4_GPU_ROUTER_CLUSTER=1, v22, an A/B switch under DS4_GPU_ROUTER_ONE=1):
+// RC_CTAS CTAs of 16 warps; warp w of CTA c computes logit c * ceil(E / 16) + w with the streaming F16 kernel's
+// arithmetic (lane l: columns 256 j + 8 l .. + 7 of chunk j, an 8-term product chain per chunk added to the lane's
+// sum in chunk order, then the xor butterfly: the bits of ext.matvec), its weights loaded before griddepcontrol.wait.
+// The logits go into CTA 0's shared memory (map_shared_rank), one cluster barrier, and CTA 0 routes them
+// (route_token). Why: router_one_kernel's arrival count (fence, atomic, the last CTA's L2 reads) lost to the two
+// launches (v8, v18); the mHC pre's cluster kernel (v22) beat its arrival-count form by 1.6 us per call.
+constexpr int RC_CTAS = 16, RC_WARPS = 16, RC_MAX_CHUNKS = 16;  // E <= 256, K <= 4096 (a multiple of 256)
+
+__global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32, 1)
+    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r) {
+  namespace cg = cooperative_groups;
+  __shared__ __align__(16) float s_x[RC_MAX_CHUNKS * 256];
+  __shared__ float s_logits[ROUTER_MAX_E];  // CTA 0's: every CTA writes its logits here
+  cg::cluster_group cluster = cg::this_cluster();
+  const int c = (int)cluster.block_rank(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rows_per_cta = (r.E + RC_CTAS - 1) / RC_CTAS, row = c * rows_per_cta + warp;
+  const bool mine = warp < rows_per_cta && row < r.E;
+  const int nch = K / 256;
+  uint4 q[RC_MAX_CHUNKS];
+  const uint8_t* qrow = qs + (int64_t)(mine ? row : 0) * qs_row;
+#pragma unroll
+  for (int j = 0; j < RC_MAX_CHUNKS; ++j)
+    q[j] = mine && j < nch ? ld_stream16(qrow + 2 * (256 * j + 8 * lane)) : make_uint4(0, 0, 0, 0);
+  pdl_trigger();
+  pdl_wait();  // x, and the readers of logits, ids and wts, are earlier kernels
+  for (int i = threadIdx.x; i < K / 4; i += blockDim.x) ((float4*)s_x)[i] = __ldg((const float4*)x + i);
+  __syncthreads();
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < RC_MAX_CHUNKS; ++j) {
+    if (j < nch) {
+      const float4 x0 = *(const float4*)(s_x + 256 * j + 8 * lane), x1 = *(const float4*)(s_x + 256 * j + 8 * lane + 4);
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q[j].x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q[j].y));
+      const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&q[j].z));
+      const float2 e = __half22float2(*reinterpret_cast<const __half2*>(&q[j].w));
+      float sum = a.x * x0.x;  // mv_consume's F16 chain, operation for operation
+      sum = fmaf(a.y, x0.y, sum);
+      sum = fmaf(b.x, x0.z, sum);
+      sum = fmaf(b.y, x0.w, sum);
+      sum = fmaf(d.x, x1.x, sum);
+      sum = fmaf(d.y, x1.y, sum);
+      sum = fmaf(e.x, x1.z, sum);
+      sum = fmaf(e.y, x1.w, sum);
+      acc += sum;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);  // mv_finish's order
+  if (mine && lane == 0) {
+    logits[row] = acc;
+    cluster.map_shared_rank(s_logits, 0)[row] = acc;
+  }
+  cluster.sync();  // every logit is in CTA 0's shared memory
+  if (c == 0) route_token<false>(s_logits, r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
+}
+
+// $DS4_GPU_ROUTER_CLUSTER (off; set_router_cluster overrides it: 0, 1, -1 the environment). Taken where the device can
+// place a cluster of 16 (non-portable) and E <= 256, K a multiple of 256 of at most 4096.
+int& router_cluster_override() {
+  static int v = -1;
+  return v;
+}
+bool router_cluster_on() {
+  static const bool env = [] {
+    const char* e = getenv("DS4_GPU_ROUTER_CLUSTER");
+    return e && e[0] == '1';
+  }();
+  return router_cluster_override() >= 0 ? router_cluster_override() == 1 : env;
+}
+bool router_cluster_available() {
+  static const bool ok = [] {
+    if (cudaFuncSetAttribute(router_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(RC_CTAS);
+    cfg.blockDim = dim3(RC_WARPS * 32);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, router_cluster_kernel, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return clusters > 0;
+  }();
+  return ok;
+}
+
 template <int C>
 void launch_c(const MvArgs& a, const RouteArgs& r, int threads, size_t smem, cudaStream_t stream) {
   auto kernel = router_one_kernel<C>;
@@ -88,6 +180,12 @@ int mv_variant_here() {
 
 }  // namespace
 
+void set_router_cluster(int mode) { router_cluster_override() = mode == 0 || mode == 1 ? mode : -1; }
+bool router_cluster_takes(int E, int K) {
+  return router_cluster_on() && K % 256 == 0 && K <= 256 * RC_MAX_CHUNKS && E <= RC_CTAS * RC_WARPS &&
+         router_cluster_available();
+}
+
 bool launch_router_one(const Packed& w, const float* x, float* logits, const float* bias, const int64_t* table,
                        const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream) {
   if (mv_variant_here() < 4 || w.qtype != QT_F16 || w.nrows > ROUTER_MAX_E || k < 1 || k > ROUTER_MAX_K ||
@@ -101,6 +199,13 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   const MvPlan p = mv_plan<QT_F16>(a, 1, rows);
   if (p.R != 1) return false;  // <= 256 rows: R = 1 on any GPU of 16+ SMs
   const RouteArgs r{bias, table, tok, (int)w.nrows, k, scale, ids, wts};
+  if (router_cluster_on() && w.ncols % 256 == 0 && w.ncols <= 256 * RC_MAX_CHUNKS && w.nrows <= RC_CTAS * RC_WARPS &&
+      router_cluster_available()) {
+    launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
+             logits, r);
+    DS4_CHECK_LAUNCH("router cluster");
+    return true;
+  }
   if (p.C == 2) launch_c<2>(a, r, p.threads, p.smem, stream);
   else if (p.C == 4) launch_c<4>(a, r, p.threads, p.smem, stream);
   else launch_c<8>(a, r, p.threads, p.smem, stream);

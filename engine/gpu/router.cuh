@@ -19,6 +19,10 @@ constexpr int ROUTER_MAX_K = 16;   // experts per token
 // nothing launched, where that matvec would not run the streaming kernel for w (DS4_GPU_MV < 4, not F16, widths
 // it does not take, x not 16-byte aligned) or E > 256, k outside 1..16. One decode stream per device: the
 // CTAs' arrival count is one device variable (it returns to 0 at the end of every launch, so graph replays work).
+// router.cu: $DS4_GPU_ROUTER_CLUSTER (launch_router_one as one cluster of 16 CTAs: 1 on, 0 off, -1 the environment),
+// and whether it takes a router of E experts and K columns now.
+void set_router_cluster(int mode);
+bool router_cluster_takes(int E, int K);
 bool launch_router_one(const Packed& w, const float* x, float* logits, const float* bias, const int64_t* table,
                        const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream);
 
