@@ -121,6 +121,26 @@ inline void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t sme
   launch_pdl(true, kernel, grid, block, smem, stream, args...);
 }
 
+// Whether this device can run `kernel` (compiled with __cluster_dims__(ctas)) as clusters of `ctas` CTAs of `threads`
+// threads: allows a non-portable size (above 8) first, then asks for the clusters that fit at once. Errors of either
+// call mean no (cleared, so they do not surface at the next launch check). Host code; call once and keep the answer.
+template <typename... KArgs>
+inline bool cluster_fits(void (*kernel)(KArgs...), int ctas, int threads) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)ctas);
+  cfg.blockDim = dim3((unsigned)threads);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return clusters > 0;
+}
+
 // ---- launchers (all asynchronous on `stream`) ----
 // repack.cu
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,

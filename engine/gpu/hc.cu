@@ -792,21 +792,7 @@ static int& hc_cluster_override() {
 }
 void set_hc_cluster(int mode) { hc_cluster_override() = mode == 0 || mode == 1 ? mode : -1; }
 static bool hc_cluster_available() {
-  static const bool ok = [] {
-    if (cudaFuncSetAttribute(hc_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(HCC_CTAS);
-    cfg.blockDim = dim3(HCC_MAX_THREADS);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, hc_cluster_kernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return clusters > 0;
-  }();
+  static const bool ok = cluster_fits(hc_cluster_kernel, HCC_CTAS, HCC_MAX_THREADS);
   return ok;
 }
 bool hc_cluster_takes(int n, int D, int M) {

@@ -146,6 +146,23 @@ __device__ __forceinline__ int q8_block_sum(const uint4& q, const int4& xh, cons
   return t + __shfl_xor_sync(0xffffffffu, t, 1);
 }
 
+// A lane's 8 F16 weights (one 16-byte load) against its 8 columns of x (x0, x1): the product chain every F16 path
+// (the streaming kernel, the router's cluster kernel) sums in this order, so their logits are the same bits.
+__device__ __forceinline__ float f16_chunk_dot(const uint4& q, const float4& x0, const float4& x1) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
+  const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&q.z));
+  const float2 e = __half22float2(*reinterpret_cast<const __half2*>(&q.w));
+  float s = a.x * x0.x;
+  s = fmaf(a.y, x0.y, s);
+  s = fmaf(b.x, x0.z, s);
+  s = fmaf(b.y, x0.w, s);
+  s = fmaf(d.x, x1.x, s);
+  s = fmaf(d.y, x1.y, s);
+  s = fmaf(e.x, x1.z, s);
+  return fmaf(e.y, x1.w, s);
+}
+
 // acc[r] += this step's part of row r . x. Q8_0: only even lanes accumulate (they hold the 32-column sums).
 template <int QT, int R, int C>
 __device__ __forceinline__ void mv_consume(const MvStep<QT, R, C>& st, const unsigned char* smem, int kpad, int step,
@@ -157,22 +174,7 @@ __device__ __forceinline__ void mv_consume(const MvStep<QT, R, C>& st, const uns
       const int base = ((step * C + c) << 6) + lane;  // float4 index of the chunk's first plane
       const float4 x0 = s_x[base], x1 = s_x[base + 32];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 q = st.q[r][c];
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
-        const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&q.z));
-        const float2 e = __half22float2(*reinterpret_cast<const __half2*>(&q.w));
-        float s = a.x * x0.x;
-        s = fmaf(a.y, x0.y, s);
-        s = fmaf(b.x, x0.z, s);
-        s = fmaf(b.y, x0.w, s);
-        s = fmaf(d.x, x1.x, s);
-        s = fmaf(d.y, x1.y, s);
-        s = fmaf(e.x, x1.z, s);
-        s = fmaf(e.y, x1.w, s);
-        acc[r] += s;
-      }
+      for (int r = 0; r < R; ++r) acc[r] += f16_chunk_dot(st.q[r][c], x0, x1);
     }
   } else {
     const int4* s_hi = (const int4*)smem;

@@ -90,19 +90,7 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
   for (int j = 0; j < RC_MAX_CHUNKS; ++j) {
     if (j < nch) {
       const float4 x0 = *(const float4*)(s_x + 256 * j + 8 * lane), x1 = *(const float4*)(s_x + 256 * j + 8 * lane + 4);
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q[j].x));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q[j].y));
-      const float2 d = __half22float2(*reinterpret_cast<const __half2*>(&q[j].z));
-      const float2 e = __half22float2(*reinterpret_cast<const __half2*>(&q[j].w));
-      float sum = a.x * x0.x;  // mv_consume's F16 chain, operation for operation
-      sum = fmaf(a.y, x0.y, sum);
-      sum = fmaf(b.x, x0.z, sum);
-      sum = fmaf(b.y, x0.w, sum);
-      sum = fmaf(d.x, x1.x, sum);
-      sum = fmaf(d.y, x1.y, sum);
-      sum = fmaf(e.x, x1.z, sum);
-      sum = fmaf(e.y, x1.w, sum);
-      acc += sum;
+      acc += f16_chunk_dot(q[j], x0, x1);  // mv_consume's F16 chain
     }
   }
 #pragma unroll
@@ -129,21 +117,7 @@ bool router_cluster_on() {
   return router_cluster_override() >= 0 ? router_cluster_override() == 1 : env;
 }
 bool router_cluster_available() {
-  static const bool ok = [] {
-    if (cudaFuncSetAttribute(router_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(RC_CTAS);
-    cfg.blockDim = dim3(RC_WARPS * 32);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, router_cluster_kernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return clusters > 0;
-  }();
+  static const bool ok = cluster_fits(router_cluster_kernel, RC_CTAS, RC_WARPS * 32);
   return ok;
 }
 
