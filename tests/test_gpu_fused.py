@@ -43,6 +43,19 @@ def rnd(g, *shape, scale=1.0):
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).float().to(DEV)
 
 
+def check_hc_pre(Xd, Wf, scale, base, nw, head, out, post, comb) -> None:
+    """The mHC pre's outputs of streams Xd [T, n, D] (float64) against the float64 ops: out, and post / comb unless
+    head (20 Sinkhorn iterations, eps 1e-6 everywhere)."""
+    T, n, D = Xd.shape
+    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
+    if head:
+        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
+    else:
+        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
+        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
+    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+
+
 def freq_table(rope_dim, base=10000.0):
     return (1.0 / base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)).float().to(DEV)
 
@@ -67,14 +80,7 @@ def test_hc_pre(K, head, T, D):
     scale, base, nw = rnd(g, 3) if not head else rnd(g, 1), rnd(g, M, scale=0.5), rnd(g, D)
     for _ in range(2):
         out, post, comb = K.hc_pre(X, Wf, scale, base, nw, 20, 1e-6, 1e-6, head=head)
-    Xd = X.double()
-    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
-    if head:
-        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
-    else:
-        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
-        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
-    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+    check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
 @pytest.mark.parametrize("head", [False, True])
@@ -95,13 +101,7 @@ def test_hc_post_pre(K, head, with_y2, D):
     Xd = ops.hc_post(X.double(), y1.double() if y2 is None else y1.double() + y2.double(), post_in.double(),
                      comb_in.double())
     assert rel(Xn, Xd) < 1e-6
-    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
-    if head:
-        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
-    else:
-        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
-        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
-    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+    check_hc_pre(Xd, Wf, scale, base, nw, head, out, post, comb)
 
 
 @pytest.mark.parametrize("logit_scale", [0.5, 8.0])  # 8: near one-hot rows, sums far from 1
@@ -672,12 +672,6 @@ def test_hc_cluster_kernel_matches_the_one_launch_kernel(K, T, D, head, post_for
     if post_form != "none":
         assert rel(Xn, K.hc_post(X, y1, y2, post_in, comb_in)) < 1e-7
     assert rel(out, out0) < 2e-6
-    Xd = Xn.double()
-    mix = ops.rms_norm(Xd.reshape(T, n * D), None, 1e-6) @ Wf.double().T
-    if head:
-        pre = torch.sigmoid(mix * scale.double()[0] + base.double()) + 1e-6
-    else:
-        pre, post_r, comb_r = ops.hc_weights(mix, scale.double(), base.double(), n, 20, 1e-6)
-        assert rel(post, post_r) < 1e-5 and rel(comb, comb_r) < 1e-5
+    if not head:
         assert rel(post, post0) < 2e-6 and rel(comb, comb0) < 2e-6
-    assert rel(out, ops.rms_norm(ops.stream_sum(pre, Xd), nw.double(), 1e-6)) < 1e-5
+    check_hc_pre(Xn.double(), Wf, scale, base, nw, head, out, post, comb)
