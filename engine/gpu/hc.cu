@@ -3,12 +3,11 @@
 // output). Each mirrors ds4.engine.gpu.ops operation for operation; only summation orders differ.
 #include <math.h>
 
-#include <cooperative_groups.h>
-
 #include <cstdlib>
 
 #include "block_ops.cuh"
 #include "common.cuh"
+#include "hc.cuh"
 
 namespace ds4gpu {
 
@@ -20,15 +19,6 @@ namespace {
 // blocks streaming the 1.5 MB weight at once (one block streaming it ran ~10 us on one SM).
 // Warp w owns rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 of the slice.
 constexpr int HC_COLS = 256;
-// The previous sublayer's mHC post, applied by hc_mix_pre_kernel while it reads X (y1 null: none).
-struct HcPost {
-  const float* y1 = nullptr;
-  const float* y2 = nullptr;
-  const float* post = nullptr;
-  const float* comb = nullptr;
-  float* Xo = nullptr;  // X' = post(X), [T, n, D]
-};
-
 // Columns c0 .. c0 + 7 of flatten(X'_t) with X' = post_b (y1 + y2) + sum_a comb[a, b] X[a] (hc_post_kernel's
 // arithmetic, operation for operation); warp 0 writes them to Xo. n <= 4, D a multiple of 8.
 __device__ __forceinline__ void hc_post_cols(const float* X, const HcPost& hp, int n, int D, int t, int c0,
@@ -301,85 +291,6 @@ __device__ __forceinline__ float cols_sum(float v, float* sh) {  // sum over the
   return t;
 }
 
-// comb = Sinkhorn(softmax rows of the 4 x 4 logits) with hc_pre_kernel's arithmetic, in one thread.
-// rcp ($DS4_GPU_HC_RCP, default 1 since v22): each row / column sum's reciprocal by rcp.approx (one MUFU.RCP) and four
-// multiplies. __fdividef(v, y) is div.approx.f32, v * (1 / y) with that approximate reciprocal plus a range check for
-// |y| >= 2^126 (FSETP, FSEL and two more multiplies per sum in the SASS); the sums here are normal floats near 1, so the
-// products are the same bits. Why: this one thread is the last CTA's tail (v21 SASS: ~128 instructions per iteration,
-// 20 iterations, one dependent chain), and the next kernel waits for the whole grid; python -m ds4.engine.gpu.bench_hc
-// times the kernel at 0, 1 and 20 iterations.
-__device__ __forceinline__ float rcp_approx(float y) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
-  return r;
-}
-// Comb logit i (entry 4 a + b) of the mix, and all 16.
-__device__ __forceinline__ float comb_logit(const float* mixs, float r, float sc, const float* base, int i) {
-  return mixs[8 + i] * r * sc + base[8 + i];
-}
-__device__ __forceinline__ void comb_logits(const float* mixs, float r, float sc, const float* base, float (&l)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) l[i] = comb_logit(mixs, r, sc, base, i);
-}
-__device__ __forceinline__ void sinkhorn4_of(const float (&lg)[16], int iters, float eps, float* comb, bool rcp) {
-  float v[4][4];
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-    float l[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) l[b] = lg[4 * a + b];
-    const float mx = fmaxf(fmaxf(l[0], l[1]), fmaxf(l[2], l[3]));
-    float e[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) e[b] = expf(l[b] - mx);
-    const float s = (e[0] + e[1]) + (e[2] + e[3]);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) v[a][b] = e[b] / s + eps;
-  }
-  for (int it = 0; it < iters && rcp; ++it) {
-    if (it > 0) {
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const float inv = rcp_approx((v[a][0] + v[a][1]) + (v[a][2] + v[a][3]) + eps);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) v[a][b] *= inv;
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const float inv = rcp_approx((v[0][b] + v[1][b]) + (v[2][b] + v[3][b]) + eps);
-#pragma unroll
-      for (int a = 0; a < 4; ++a) v[a][b] *= inv;
-    }
-  }
-  for (int it = 0; it < iters && !rcp; ++it) {
-    if (it > 0) {
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const float s = (v[a][0] + v[a][1]) + (v[a][2] + v[a][3]);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) v[a][b] = __fdividef(v[a][b], s + eps);
-      }
-    }
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const float s = (v[0][b] + v[1][b]) + (v[2][b] + v[3][b]);
-#pragma unroll
-      for (int a = 0; a < 4; ++a) v[a][b] = __fdividef(v[a][b], s + eps);
-    }
-  }
-#pragma unroll
-  for (int a = 0; a < 4; ++a)
-#pragma unroll
-    for (int b = 0; b < 4; ++b) comb[4 * a + b] = v[a][b];
-}
-__device__ __forceinline__ void sinkhorn4(const float* mixs, float r, float sc, const float* base, int iters,
-                                          float eps, float* comb, bool rcp) {
-  float l[16];
-  comb_logits(mixs, r, sc, base, l);
-  sinkhorn4_of(l, iters, eps, comb, rcp);
-}
-
 // $DS4_GPU_HC_DEFER=1 (v22): decode's mHC kernel writes comb's 16 logits (logits_out) and this kernel, launched by the
 // session on a stream of its own, runs Sinkhorn from them (one block of one warp per token). comb is read only by the
 // next sublayer's mHC, so its 20 dependent iterations leave the decode chain; the same arithmetic on the same logits,
@@ -503,139 +414,6 @@ __global__ void __launch_bounds__(HC1_THREADS) hc_mix_pre_kernel(const float* X,
              rcp, logits_out);
 }
 
-// mHC pre in one cluster (decode, n = 4; $DS4_GPU_HC_CLUSTER, default 1): HCC_CTAS CTAs of one thread block cluster share a
-// token; CTA c owns columns d in [c D / 16, (c + 1) D / 16) of all four streams, one column per thread. Why: the
-// one-launch kernel above ends in a serial tail (fence, arrival count, the last block's L2 reads of every partial
-// and of X', then out over all D columns in one block): ~10-11 us per call in the session, 87 calls per token. Here
-// the partials go through distributed shared memory and one cluster barrier, and every CTA forms out for its own
-// columns. out's norm needs sum_d u_d^2 with u = sum_i pre_i X'_i before pre is known; it is pre^T G pre with the
-// 4 x 4 Gram matrix G_ij = sum_d X'_i[d] X'_j[d], which the partials carry (10 values) beside the M mix rows and
-// sum X'^2. The mix weights (M x 4 per thread) are loaded before griddepcontrol.wait. Sums in another order than
-// the kernel above (and u^2 through G): the same values to float rounding, not the same bits. X' is hc_post_cols'.
-constexpr int HCC_CTAS = 16;                  // a non-portable cluster size (H100 / H200 GPCs hold 16+ SMs)
-constexpr int HCC_MAX_M = 24;                 // (2 + n) n for n = 4
-constexpr int HCC_Q = HCC_MAX_M + 1 + 10;     // partials: mix rows, sum X'^2, the Gram matrix's upper triangle
-constexpr int HCC_MAX_THREADS = 256;          // D / 16 columns per CTA: D <= 4096
-
-// One halving step of warp_reduce_scatter32: lanes with bit O keep values O .. 2 O - 1, the others 0 .. O - 1, each
-// adding its partner's copy; static indices only (a loop over O left v in local memory).
-template <int O>
-__device__ __forceinline__ void reduce_scatter_step(float (&v)[32]) {
-  const bool up = threadIdx.x & O;
-#pragma unroll
-  for (int j = 0; j < O; ++j) {
-    const float send = up ? v[j] : v[j + O], keep = up ? v[j + O] : v[j];
-    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-  }
-}
-// v[0 .. 32) summed over the warp's lanes by recursive halving (31 shuffles for 32 values): lane L returns value L's sum.
-__device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
-  reduce_scatter_step<16>(v);
-  reduce_scatter_step<8>(v);
-  reduce_scatter_step<4>(v);
-  reduce_scatter_step<2>(v);
-  reduce_scatter_step<1>(v);
-  return v[0];
-}
-
-__global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREADS, 1)
-    hc_cluster_kernel(const float* X, const float* Wf, int M, const float* scale, const float* base,
-                      const float* norm_w, int D, int iters, float eps_rms, float eps_hc, bool head, float* out,
-                      float* post_out, float* comb_out, HcPost hp, bool rcp, float* logits_out) {
-  namespace cg = cooperative_groups;
-  constexpr int n = 4;
-  __shared__ float s_warp[HCC_MAX_THREADS / 32][HCC_Q];
-  __shared__ float s_all[HCC_CTAS][HCC_Q];  // every CTA's partials, written by each CTA into every CTA
-  __shared__ float s_tot[HCC_Q];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int c = (int)cluster.block_rank(), t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int dc = D / HCC_CTAS, d = c * dc + tid;
-  const int64_t nD = (int64_t)n * D;
-  pdl_trigger();
-  float w[HCC_MAX_M][n];  // the mix weights at this thread's column of each stream: independent of earlier kernels
-#pragma unroll
-  for (int m = 0; m < HCC_MAX_M; ++m)
-#pragma unroll
-    for (int i = 0; i < n; ++i) w[m][i] = m < M ? __ldg(Wf + m * nD + (int64_t)i * D + d) : 0.0f;
-  pdl_wait();
-  float x[n];
-  const float* Xt = X + (int64_t)t * nD;
-#pragma unroll
-  for (int i = 0; i < n; ++i) x[i] = __ldg(Xt + (int64_t)i * D + d);
-  if (hp.y1) {  // X' = post_b (y1 + y2) + sum_a comb[a, b] X[a], hc_post_cols' operations
-    float y = __ldg(hp.y1 + (int64_t)t * D + d);
-    if (hp.y2) y += __ldg(hp.y2 + (int64_t)t * D + d);
-    float xn[n];
-#pragma unroll
-    for (int i = 0; i < n; ++i) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int a = 0; a < n; ++a) sum += hp.comb[((int64_t)t * n + a) * n + i] * x[a];
-      xn[i] = hp.post[(int64_t)t * n + i] * y + sum;
-    }
-#pragma unroll
-    for (int i = 0; i < n; ++i) {
-      x[i] = xn[i];
-      hp.Xo[(int64_t)t * nD + (int64_t)i * D + d] = x[i];
-    }
-  }
-  float v[32], v2[HCC_Q - 32 > 0 ? HCC_Q - 32 : 1];
-#pragma unroll
-  for (int m = 0; m < HCC_MAX_M; ++m) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < n; ++i) sum += w[m][i] * x[i];
-    v[m] = sum;
-  }
-  v[HCC_MAX_M] = (x[0] * x[0] + x[1] * x[1]) + (x[2] * x[2] + x[3] * x[3]);
-  // the Gram matrix's upper triangle in the order (0,0) (0,1) (0,2) (0,3) (1,1) (1,2) (1,3) (2,2) (2,3) (3,3)
-  v[25] = x[0] * x[0], v[26] = x[0] * x[1], v[27] = x[0] * x[2], v[28] = x[0] * x[3], v[29] = x[1] * x[1];
-  v[30] = x[1] * x[2], v[31] = x[1] * x[3], v2[0] = x[2] * x[2], v2[1] = x[2] * x[3], v2[2] = x[3] * x[3];
-  const float mine = warp_reduce_scatter32(v);
-  s_warp[warp][lane] = mine;
-#pragma unroll
-  for (int k = 0; k < HCC_Q - 32; ++k) {
-    const float e = warp_sum_f(v2[k]);
-    if (lane == 0) s_warp[warp][32 + k] = e;
-  }
-  __syncthreads();
-  for (int k = tid; k < HCC_Q; k += blockDim.x) {  // a loop: a CTA of one warp (D = 512) has fewer threads than HCC_Q
-    float sum = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) sum += s_warp[w][k];
-#pragma unroll
-    for (int r = 0; r < HCC_CTAS; ++r) cluster.map_shared_rank(&s_all[0][0], r)[c * HCC_Q + k] = sum;
-  }
-  cluster.sync();  // every CTA's partials are in every CTA (release / acquire at cluster scope)
-  for (int k = tid; k < HCC_Q; k += blockDim.x) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int r = 0; r < HCC_CTAS; ++r) sum += s_all[r][k];  // the same order in every CTA: the same totals
-    s_tot[k] = sum;
-  }
-  __syncthreads();
-  const float r = rsqrtf(s_tot[HCC_MAX_M] / (float)nD + eps_rms);
-  float pre[n];
-#pragma unroll
-  for (int i = 0; i < n; ++i) pre[i] = sigmoidf_(s_tot[i] * r * scale[0] + base[i]) + eps_hc;
-  float u = 0.0f;
-#pragma unroll
-  for (int i = 0; i < n; ++i) u += pre[i] * x[i];
-  const float* G = s_tot + HCC_MAX_M + 1;  // pre^T G pre = sum_d u_d^2
-  const float su = (pre[0] * pre[0] * G[0] + pre[1] * pre[1] * G[4]) + (pre[2] * pre[2] * G[7] + pre[3] * pre[3] * G[9]) +
-                   2.0f * ((pre[0] * pre[1] * G[1] + pre[0] * pre[2] * G[2]) + (pre[0] * pre[3] * G[3] + pre[1] * pre[2] * G[5]) +
-                           (pre[1] * pre[3] * G[6] + pre[2] * pre[3] * G[8]));
-  const float r2 = rsqrtf(su / (float)D + eps_rms);
-  out[(int64_t)t * D + d] = u * r2 * (norm_w ? __ldg(norm_w + d) : 1.0f);
-  if (c == 0 && warp == 0 && !head) {  // post and comb, after this warp's out columns
-    if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(s_tot[n + lane] * r * scale[1] + base[n + lane]);
-    if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these
-      if (lane < 16) logits_out[(int64_t)t * 16 + lane] = comb_logit(s_tot, r, scale[2], base, lane);
-    } else if (lane == 0) {
-      sinkhorn4(s_tot, r, scale[2], base, iters, eps_hc, comb_out + (int64_t)t * 16, rcp);
-    }
-  }
-}
-
 // mHC pre, pass 2, for prefill rows (the mix from one float32 GEMM, P = 1, no norm column): one 256-thread block per
 // token; the 224 column threads hold the token's n <= 4 streams in registers, so the sum of squares of flatten(X)
 // comes from them (the GEMM path's separate norm pass over X is gone), and out does not wait for Sinkhorn, which
@@ -757,7 +535,7 @@ static int& hc_rcp_override() {
   return v;
 }
 void set_hc_rcp(int mode) { hc_rcp_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool hc_rcp() {
+bool hc_rcp() {
   static const bool env = [] {
     const char* e = getenv("DS4_GPU_HC_RCP");
     return !(e && e[0] == '0');
@@ -780,38 +558,6 @@ bool hc_pre_rows_takes(int n, int D, bool head) {
     return !(e && e[0] == '0');
   }();
   return on && n <= 4 && (head || n == 4) && D % 4 == 0 && D / 4 <= HC1_MAXU * HC1_COLS;
-}
-
-// $DS4_GPU_HC_CLUSTER (default 1 since v22; 0 the arrival-count kernel): decode's one-launch mHC pre as hc_cluster_kernel
-// (one cluster of 16 CTAs per token). v22: bench_hc 7.09 -> 5.52 us at 0 Sinkhorn iterations, 8.20 -> 6.94 at 20;
-// decode 6.51 / 6.60 -> 6.40 / 6.48 ms at 2k / 8k. set_hc_cluster overrides it (0, 1; -1 the environment). Taken where the device can place a cluster
-// of 16 (non-portable size) and n = 4, D / 16 a multiple of 32 of at most 256 columns, M <= 24.
-static int& hc_cluster_override() {
-  static int v = -1;
-  return v;
-}
-void set_hc_cluster(int mode) { hc_cluster_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool hc_cluster_available() {
-  static const bool ok = cluster_fits(hc_cluster_kernel, HCC_CTAS, HCC_MAX_THREADS);
-  return ok;
-}
-bool hc_cluster_takes(int n, int D, int M) {
-  static const bool env = [] {
-    const char* e = getenv("DS4_GPU_HC_CLUSTER");
-    return !(e && e[0] == '0');
-  }();
-  const bool on = hc_cluster_override() >= 0 ? hc_cluster_override() == 1 : env;
-  const int dc = D / HCC_CTAS;
-  return on && n == 4 && M <= HCC_MAX_M && D % HCC_CTAS == 0 && dc % 32 == 0 && dc <= HCC_MAX_THREADS &&
-         hc_cluster_available();
-}
-static void launch_hc_cluster(const float* X, const float* Wf, int M, const float* scale, const float* base,
-                              const float* norm_w, int T, int D, int iters, float eps_rms, float eps_hc, bool head,
-                              float* out, float* post, float* comb, const HcPost& hp, cudaStream_t s,
-                              float* logits = nullptr) {
-  launch_k(hc_cluster_kernel, dim3(HCC_CTAS, T), dim3(D / HCC_CTAS), 0, s, X, Wf, M, scale, base, norm_w, D, iters,
-           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits);
-  DS4_CHECK_LAUNCH("hc_cluster");
 }
 
 bool hc_one_launch_takes(int T, int n, int D, bool head) {
