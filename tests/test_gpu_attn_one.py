@@ -1,4 +1,4 @@
-"""Decode attention in one launch (fused.cu). DS4_GPU_ATTN_ONE=1 (attn_one_kernel): the partial blocks as the
+"""Decode attention in one launch (attn_decode.cu). DS4_GPU_ATTN_ONE=1 (attn_one_kernel): the partial blocks as the
 two-launch path, and the last block of each head group combines the group's heads; =2 (attn_one_wait_kernel):
 one combine block per head waits for its group's partial blocks. Both combine with the same device function and
 reduction order as attn_combine_kernel, so the outputs are bitwise equal to the two-launch path.

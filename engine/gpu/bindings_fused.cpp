@@ -1,4 +1,4 @@
-// Bindings of the fused layer ops (fused.cu, hc.cu, attn_prefill.cu, indexer.cu, topk.cu, repack.cu, moe.cu's combine):
+// Bindings of the fused layer ops (fused.cu, attn_decode.cu, hc.cu, hc_cluster.cu, attn_prefill.cu, indexer.cu, topk.cu, repack.cu, moe.cu's combine):
 // raw device pointers from torch tensors (data_ptr()), launched on the module's stream; registered by bindings.cpp's
 // module. ds4.engine.gpu.fused wraps them for the session.
 #include <pybind11/pybind11.h>
