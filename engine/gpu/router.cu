@@ -173,8 +173,7 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   const MvPlan p = mv_plan<QT_F16>(a, 1, rows);
   if (p.R != 1) return false;  // <= 256 rows: R = 1 on any GPU of 16+ SMs
   const RouteArgs r{bias, table, tok, (int)w.nrows, k, scale, ids, wts};
-  if (router_cluster_on() && w.ncols % 256 == 0 && w.ncols <= 256 * RC_MAX_CHUNKS && w.nrows <= RC_CTAS * RC_WARPS &&
-      router_cluster_available()) {
+  if (router_cluster_takes((int)w.nrows, (int)w.ncols)) {
     launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
              logits, r);
     DS4_CHECK_LAUNCH("router cluster");
