@@ -95,8 +95,9 @@ def assert_same(got, want) -> None:
 @pytest.mark.parametrize("mode", ["bias", "plain", "hashed"])
 @pytest.mark.parametrize("cluster", [0, 1])
 def test_one_launch_gives_the_bits_of_the_two_launches(E, K, k, mode, cluster) -> None:
-    """cluster = 1: DS4_GPU_ROUTER_CLUSTER's kernel (one cluster of 16 CTAs, logits into CTA 0's shared memory); it
-    takes widths that are multiples of 256 (the tiny model's 64 columns stay on the arrival-count kernel)."""
+    """cluster = 1 (the default): DS4_GPU_ROUTER_CLUSTER's kernel (one cluster of 16 CTAs, logits into CTA 0's shared
+    memory); it takes widths that are multiples of 256, and for others (the tiny model's 64 columns) router_one
+    declines with nothing written, so the caller runs the two launches. cluster = 0: the arrival-count kernel."""
     ext = gpu.load()
     rng = np.random.default_rng(E + K + len(mode))
     w = gpu.upload(f"router_one.{E}.{K}.{mode}", Q.F16, (K, E), random_blocks(Q.F16, E, K, rng))
@@ -104,6 +105,11 @@ def test_one_launch_gives_the_bits_of_the_two_launches(E, K, k, mode, cluster) -
     ext.set_router_cluster(cluster)
     try:
         assert ext.router_cluster_takes(E, K) == bool(cluster and K % 256 == 0)
+        if cluster and K % 256:
+            logits, ids, wts = outputs(E, k)
+            x = cuda(rng.standard_normal((1, K)))
+            assert not ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), k, 1.5, _p(ids), _p(wts))
+            return
         for call in range(3):  # a fresh x each time: a stale arrival count would leave ids/wts unwritten
             x = cuda(rng.standard_normal((1, K)) * (1.0 + call))
             want = two_launches(w, x, bias, table, tok, k, 1.5)
@@ -217,22 +223,22 @@ def model_paths(tmp_path_factory):
     return {"tiny": d / "tiny.gguf", "small": d / "small.gguf"}
 
 
-def decode_in_subprocess(model: Path, out: Path, on: bool) -> dict:
-    drop = ("DS4_GPU_ROUTER_ONE", "DS4_GPU_MV", "DS4_GPU_FUSED")  # this test's switch and what would bypass it
+def decode_in_subprocess(model: Path, out: Path, on: bool, cluster: bool) -> dict:
+    drop = ("DS4_GPU_ROUTER_ONE", "DS4_GPU_ROUTER_CLUSTER", "DS4_GPU_MV", "DS4_GPU_FUSED")  # the switches, what bypasses
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["DS4_GPU_COMPILE"] = "0"  # torch.compile does not touch the router; without it each run starts faster
-    if on:
-        env["DS4_GPU_ROUTER_ONE"] = "1"
+    env["DS4_GPU_ROUTER_ONE"] = "1" if on else "0"
+    env["DS4_GPU_ROUTER_CLUSTER"] = "1" if cluster else "0"
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out))
 
 
-@pytest.mark.parametrize("name", ["small", "tiny"])
-def test_session_logits_bitwise_equal_with_the_switch(model_paths, tmp_path, name) -> None:
-    on = decode_in_subprocess(model_paths[name], tmp_path / "on.npz", True)
-    off = decode_in_subprocess(model_paths[name], tmp_path / "off.npz", False)
+@pytest.mark.parametrize("name,cluster", [("small", True), ("tiny", False)])  # tiny's 64 columns: not the cluster's
+def test_session_logits_bitwise_equal_with_the_switch(model_paths, tmp_path, name, cluster) -> None:
+    on = decode_in_subprocess(model_paths[name], tmp_path / "on.npz", True, cluster)
+    off = decode_in_subprocess(model_paths[name], tmp_path / "off.npz", False, cluster)
     assert bool(on["on"]) and not bool(off["on"])
     assert len(on["taken"]) > 0 and on["taken"].all(), "the one-launch router did not take every decode router"
     assert len(off["taken"]) == 0, "router_one ran with the switch off"

@@ -598,9 +598,6 @@ PYBIND11_MODULE(_ext, m) {
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");
-  m.def("set_mv_big", &set_mv_big, py::arg("mode"),
-        "Streaming matvecs in steps of 16 chunks at 1 CTA per SM (1), the default form (0) or as $DS4_GPU_MV_BIG says "
-        "(-1); the same bits; read when a launch is made or captured.");
   m.def("set_mv_tma", &set_mv_tma, py::arg("mode"),
         "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
         "but q_b-like and grouped ones), the "

@@ -11,9 +11,8 @@
 namespace ds4gpu {
 
 // Grid (persistent CTAs per group, groups); CTA of 4 or 8 warps; dynamic shared memory: the staged x.
-// MINB: CTAs per SM the registers must allow: 2, or 1 for the big-step form ($DS4_GPU_MV_BIG).
-template <int QT, int R, int C, int MINB = 2>
-__global__ void __launch_bounds__(MV_MAX_THREADS, MINB) matvec_stream_kernel(MvArgs a) {
+template <int QT, int R, int C>
+__global__ void __launch_bounds__(MV_MAX_THREADS, 2) matvec_stream_kernel(MvArgs a) {
   extern __shared__ __align__(16) unsigned char mv_smem[];
   const int g = blockIdx.y;
   MvStep<QT, R, C> A;
@@ -142,64 +141,28 @@ static bool launch_matvec_pair(const Packed* const* ws, float* const* ys, int nw
   return true;
 }
 
-// $DS4_GPU_MV_BIG=1 (v22, an A/B switch, off): steps of 16 chunks instead of 8 (R x C = 16 before mv_plan's halving),
-// the kernel compiled for 1 CTA per SM (up to 255 registers: two buffers of ~80). Why: v22's steps of 4 chunks (the
-// removed DS4_GPU_MV_LEAN) cost 0.7 ms per token, at 2 and at 3 CTAs per SM alike, so the cost per step (addresses, the
-// segment lookup, the loop) matters more than the bytes in flight; this halves the steps per byte. The same bits: R and
-// C do not change a row's summation order. set_mv_big overrides it (0, 1; -1 the environment).
-static int& mv_big_override() {
-  static int v = -1;
-  return v;
-}
-void set_mv_big(int mode) { mv_big_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool mv_big() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_MV_BIG");
-    return e && e[0] == '1';
-  }();
-  return mv_big_override() >= 0 ? mv_big_override() == 1 : env;
-}
-
-template <int QT, int R, int C, int MINB = 2>
+template <int QT, int R, int C>
 static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, bool pdl, cudaStream_t stream) {
-  auto kernel = matvec_stream_kernel<QT, R, C, MINB>;
   static std::map<std::pair<int, size_t>, int> resident;  // CTAs per SM for (threads, smem)
   auto key = std::make_pair(threads, smem);
   auto it = resident.find(key);
   if (it == resident.end()) {
     if (smem > 48 * 1024)
-      DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      DS4_CHECK(cudaFuncSetAttribute(matvec_stream_kernel<QT, R, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)smem));
     int n = 0;
-    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+    DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_stream_kernel<QT, R, C>, threads, smem));
     it = resident.emplace(key, std::max(1, n)).first;
   }
   const int W = threads / 32;
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
   const int64_t per_group = std::max<int64_t>(1, (int64_t)per_sm * sm_count() / groups);
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, per_group);
-  launch_pdl(pdl, kernel, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem, stream, a);
-}
-
-template <int QT>
-static void launch_qt_big(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_t stream) {
-  const MvPlan p = mv_plan<QT>(a, groups, rows, false, 16);
-  if (p.C == 2 && p.R == 8) launch_rc<QT, 8, 2, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 2 && p.R == 4) launch_rc<QT, 4, 2, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 2 && p.R == 2) launch_rc<QT, 2, 2, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 2) launch_rc<QT, 1, 2, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 4 && p.R == 4) launch_rc<QT, 4, 4, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 4 && p.R == 2) launch_rc<QT, 2, 4, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.C == 4) launch_rc<QT, 1, 4, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else if (p.R == 2) launch_rc<QT, 2, 8, 1>(a, groups, p.threads, p.smem, pdl, stream);
-  else launch_rc<QT, 1, 8, 1>(a, groups, p.threads, p.smem, pdl, stream);
+  launch_pdl(pdl, matvec_stream_kernel<QT, R, C>, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem, stream, a);
 }
 
 template <int QT>
 static void launch_qt(MvArgs& a, int groups, int64_t rows, bool pdl, cudaStream_t stream) {
-  if (mv_big()) {
-    launch_qt_big<QT>(a, groups, rows, pdl, stream);
-    return;
-  }
   const MvPlan p = mv_plan<QT>(a, groups, rows);
   if (p.C == 2 && p.R == 4) launch_rc<QT, 4, 2>(a, groups, p.threads, p.smem, pdl, stream);
   else if (p.C == 2 && p.R == 2) launch_rc<QT, 2, 2>(a, groups, p.threads, p.smem, pdl, stream);

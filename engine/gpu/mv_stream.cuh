@@ -436,15 +436,14 @@ struct MvPlan {
 
 // Fills a's tiles, steps and padded width; rows: rows of one group over all segments. full_r: R = 8 / C always
 // (matvec_pair_kernel, templated on C only; R and C do not change a row's summation order, so neither the bits).
-// step_chunks: R * C before the halving below, 8 (the default) or 16 (the big-step form, $DS4_GPU_MV_BIG).
 template <int QT>
-MvPlan mv_plan(MvArgs& a, int groups, int64_t rows, bool full_r = false, int step_chunks = 8) {
+MvPlan mv_plan(MvArgs& a, int groups, int64_t rows, bool full_r = false) {
   constexpr int CC = chunk_cols<QT>();
   const int nchunks = (a.ncols + CC - 1) / CC;
   const int C = nchunks <= 2 ? 2 : (nchunks <= 4 ? 4 : 8);
   // R * C = 8 chunks per step (~40 registers per buffer); fewer rows per tile while that leaves fewer
   // than 16 tiles per SM, or when R does not divide the rows of a group (groups > 1)
-  int R = step_chunks / C;
+  int R = 8 / C;
   const int64_t want = (int64_t)sm_count() * 16;
   while (!full_r && R > 1 && ((groups > 1 && a.seg[0].rows % R) || (int64_t)groups * ((rows + R - 1) / R) < want))
     R /= 2;

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) router_one_kernel(MvArgs a,
   if (threadIdx.x == 0) g_router_ticket = 0;  // all others have arrived: ready for the next launch
 }
 
-// The router in one thread block cluster ($DS4_GPU_ROUTER_CLUSTER=1, v22, an A/B switch under DS4_GPU_ROUTER_ONE=1):
+// The router in one thread block cluster ($DS4_GPU_ROUTER_CLUSTER=1, the default since v23, under DS4_GPU_ROUTER_ONE=1):
 // RC_CTAS CTAs of 16 warps; warp w of CTA c computes logit c * ceil(E / 16) + w with the streaming F16 kernel's
 // arithmetic (lane l: columns 256 j + 8 l .. + 7 of chunk j, an 8-term product chain per chunk added to the lane's
 // sum in chunk order, then the xor butterfly: the bits of ext.matvec), its weights loaded before griddepcontrol.wait.
@@ -103,8 +103,10 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
   if (c == 0) route_token<false>(s_logits, r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
 }
 
-// $DS4_GPU_ROUTER_CLUSTER (off; set_router_cluster overrides it: 0, 1, -1 the environment). Taken where the device can
-// place a cluster of 16 (non-portable) and E <= 256, K a multiple of 256 of at most 4096.
+// $DS4_GPU_ROUTER_CLUSTER (default 1 since v23: decode 6.12 -> 6.02 ms at 2k; 0: router_one_kernel, the arrival-count
+// form, which lost to two launches; set_router_cluster overrides it: 0, 1, -1 the environment). Taken where the device
+// can place a cluster of 16 (non-portable) and E <= 256, K a multiple of 256 of at most 4096; where it cannot,
+// launch_router_one declines and the caller runs the two launches.
 int& router_cluster_override() {
   static int v = -1;
   return v;
@@ -112,7 +114,7 @@ int& router_cluster_override() {
 bool router_cluster_on() {
   static const bool env = [] {
     const char* e = getenv("DS4_GPU_ROUTER_CLUSTER");
-    return e && e[0] == '1';
+    return !(e && e[0] == '0');
   }();
   return router_cluster_override() >= 0 ? router_cluster_override() == 1 : env;
 }
@@ -173,7 +175,8 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   const MvPlan p = mv_plan<QT_F16>(a, 1, rows);
   if (p.R != 1) return false;  // <= 256 rows: R = 1 on any GPU of 16+ SMs
   const RouteArgs r{bias, table, tok, (int)w.nrows, k, scale, ids, wts};
-  if (router_cluster_takes((int)w.nrows, (int)w.ncols)) {
+  if (router_cluster_on()) {
+    if (!router_cluster_takes((int)w.nrows, (int)w.ncols)) return false;  // two launches beat the arrival count
     launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
              logits, r);
     DS4_CHECK_LAUNCH("router cluster");
