@@ -180,7 +180,6 @@ bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, cons
 constexpr int PF_MAX_RANGES = 16;
 void set_mv_cap(int ctas_per_sm);  // 0: back to $DS4_GPU_MV_PER_SM (matvec_stream.cu)
 void set_pair_split(int mode);  // matvec_pair_kernel warps split by type: 0, 1, or -1 ($DS4_GPU_PAIR_SPLIT)
-void set_mv_big(int mode);  // matvec_stream.cu: 1 steps of 16 chunks at 1 CTA per SM ($DS4_GPU_MV_BIG); -1: env
 void set_mv_tma(int mode);  // matvec_tma.cu: 1 all / 2 small / 3 all but q_b, o_a / 0 no Q8_0 launches on it; -1: env
 int64_t mv_tma_launches();  // matvec_tma.cu: launches of that kernel so far in this process
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
@@ -370,7 +369,7 @@ void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, 
                         float* y, cudaStream_t stream, int pipe = -1);  // pipe: 1 warp-specialized, 0 lock-step, -1 env
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
-                      float* part_o, float* part_ml, float* out, cudaStream_t s);
+                      float* part_o, float* part_ml, float* out, cudaStream_t s, const RowPost& qp = RowPost());
 void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
                        const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s);
 // The v16 form of launch_index_keys (other summation order), with norm_rope's RoPE/QAT of the raw query applied while
