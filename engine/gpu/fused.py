@@ -529,7 +529,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     kv_early = qpost in (2, 3) and not merged
     if kv_early:  # the KV row into the ring before (3) or beside (2) q_b
         with (sess.kv_side.fork() if qpost == 2 else contextlib.nullcontext()):
-            K.norm_rope(**kv_job)
+            K.norm_rope(**kv_job, pos=pos)
     if not merged:
         q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
     sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
@@ -537,7 +537,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     if qpost:  # q stays raw: the attention's partial blocks finish it
         q = q_lin.reshape(H, d)
         if not kv_early:  # the KV row (and the indexer's query) after q_b
-            K.norm_rope(**kv_job, also=also[1:] or None)
+            K.norm_rope(**kv_job, pos=pos, also=also[1:] or None)
     else:
         q = K.norm_rope(q_lin, d, H, pos, **q_post, also=also)  # the KV row into the ring in the same launch
     comp = None
