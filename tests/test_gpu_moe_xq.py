@@ -88,18 +88,12 @@ np.savez(sys.argv[2], **out)
 """
 
 
-SWITCHES = ("DS4_GPU_GU_XQ", "DS4_GPU_GU_HQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS", "DS4_GPU_GU_LUT", "DS4_GPU_MOE_X8")
-
-
-def run(tmp_path: Path, xq: str | None, ref: bool, hq: bool = False) -> dict:
-    """xq: DS4_GPU_GU_XQ's value ("1": x and h quantized by gate/up, "2": x only), None: unset; hq: DS4_GPU_GU_HQ=1
-    (the default IQ2_XXS gate/up quantizes h)."""
-    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+def run(tmp_path: Path, xq: str | None, ref: bool) -> dict:
+    """xq: DS4_GPU_GU_XQ's value ("1": x and h quantized by gate/up, "2": x only), None: unset."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_GU_XQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS")}
     if xq:
         env["DS4_GPU_GU_XQ"] = xq
-    if hq:
-        env["DS4_GPU_GU_HQ"] = "1"
-    out = tmp_path / f"moe_xq{xq or 0}{'_hq' if hq else ''}.npz"
+    out = tmp_path / f"moe_xq{xq or 0}.npz"
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run([sys.executable, "-c", SCRIPT, tests, str(out), "ref" if ref else "-",
                            json.dumps(MIXES)], env=env,
@@ -112,13 +106,11 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("mode,quantize_launches", [("1", 0), ("2", 1), ("hq", 1)])
+@pytest.mark.parametrize("mode,quantize_launches", [("1", 0), ("2", 1)])
 def test_two_launch_moe_gives_the_four_launch_bits_and_the_reference(tmp_path, mode, quantize_launches) -> None:
-    """hq: DS4_GPU_GU_HQ=1, which only the IQ2_XXS mix (q2) takes: x's quantize_x launch stays, h's is gone."""
     from test_gpu_kernels import TOL, rel_err
 
-    hq = mode == "hq"
-    on, off = run(tmp_path, None if hq else mode, True, hq=hq), run(tmp_path, None, False)
+    on, off = run(tmp_path, mode, True), run(tmp_path, None, False)
     for mix in MIXES:
         for case in ("", "_again", "_bad", "_after_bad"):
             assert np.array_equal(bits(on[mix + case]), bits(off[mix + case])), mix + case
@@ -156,12 +148,10 @@ def test_decode_session_logits_are_bitwise_the_four_launch_ones(tmp_path) -> Non
     model = tmp_path / "small.gguf"
     quantize_cli("synth", "--preset", "small", "--gguf", str(model), "--mix", "q2", "--quiet")
     logits = []
-    for xq in ("1", "2", "hq", None):
-        env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    for xq in ("1", "2", None):
+        env = {k: v for k, v in os.environ.items() if k not in ("DS4_GPU_GU_XQ", "DS4_GPU_GU_MMA", "DS4_GPU_GU_XS")}
         env["DS4_GPU_COMPILE"] = "0"  # the same elementwise code in both runs, without torch.compile's time
-        if xq == "hq":
-            env["DS4_GPU_GU_HQ"] = "1"
-        elif xq:
+        if xq:
             env["DS4_GPU_GU_XQ"] = xq
         out = tmp_path / f"logits_xq{xq or 0}.npy"
         done = subprocess.run([sys.executable, "-c", SESSION, str(model), str(out)], env=env, capture_output=True,
@@ -169,5 +159,5 @@ def test_decode_session_logits_are_bitwise_the_four_launch_ones(tmp_path) -> Non
         assert done.returncode == 0, done.stderr[-3000:]
         logits.append(np.load(out))
     assert np.isfinite(logits[0]).all()
-    for i in range(3):
-        assert np.array_equal(bits(logits[i]), bits(logits[3])), ("1", "2", "hq")[i]
+    assert np.array_equal(bits(logits[0]), bits(logits[2]))
+    assert np.array_equal(bits(logits[1]), bits(logits[2]))

@@ -52,13 +52,8 @@ __host__ __device__ constexpr int attn_partial_floats(int d, int hb) { return AT
 // serial work per block, so 8 heads and twice the blocks). Every head's arithmetic is the same whatever
 // hb is (warp w's work does not depend on w), so the partials do not depend on the head grouping.
 // Needs ATT_THREADS threads and attn_partial_floats(d, hb) floats at sh.
-// qp ($DS4_GPU_ATTN_QPOST, the two-launch path only): q holds the q_b product's raw rows and each block finishes its
-// heads' rows as norm_rope would (norm, RoPE tail at p), one warp per head in norm_rope_warp_kernel's arithmetic
-// (warp_row_post: the same bits); every block of a head group computes the same rows. d <= ATT_QPOST_MAX_D, d % 32 == 0.
-constexpr int ATT_QPOST_MAX_D = 512;
 __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys, int d, int hb, int H, int c, int g,
-                                   int64_t p, float scale, float* part_o, float* part_ml, float* sh,
-                                   const RowPost& qp = RowPost()) {
+                                   int64_t p, float scale, float* part_o, float* part_ml, float* sh) {
   float* keys = sh;                          // [ATT_KEYS][d]
   float* qs = sh + ATT_KEYS * d;             // [hb][d]
   float* prob = qs + hb * d;                 // [hb][ATT_KEYS]
@@ -75,22 +70,7 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
     if (lane == 0) vis[kk] = use;
   }
   const float4* qg = (const float4*)(q + (int64_t)g * hb * d);
-  if (qp.norm || qp.freq) {
-    if (warp < hb) {  // hb <= 8 warps: warp w finishes head w's row in registers, then stages it
-      constexpr int KMAX = ATT_QPOST_MAX_D / 32;
-      const int nk = d / 32;
-      const float* qr = q + ((int64_t)g * hb + warp) * d;
-      float v[KMAX];
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) v[k] = k < nk ? __ldg(qr + lane + 32 * k) : 0.0f;
-      warp_row_post<KMAX>(v, d, lane, qp, (float)p);
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k)
-        if (k < nk) qs[warp * d + lane + 32 * k] = v[k];
-    }
-  } else {
-    for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) ((float4*)qs)[i] = __ldg(qg + i);
-  }
+  for (int i = threadIdx.x; i < hb * d4; i += ATT_THREADS) ((float4*)qs)[i] = __ldg(qg + i);
   __syncthreads();
   if (L.tiles) {
     // Warp w scores the 4 heads of quad w / 4 against the 4 keys of quad w % 4 (8 warps: 2 head quads x 4 key quads):
@@ -195,11 +175,10 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
 
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
-                                                                   float* part_o, float* part_ml, RowPost qp) {
+                                                                   float* part_o, float* part_ml) {
   pdl_begin();
   extern __shared__ __align__(16) float sh[];
-  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, *pos, scale, part_o, part_ml, sh,
-                     qp);
+  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, *pos, scale, part_o, part_ml, sh);
 }
 
 // Pass 2: combine the chunks of heads h0..h0+nh-1 with the sinks, then row_post (the inverse RoPE on the tail).
@@ -429,7 +408,7 @@ static int attn_one_heads() {
 
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
-                      float* part_o, float* part_ml, float* out, cudaStream_t s, const RowPost& qp) {
+                      float* part_o, float* part_ml, float* out, cudaStream_t s) {
   const int hb = H % ATT_HEADS == 0 ? ATT_HEADS : (H <= ATT_HEADS ? H : 0);
   if (hb == 0) throw std::invalid_argument("attention: heads must be <= 8 or a multiple of 8");
   check_row_post(o, d);
@@ -438,14 +417,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   if (d % 4) throw std::invalid_argument("attention: head dim must be a multiple of 4");
   if (((uintptr_t)q | (uintptr_t)part_o | (uintptr_t)out) & 15)
     throw std::invalid_argument("attention: q, partials and out must be 16-byte aligned (float4 access)");
-  const bool q_post = qp.norm || qp.freq;
-  if (q_post) {
-    check_row_post(qp, d);
-    if (d % 32 || d > ATT_QPOST_MAX_D || qp.fp8_nope || qp.qat || qp.inverse)
-      throw std::invalid_argument("attention: the query's post needs d % 32 == 0, d <= 512, norm and RoPE only");
-  }
-  // a norm in row_post would reduce in a block-size-dependent order; the one-launch forms do not take the query's post
-  const int mode = o.norm || q_post ? 0 : attn_one_mode();
+  const int mode = o.norm ? 0 : attn_one_mode();  // a norm in row_post would reduce in a block-size-dependent order
   if (mode == 2 && H / hb <= ATT_ONE_MAX_GROUPS) {
     const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb), attn_combine_floats(d, 1, nc));
     static size_t shm_wait_set = 0;
@@ -479,7 +451,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     shm_set = shm;
   }
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
-           part_ml, qp);
+           part_ml);
   DS4_CHECK_LAUNCH("attention partial");
   size_t shm2 = sizeof(float) * (size_t)attn_combine_floats(d, 1, nc);
   static size_t shm2_set = 0;

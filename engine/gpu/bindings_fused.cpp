@@ -222,20 +222,12 @@ void bind_fused_ops(py::module_& m) {
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
                         int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,
-                        uintptr_t part_o, uintptr_t part_ml, uintptr_t out, bool q_norm, float q_eps, uintptr_t q_freq,
-                        int q_rope_dim) {
+                        uintptr_t part_o, uintptr_t part_ml, uintptr_t out) {
     launch_attention(ptr<const float>(q), H, d, ptr<const float>(raw), cap, ptr<const float>(comp),
                      ptr<const int64_t>(sel), n_comp, ratio, ptr<const int64_t>(pos), scale, ptr<const float>(sinks),
                      row_post_args(false, 0, 0.0f, freq, rope_dim, true, 0, false, 1.0f), ptr<float>(part_o),
-                     ptr<float>(part_ml), ptr<float>(out), stream(),
-                     row_post_args(q_norm, 0, q_eps, q_freq, q_rope_dim, false, 0, false, 1.0f));
-  }, "decode attention of q [H, d] (raw ring, compressed rows, sinks; the output's RoPE tail undone). q_norm / q_freq: "
-     "q holds the q_b product's raw rows, normalized (eps q_eps) and RoPE'd (q_rope_dim) by the partial blocks with "
-     "the bits of norm_rope's warp kernel",
-     py::arg("q"), py::arg("H"), py::arg("d"), py::arg("raw"), py::arg("cap"), py::arg("comp"), py::arg("sel"),
-     py::arg("n_comp"), py::arg("ratio"), py::arg("pos"), py::arg("scale"), py::arg("sinks"), py::arg("freq"),
-     py::arg("rope_dim"), py::arg("part_o"), py::arg("part_ml"), py::arg("out"), py::arg("q_norm") = false,
-     py::arg("q_eps") = 1e-6f, py::arg("q_freq") = 0, py::arg("q_rope_dim") = 0);
+                     ptr<float>(part_ml), ptr<float>(out), stream());
+  });
   m.def("index_keys", [](uintptr_t q, uintptr_t w, uintptr_t idx, int n_rows, int Hi, int di, uintptr_t pos, int ratio,
                          float scale, uintptr_t keys) {
     launch_index_keys(ptr<const float>(q), ptr<const float>(w), ptr<const float>(idx), n_rows, Hi, di,

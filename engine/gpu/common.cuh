@@ -369,7 +369,7 @@ void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, 
                         float* y, cudaStream_t stream, int pipe = -1);  // pipe: 1 warp-specialized, 0 lock-step, -1 env
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
-                      float* part_o, float* part_ml, float* out, cudaStream_t s, const RowPost& qp = RowPost());
+                      float* part_o, float* part_ml, float* out, cudaStream_t s);
 void launch_index_keys(const float* q, const float* w, const float* idx, int n_rows, int Hi, int di,
                        const int64_t* pos, int ratio, float scale, double* keys, cudaStream_t s);
 // The v16 form of launch_index_keys (other summation order), with norm_rope's RoPE/QAT of the raw query applied while

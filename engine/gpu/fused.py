@@ -12,7 +12,6 @@ DS4_GPU_FUSED=0 turns them off (the session then runs the torch ops).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -54,12 +53,6 @@ IDX_MERGE = frozenset(t.strip() for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb
 COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
-# decode: the query's norm and RoPE in the attention's partial blocks (attn_decode.cu, warp_row_post: the bits of
-# norm_rope's warp kernel), so q_b's product goes straight to the attention. The KV row's norm_rope: 1 after q_b on the
-# chain (as before, minus the 64 query rows), 2 on a stream of its own beside q_b, 3 before q_b on the chain; 0 off
-# (the query in the norm_rope launch with the KV row). Ratio-4 indexed layers keep the KV row with the indexer's query
-# after q_b in every mode. v23: an A/B switch.
-ATTN_QPOST = int(os.environ.get("DS4_GPU_ATTN_QPOST", "0") or 0)
 
 
 def _p(t: torch.Tensor | None) -> int:
@@ -267,12 +260,9 @@ class Fused:
         self.ext.compress_step(_p(pos), jobs)
 
     def attention(self, q: torch.Tensor, raw: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
-                  ratio: int, pos: torch.Tensor, sinks: torch.Tensor, freq: torch.Tensor, rope_dim: int,
-                  q_post: dict | None = None) -> torch.Tensor:
+                  ratio: int, pos: torch.Tensor, sinks: torch.Tensor, freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
         """Decode attention of q [H, d] over the raw ring and the visible compressed rows, with sinks;
-        inverse RoPE on the output tail. Returns [H, d]. q_post (norm, eps, freq, rope_dim: norm_rope's keywords):
-        q holds raw rows, finished by the partial blocks with the bits of norm_rope's warp kernel (d % 32 == 0,
-        d <= 512; ATTN_QPOST)."""
+        inverse RoPE on the output tail. Returns [H, d]."""
         H, d = q.shape
         cap = raw.shape[0]
         n_comp = 0 if comp is None else (sel.numel() if sel is not None else comp.shape[0])
@@ -282,11 +272,9 @@ class Fused:
         out = torch.empty((H, d), dtype=F32, device=self.device)
         q = q.contiguous()
         self._stream()
-        qp = q_post or {}
         self.ext.attention(_p(q), H, d, _p(raw), cap, _p(comp), _p(sel), n_comp, int(ratio), _p(pos),
                            float(1.0 / math.sqrt(d)), _p(sinks), _p(freq), int(rope_dim), _p(part_o), _p(part_ml),
-                           _p(out), bool(qp.get("norm", False)), float(qp.get("eps", 1e-6)), _p(qp.get("freq")),
-                           int(qp.get("rope_dim", 0)))
+                           _p(out))
         return out
 
     def prefill_attn(self, q: torch.Tensor, win: torch.Tensor, comp: torch.Tensor | None, sel: torch.Tensor | None,
@@ -524,22 +512,12 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
         qi = torch.empty((Hi, di), dtype=torch.float32, device=sess.device)
         also.append(dict(x=qi_lin, d=di, rows_per_token=Hi, freq=sess._freq[True], rope_dim=rd,
                          qat=cfg.indexer_qat, out=qi))
-    q_post = dict(norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd)
-    qpost = ATTN_QPOST if sess._in_step and d % 32 == 0 and d <= 512 else 0
-    kv_early = qpost in (2, 3) and not merged
-    if kv_early:  # the KV row into the ring before (3) or beside (2) q_b
-        with (sess.kv_side.fork() if qpost == 2 else contextlib.nullcontext()):
-            K.norm_rope(**kv_job, pos=pos)
-    if not merged:
+    else:
         q_lin = W.mm(C.blk(li, L.ATTN_Q_B), c, norm=q_norm)
     sess.prefetch("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups)  # o_a and o_b stream after the attention
     sess.prefetch("ob", [C.blk(li, L.ATTN_OUTPUT_B)])
-    if qpost:  # q stays raw: the attention's partial blocks finish it
-        q = q_lin.reshape(H, d)
-        if not kv_early:  # the KV row (and the indexer's query) after q_b
-            K.norm_rope(**kv_job, pos=pos, also=also[1:] or None)
-    else:
-        q = K.norm_rope(q_lin, d, H, pos, **q_post, also=also)  # the KV row into the ring in the same launch
+    q = K.norm_rope(q_lin, d, H, pos, norm=True, eps=cfg.rms_eps, freq=freq, rope_dim=rd,
+                    also=also)  # the KV row into the ring in the same launch
     comp = None
     if r:
         if sess._comp_forked or side_index:  # launched on the side branch (DS4_GPU_BRANCH=comp / idx)
@@ -549,10 +527,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
         comp = st["comp"]
         if indexed and not side_index:
             sel = index_select(sess, li, a, c, q_norm, pos, qi=qi)
-    if qpost == 2 and not merged:
-        sess.kv_side.join()
-    o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd,
-                    q_post=q_post if qpost else None)
+    o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
     if weights.OB_SLICES:  # o_b's two column-slice parts (DS4_GPU_OB_SLICES=2), which the next mHC post adds
         return W.mm_then_parts(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
     return W.mm_then(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))

@@ -156,9 +156,7 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
 
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
-// HQ ($DS4_GPU_GU_HQ=1, one token, x from global memory): the epilogue quantizes h for the down kernel through the
-// arrival counts as the XQ form does (gu_quantize_h_block), so the quantize_x launch between gate/up and down is gone.
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool HQ = false>
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
       }
     }
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
-    if constexpr (XM == GU_X_QUANT || HQ)
+    if constexpr (XM == GU_X_QUANT)
       if (xq_h.hi) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);  // null: mode 2
   }
 }
@@ -344,20 +342,20 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool HQ = false>
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
-  auto kernel = moe_gateup_rows_kernel<QT, XM, LUT, X8, HQ>;
   const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
   const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(kernel, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8>, smem, smem_set);
   auto it = resident.find(smem);
-  if (it == resident.end()) it = resident.emplace(smem, resident_ctas(kernel, GU_THREADS, smem)).first;
-  launch_k(kernel, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)), dim3(GU_THREADS), smem,
-           stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
+  if (it == resident.end())
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
 template <int QT>
@@ -442,21 +440,6 @@ void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const
   }
 }
 
-// $DS4_GPU_GU_HQ=1 (v23, an A/B switch, off): decode's IQ2_XXS gate/up (the default LUT 3 form, x quantized
-// beforehand) also quantizes h (arrival counts, gu_quantize_h_block: quantize_x_kernel's bits), one launch less on
-// the chain. v8 measured the XQ form (x and h in the kernel) slower; there every CTA quantized all of x.
-static bool gateup_h_quant() {
-  static const bool v = [] {
-    const char* e = getenv("DS4_GPU_GU_HQ");
-    return e && e[0] == '1';
-  }();
-  return v;
-}
-static bool gateup_hq_takes(int qtype, int tokens, int n_ff, int k) {
-  return gateup_h_quant() && qtype == QT_IQ2_XXS && !moe_x8() && gateup_lut_mode() == 3 && !gateup_mma_enabled() &&
-         !gateup_x_shared() && tokens == 1 && n_ff % 256 == 0 && (int64_t)k * (n_ff / 32) <= GU_XQ_MAX_BLOCKS;
-}
-
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& s, cudaStream_t stream, bool x_quantized) {
@@ -471,10 +454,6 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   if (!x_quantized && gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
     launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
     if (gateup_x_quant() == 2) launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
-  } else if (gateup_hq_takes(gate.qtype, tokens, n_ff, k)) {
-    if (!x_quantized) launch_quantize_x(x, tokens, n_embd, s.xq_in, stream);
-    launch_gateup_rows_as<QT_IQ2_XXS, GU_X_GLOBAL, 3, false, true>(gate, up, n_ff, n_expert, s.xq_in, ids, weights, pairs,
-                                                                   k, clamp, s.h, stream, nullptr, s.xq_h);
   } else {
     launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream, x_quantized);
     launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);

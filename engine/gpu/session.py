@@ -122,8 +122,6 @@ class Session(Timeline):
         # decode graph branches (DS4_GPU_BRANCH): independent work on a side stream
         self._branches = branches.BRANCHES if self.K is not None else frozenset()
         self.side = branches.SideStream(self.W.ext, self.device) if self._branches else None
-        # DS4_GPU_ATTN_QPOST=2: the KV row's norm_rope on a stream of its own beside q_b
-        self.kv_side = branches.SideStream(self.W.ext, self.device) if self.K is not None else None
         self.hc_defer = branches.DeferredSinkhorn(self.K, self.device) if branches.HC_DEFER and self.K is not None \
             else None
         self._comp_forked = False
