@@ -328,27 +328,6 @@ void moe_gateup(const Tensor& gate, const Tensor& up, const Array& x, const Arra
   launch_moe_gateup(gate.p, up.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, s, stream());
 }
 
-// Decode's MoE with the shared expert's gate/up in the routed gate/up launch ($DS4_GPU_MOE_SHARED; moe.cu), in two
-// calls so the caller can launch the shared down (on gu) on a side stream between them. Raw device pointers: xq of
-// one token (quantize_x_into), ids/weights [1, k], h [k, n_ff] and gu [1, 2 n_ff_shared] float32, xq_h a buffer of
-// xq_bytes(k, n_ff), y [1, n_embd].
-bool moe_shared_takes_t(const Tensor& gate, const Tensor& sg, const Tensor& su) {
-  return gate.ne.size() == 3 && moe_shared_takes(gate.p, sg.p, su.p);
-}
-void moe_gateup_shared(const Tensor& gate, const Tensor& up, const Tensor& sg, const Tensor& su, uintptr_t xq,
-                       uintptr_t ids, uintptr_t weights, int k, float clamp, uintptr_t h, uintptr_t gu) {
-  if (!moe_shared_takes_t(gate, sg, su) || !xq) throw std::invalid_argument("moe_gateup_shared: not taken here");
-  const XQ x = xq_at(reinterpret_cast<uint8_t*>(xq), 1, gate.p.ncols);
-  launch_moe_gateup_shared(gate.p, up.p, sg.p, su.p, (int)gate.ne[2], x, reinterpret_cast<const int32_t*>(ids),
-                           reinterpret_cast<const float*>(weights), k, clamp, reinterpret_cast<float*>(h),
-                           reinterpret_cast<float*>(gu), stream());
-}
-void moe_down_h(const Tensor& down, uintptr_t h, uintptr_t ids, int k, uintptr_t xq_h, uintptr_t y) {
-  if (down.ne.size() != 3) throw std::invalid_argument("moe_down_h: expert tensors are [cols, rows, experts]");
-  launch_moe_down_h(down.p, (int)down.ne[2], reinterpret_cast<const float*>(h), reinterpret_cast<const int32_t*>(ids), k,
-                    reinterpret_cast<float*>(y), xq_at(reinterpret_cast<uint8_t*>(xq_h), k, down.p.ncols), stream());
-}
-
 // Several matrices reading the same x (same ncols): x is quantized once for all of them.
 void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& x, const std::vector<std::shared_ptr<Array>>& ys) {
   if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_shared: one y per weight");
@@ -599,15 +578,6 @@ PYBIND11_MODULE(_ext, m) {
   m.def("moe_gateup", &moe_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("ids"), py::arg("weights"),
         py::arg("h"), py::arg("clamp") = 10.0f,
         "The gate/up half of moe: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j]; h is [T k, n_ff].");
-  m.def("moe_shared_takes", &moe_shared_takes_t, py::arg("gate"), py::arg("shared_gate"), py::arg("shared_up"),
-        "Whether moe_gateup_shared takes these experts and shared expert (decode, $DS4_GPU_MOE_SHARED)");
-  m.def("moe_gateup_shared", &moe_gateup_shared, py::arg("gate"), py::arg("up"), py::arg("shared_gate"),
-        py::arg("shared_up"), py::arg("xq"), py::arg("ids"), py::arg("weights"), py::arg("k"), py::arg("clamp"),
-        py::arg("h"), py::arg("gu"),
-        "One token: the routed gate/up (h as moe's) with the shared expert's gate and up rows in the same launch, "
-        "written raw to gu = [g | u]; raw device pointers (xq from quantize_x_into)");
-  m.def("moe_down_h", &moe_down_h, py::arg("down"), py::arg("h"), py::arg("ids"), py::arg("k"), py::arg("xq_h"),
-        py::arg("y"), "One token: h quantized into xq_h (xq_bytes(k, n_ff) bytes), then the routed down into y");
   m.def("set_gateup_mma", [](std::optional<bool> enabled, int splits) {
     set_gateup_mma(enabled ? (*enabled ? 1 : 0) : -1, splits);
   }, py::arg("enabled"), py::arg("splits") = 0,

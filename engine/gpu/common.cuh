@@ -204,14 +204,6 @@ struct MoeScratch {
 // summed in slot order); rows of n floats, n % 4 == 0.
 void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int tokens, int k, int n, float* out,
                         cudaStream_t stream);
-// moe.cu, decode ($DS4_GPU_MOE_SHARED): the routed gate/up launch with the shared expert's gate/up rows beside the
-// routed ones (h as launch_moe's, gu = [g | u] raw), where moe_shared_takes; then h's quantize_x and the down launch.
-bool moe_shared_takes(const Packed& gate, const Packed& sg, const Packed& su);
-void launch_moe_gateup_shared(const Packed& gate, const Packed& up, const Packed& sg, const Packed& su, int n_expert,
-                              const XQ& xq, const int32_t* ids, const float* wts, int k, float clamp, float* h,
-                              float* gu, cudaStream_t stream);
-void launch_moe_down_h(const Packed& down, int n_expert, const float* h, const int32_t* ids, int k, float* y,
-                       const XQ& xq_h, cudaStream_t stream);
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false);  // true: scratch.xq_in holds x

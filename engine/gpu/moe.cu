@@ -156,22 +156,12 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
 
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
-// Shared gate/up rows beside the routed ones (SH, $DS4_GPU_MOE_SHARED=1, one token): sh.units more units, each RH rows
-// of the shared expert's Q8_0 gate and up against the same quantized x, written raw to sh.gu ([g | u], the input of
-// the shared down's fused SwiGLU). The first 2 sh.units units alternate shared and routed, so every SM has both:
-// the routed units are bound by the 2-bit decode's instructions, the shared ones by DRAM.
-struct GuShared {
-  Packed gate, up;
-  int n_ff = 0, units = 0;
-  float* gu = nullptr;
-};
-
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool SH = false>
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h, const float* x,
-                                                                     XQ xq_h, GuShared sh) {
+                                                                     XQ xq_h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
@@ -193,40 +183,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
-  const int all_units = units + (SH ? sh.units : 0);
-  for (int slot = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); slot < all_units; slot += gridDim.x * GU_WARPS) {
-    int unit = slot;
-    if constexpr (SH) {  // the first 2 m slots alternate shared (even) and routed (odd) units, then the rest of either
-      const int m = min(units, sh.units);
-      const bool shared = slot < 2 * m ? (slot & 1) == 0 : sh.units > units;
-      unit = slot < 2 * m ? slot >> 1 : slot - (shared ? units : sh.units);
-      if (shared) {  // RH rows of the shared gate and up, raw into sh.gu
-        const int f0 = unit * RH;
-        const uint8_t* qrow[R];
-        const uint8_t* srow[R];
-#pragma unroll
-        for (int i = 0; i < RH; ++i) {
-          const int64_t row = min(f0 + i, sh.n_ff - 1);
-          qrow[i] = sh.gate.qs + row * sh.gate.qs_row;
-          srow[i] = sh.gate.sc + row * sh.gate.sc_row;
-          qrow[RH + i] = sh.up.qs + row * sh.up.qs_row;
-          srow[RH + i] = sh.up.sc + row * sh.up.sc_row;
-        }
-        int vec[1] = {0};
-        float acc[R][1];
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-        mv_accumulate<QT_Q8_0, 1, R, TB, XS, X8>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
-        warp_sum<R, 1>(acc);
-#pragma unroll
-        for (int i = 0; i < RH; ++i)
-          if (lane == i && f0 + i < sh.n_ff) {
-            sh.gu[f0 + i] = acc[i][0];
-            sh.gu[sh.n_ff + f0 + i] = acc[RH + i][0];
-          }
-        continue;
-      }
-    }
+  for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
     const int pair = unit / groups, f0 = (unit - pair * groups) * RH, token = pair / k;
     const int e = ids[pair];
     const bool bad = e < 0 || e >= n_expert;
@@ -385,21 +342,20 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool SH = false>
+template <int QT, int XM, int LUT = 0, bool X8 = false>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
-                                  cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ(),
-                                  const GuShared& sh = GuShared()) {
-  auto kernel = moe_gateup_rows_kernel<QT, XM, LUT, X8, SH>;
-  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs, all_units = units + (SH ? sh.units : 0);
+                                  cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
+  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
   const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(kernel, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8>, smem, smem_set);
   auto it = resident.find(smem);
-  if (it == resident.end()) it = resident.emplace(smem, resident_ctas(kernel, GU_THREADS, smem)).first;
-  launch_k(kernel, dim3((unsigned)std::min((all_units + GU_WARPS - 1) / GU_WARPS, it->second)), dim3(GU_THREADS), smem,
-           stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h, sh);
+  if (it == resident.end())
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
 template <int QT>
@@ -507,39 +463,6 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
     case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
-    default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
-  }
-}
-
-// $DS4_GPU_MOE_SHARED=1 (decode, read by the session): the shared expert's gate/up inside the routed gate/up launch.
-// Taken for the default IQ2_XXS form (LUT 3, 16-bit x) with Q8_0 shared gate/up of the experts' width, one token.
-bool moe_shared_takes(const Packed& gate, const Packed& sg, const Packed& su) {
-  return gate.qtype == QT_IQ2_XXS && !moe_x8() && gateup_lut_mode() == 3 && !gateup_mma_enabled() &&
-         !gateup_x_shared() && sg.qtype == QT_Q8_0 && su.qtype == QT_Q8_0 && sg.ncols == gate.ncols &&
-         su.ncols == gate.ncols && sg.nrows == su.nrows && sg.nrows % GU2_RH == 0 && gate.ncols % 256 == 0;
-}
-
-void launch_moe_gateup_shared(const Packed& gate, const Packed& up, const Packed& sg, const Packed& su, int n_expert,
-                              const XQ& xq, const int32_t* ids, const float* wts, int k, float clamp, float* h,
-                              float* gu, cudaStream_t stream) {
-  if (!moe_shared_takes(gate, sg, su)) throw std::invalid_argument("moe_gateup_shared: shapes or types it does not take");
-  const int n_ff = (int)(gate.nrows / n_expert);
-  GuShared sh{sg, su, (int)sg.nrows, (int)(sg.nrows / GU2_RH), gu};
-  launch_gateup_rows_as<QT_IQ2_XXS, GU_X_GLOBAL, 3, false, true>(gate, up, n_ff, n_expert, xq, ids, wts, k, k, clamp, h,
-                                                                 stream, nullptr, XQ(), sh);
-  DS4_CHECK_LAUNCH("moe gate/up with the shared expert");
-}
-
-// The second half of launch_moe for one token: h quantized into xq_h, then the down kernel.
-void launch_moe_down_h(const Packed& down, int n_expert, const float* h, const int32_t* ids, int k, float* y,
-                       const XQ& xq_h, cudaStream_t stream) {
-  const int n_embd = (int)(down.nrows / n_expert), n_ff = (int)down.ncols;
-  launch_quantize_x(h, k, n_ff, xq_h, stream);
-  switch (down.qtype) {
-    case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, xq_h, ids, 1, k, y, stream); break;
-    case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, xq_h, ids, 1, k, y, stream); break;
-    case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, xq_h, ids, 1, k, y, stream); break;
-    case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, xq_h, ids, 1, k, y, stream); break;
     default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
   }
 }

@@ -55,10 +55,6 @@ PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # not by its own launch (the same bits); read once, "0" turns it off. The default since v19: 7.27 / 7.35 against
 # 7.31 / 7.39 ms at 2k / 8k (v18: 7.33 / 7.41 against 7.35 / 7.42)
 NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
-# decode: 1 computes the shared expert's gate/up in the routed gate/up launch (moe.cu GuShared: its Q8_0 rows dealt among
-# the routed IQ2_XXS units, so the DRAM-bound and the instruction-bound units share every SM) and its down on the
-# `ffn` branch beside the routed down; 0 (default) the shared expert on the `ffn` branch from the start. v23: A/B.
-MOE_SHARED = os.environ.get("DS4_GPU_MOE_SHARED", "0") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
 # separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
@@ -530,16 +526,12 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
-            # DS4_GPU_MOE_SHARED=1: the shared gate/up inside the routed gate/up launch, its down on the side
-            shared_in = MOE_SHARED and forked and fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]) and \
-                W.moe_shared_takes(li, self._shexp(li))
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
-                    if not shared_in:
-                        sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
+                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
@@ -550,14 +542,6 @@ class Session(Timeline):
             _, ids, w = one
             if xq_ready is not None:
                 self.side.wait(xq_ready)
-            if shared_in:
-                self.side.join()  # the side's x planes are in; the side waits for the launch below next
-                h, gu, ids32 = W.moe_gateup_shared(li, ids, w, limit, xq, self._shexp(li))
-                with self.side.fork():
-                    sh = W.shared_down(self._shexp(li)[2], gu, limit)
-                out = W.moe_down_h(li, h, ids32)
-                self.side.join()
-                return out, sh
             out = W.moe(li, b, ids, w, limit, xq=xq)
             if forked:
                 self.side.join()

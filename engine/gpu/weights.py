@@ -319,49 +319,6 @@ class Weights:
         self.ext.quantize_x_into(x.data_ptr(), x.shape[0], x.shape[1], buf.data_ptr())
         return buf.data_ptr()
 
-    def moe_shared_takes(self, li: int, shexp: list[str]) -> bool:
-        """Whether moe_gateup_shared takes layer li's routed experts and shared expert (names [gate, up, down])."""
-        gate = self.mat(C.blk(li, L.FFN_GATE_EXPS))
-        sg, su, sd = (self.mat(n) for n in shexp)
-        return self.ext is not None and not any(isinstance(m, torch.Tensor) for m in (gate, sg, su, sd)) and \
-            self.ext.moe_shared_takes(gate, sg, su) and sd.ncols == sg.nrows
-
-    def moe_gateup_shared(self, li: int, ids: torch.Tensor, wts: torch.Tensor, limit: float, xq: int,
-                          shexp: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One token (x quantized at xq by quantize_x_into): (h [k, n_ff], gu [1, 2 F], ids as int32 for moe_down_h):
-        the routed gate/up as moe's with the shared expert's raw gate and up rows in the same launch
-        (DS4_GPU_MOE_SHARED)."""
-        gate, up = (self.mat(C.blk(li, t)) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS))
-        sg, su = self.mat(shexp[0]), self.mat(shexp[1])
-        k, n_ff = ids.shape[1], up.ne[1]  # ne: [cols, rows, experts]
-        h = torch.empty((k, n_ff), dtype=F32, device=self.device)
-        gu = torch.empty((1, 2 * sg.nrows), dtype=F32, device=self.device)
-        ids32, wts = ids.to(torch.int32).contiguous(), wts.contiguous()
-        self._sync_stream()
-        self.ext.moe_gateup_shared(gate, up, sg, su, xq, ids32.data_ptr(), wts.data_ptr(), k, float(limit),
-                                   h.data_ptr(), gu.data_ptr())
-        return h, gu, ids32
-
-    def moe_down_h(self, li: int, h: torch.Tensor, ids32: torch.Tensor) -> torch.Tensor:
-        """The routed down of moe_gateup_shared's h (one token): y [1, n_embd]."""
-        down = self.mat(C.blk(li, L.FFN_DOWN_EXPS))
-        k, n_ff = h.shape
-        xq_h = torch.empty(self.ext.xq_bytes(k, n_ff), dtype=torch.uint8, device=self.device)
-        y = torch.empty((1, down.ne[1]), dtype=F32, device=self.device)
-        self._sync_stream()
-        self.ext.moe_down_h(down, h.data_ptr(), ids32.data_ptr(), k, xq_h.data_ptr(), y.data_ptr())
-        return y
-
-    def shared_down(self, name: str, gu: torch.Tensor, limit: float) -> torch.Tensor:
-        """down · swiglu(g, u) of the shared expert from gu = [g | u] (swiglu_ffn's fused down launch)."""
-        down = self.mat(name)
-        y = torch.empty((1, down.nrows), dtype=F32, device=self.device)
-        self._sync_stream()
-        if not self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
-            F = gu.shape[1] // 2
-            return self.mm(name, ops.swiglu(gu[:, :F], gu[:, F:], limit))
-        return y
-
     def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
             xq: int = 0) -> torch.Tensor:
         """Routed experts; xq: the address of b already quantized by quantize_x_into (one token; moe_takes_xq)."""
