@@ -187,16 +187,6 @@ def test_prefetch_spec_parses_points_and_refuses_bad_ones():
             parse_prefetch(bad)
 
 
-def test_l2_hint_spec_has_its_own_points():
-    from ds4.engine.gpu.session import L2_HINT_POINTS, parse_points
-    from ds4.engine.session import SessionError
-
-    assert parse_points("qb:0.5,sh+oa", L2_HINT_POINTS, "DS4_GPU_L2_HINT") == {"qb": 0.5, "sh": 1.0, "oa": 1.0}
-    for bad in ("ob", "qb:1.5", "sh:x"):  # ob is a DS4_GPU_PREFETCH point only
-        with pytest.raises(SessionError, match="DS4_GPU_L2_HINT"):
-            parse_points(bad, L2_HINT_POINTS, "DS4_GPU_L2_HINT")
-
-
 @pytest.mark.parametrize("exact", [True, False])
 def test_split_products_hold_float32_precision(exact):
     """tc.mm of two Splits (hi + lo float16 parts) is a float32-level product; without the lo parts

@@ -175,8 +175,7 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
 
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
-                                                                   float* part_o, float* part_ml, PfArgs hint) {
-  l2_hint_issue(hint, (int64_t)blockIdx.y * gridDim.x + blockIdx.x, (int64_t)gridDim.x * gridDim.y);  // o_a's weights
+                                                                   float* part_o, float* part_ml) {
   pdl_begin();
   extern __shared__ __align__(16) float sh[];
   attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, *pos, scale, part_o, part_ml, sh);
@@ -452,7 +451,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     shm_set = shm;
   }
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
-           part_ml, take_l2_hint());
+           part_ml);
   DS4_CHECK_LAUNCH("attention partial");
   size_t shm2 = sizeof(float) * (size_t)attn_combine_floats(d, 1, nc);
   static size_t shm2_set = 0;

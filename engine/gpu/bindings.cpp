@@ -392,9 +392,9 @@ bool matvec_chain(const std::vector<std::shared_ptr<Tensor>>& wa, uintptr_t x, c
 
 // L2 prefetch of the first `fraction` of each weight (both planes; of each of `groups` equal row blocks, since a
 // grouped matvec walks its groups side by side), for a later kernel (see matvec_stream.cu).
-// The ranges of prefetch_l2 (the first `fraction` of each weight's planes, per group); returns their count.
-static int weight_ranges(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int groups,
-                         const uint8_t** p, int64_t* n) {
+void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode, int groups) {
+  const uint8_t* p[PF_MAX_RANGES];
+  int64_t n[PF_MAX_RANGES];
   int k = 0;
   fraction = std::min(1.0, std::max(0.0, fraction));
   for (const auto& w : ws) {
@@ -411,29 +411,12 @@ static int weight_ranges(const std::vector<std::shared_ptr<Tensor>>& ws, double 
         n[k++] = (int64_t)(rows * row_bytes[i] * fraction);
       }
   }
-  return k;
-}
-
-void prefetch_l2(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int ctas, int mode, int groups) {
-  const uint8_t* p[PF_MAX_RANGES];
-  int64_t n[PF_MAX_RANGES];
-  const int k = weight_ranges(ws, fraction, groups, p, n);
   if (ctas <= 0) {  // one per SM
     int dev = 0;
     DS4_CHECK(cudaGetDevice(&dev));
     DS4_CHECK(cudaDeviceGetAttribute(&ctas, cudaDevAttrMultiProcessorCount, dev));
   }
   launch_l2_prefetch(p, n, k, ctas, mode, stream());
-}
-
-// $DS4_GPU_L2_HINT: the ranges of prefetch_l2 handed to the next carrier launch (take_l2_hint); no ws: none.
-void l2_hint(const std::vector<std::shared_ptr<Tensor>>& ws, double fraction, int groups) {
-  PfArgs a = {};
-  const int k = ws.empty() ? 0 : weight_ranges(ws, fraction, groups, a.p, a.n);
-  for (int i = 0; i < k; ++i)  // bulk prefetches start 16-byte aligned: a range that does not is left out
-    if (!((uintptr_t)a.p[i] & 15)) a.p[a.count] = a.p[i], a.n[a.count++] = a.n[i];
-  a.mode = 0;
-  set_l2_hint(a);
 }
 
 
@@ -649,10 +632,6 @@ PYBIND11_MODULE(_ext, m) {
         "yb = wb . (ya = wa . x) in one launch (batch 1, Q8_0); False, nothing launched, where it does not apply");
   m.def("prefetch_l2", &prefetch_l2, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("ctas") = 0,
         py::arg("mode") = 0, py::arg("groups") = 1, "ask L2 to fetch the first fraction of these weights (for a later kernel)");
-  m.def("l2_hint", &l2_hint, py::arg("ws"), py::arg("fraction") = 1.0, py::arg("groups") = 1,
-        "the first fraction of these weights, asked of L2 by the next launch of a carrier kernel (the bulk-copy "
-        "matvec, the router's cluster kernel, the decode attention's partial blocks) before it waits for its "
-        "predecessor; an empty list clears it");
   m.def("matvec_shared", &matvec_shared, py::arg("ws"), py::arg("x"), py::arg("ys"),
         "ys[i] = ws[i] . x for matrices of the same width; x is quantized once.");
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.

@@ -184,41 +184,6 @@ void set_mv_tma(int mode);  // matvec_tma.cu: 1 all / 2 small / 3 all but q_b, o
 int64_t mv_tma_launches();  // matvec_tma.cu: launches of that kernel so far in this process
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,
                         cudaStream_t stream);
-// Byte ranges to prefetch into L2 and how (mode 0 bulk, 1 per line); pf_issue: thread t of nt issues its share.
-struct PfArgs {
-  const uint8_t* p[PF_MAX_RANGES];
-  int64_t n[PF_MAX_RANGES];
-  int count, mode;
-};
-constexpr int64_t PF_CHUNK = 32 * 1024;
-#if defined(__CUDACC__)
-__device__ __forceinline__ void pf_issue(const PfArgs& a, int64_t t, int64_t nt) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  for (int i = 0; i < a.count; ++i) {
-    const int64_t n = a.n[i] & ~int64_t(15);  // bulk sizes are multiples of 16 (a hint: the tail may be left)
-    if (a.mode == 0) {
-      for (int64_t off = t * PF_CHUNK; off < n; off += nt * PF_CHUNK) {
-        const uint32_t len = (uint32_t)min(PF_CHUNK, n - off);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.p[i] + off), "r"(len) : "memory");
-      }
-    } else {
-      for (int64_t off = t * 128; off < n; off += nt * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(a.p[i] + off));
-    }
-  }
-#endif
-}
-#endif
-// L2 hints ($DS4_GPU_L2_HINT, decode): ranges the next launch of a carrier kernel (the bulk-copy matvec, the router's
-// cluster kernel, the attention's partial blocks) asks L2 for before its griddepcontrol.wait, i.e. while the kernel
-// before it still runs and DRAM idles. set_l2_hint stores them; take_l2_hint hands them out once (count 0: none).
-void set_l2_hint(const PfArgs& a);
-PfArgs take_l2_hint();
-#if defined(__CUDACC__)
-// Thread 0 of CTA cta of nctas issues its share of the bulk prefetches of h (carrier kernels, before their wait).
-__device__ __forceinline__ void l2_hint_issue(const PfArgs& h, int64_t cta, int64_t nctas) {
-  if (h.count && threadIdx.x == 0) pf_issue(h, cta, nctas);
-}
-#endif
 // matvec_chain.cu: phase A (ya[i] = wa[i] . x, batch 1; groups_a: one grouped matrix) then, in the same launch
 // after a grid barrier, yb = wb . x_B with x_B A's output (x_op_b MV_X_SWIGLU: swiglu of [ya[0] | ya[1]], which
 // must follow each other). Q8_0 only; false (nothing launched) for shapes it does not take.

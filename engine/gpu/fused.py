@@ -527,8 +527,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
         comp = st["comp"]
         if indexed and not side_index:
             sel = index_select(sess, li, a, c, q_norm, pos, qi=qi)
-    with sess.l2_hint("oa", [C.blk(li, L.ATTN_OUTPUT_A)], cfg.o_groups):
-        o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
+    o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)
     if weights.OB_SLICES:  # o_b's two column-slice parts (DS4_GPU_OB_SLICES=2), which the next mHC post adds
         return W.mm_then_parts(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
     return W.mm_then(C.blk(li, L.ATTN_OUTPUT_A), o.reshape(1, H * d), cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))

@@ -231,21 +231,31 @@ bool launch_matvec_sliced(const Packed& w, const float* x, float* y_parts, int S
 // cp.async.bulk.prefetch.L2 per chunk, fire and forget) or one prefetch.global.L2 per 128-byte line (mode 1).
 // It waits for its predecessor only at the end, so the kernel after it (whose griddepcontrol.wait covers
 // this grid only) still runs after everything launched before the prefetch.
+struct PfArgs {
+  const uint8_t* p[PF_MAX_RANGES];
+  int64_t n[PF_MAX_RANGES];
+  int count, mode;
+};
+constexpr int64_t PF_CHUNK = 32 * 1024;
+
 __global__ void l2_prefetch_kernel(PfArgs a) {
   pdl_trigger();
-  pf_issue(a, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+  const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nt = (int64_t)gridDim.x * blockDim.x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  for (int i = 0; i < a.count; ++i) {
+    const int64_t n = a.n[i] & ~int64_t(15);  // bulk sizes are multiples of 16 (a hint: the tail may be left)
+    if (a.mode == 0) {
+      for (int64_t off = t * PF_CHUNK; off < n; off += nt * PF_CHUNK) {
+        const uint32_t len = (uint32_t)min(PF_CHUNK, n - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.p[i] + off), "r"(len) : "memory");
+      }
+    } else {
+      for (int64_t off = t * 128; off < n; off += nt * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a.p[i] + off));
+    }
+  }
+#endif
   pdl_wait();
-}
-
-static PfArgs& pending_l2_hint() {
-  static PfArgs h = {};
-  return h;
-}
-void set_l2_hint(const PfArgs& a) { pending_l2_hint() = a; }
-PfArgs take_l2_hint() {
-  PfArgs h = pending_l2_hint();
-  pending_l2_hint().count = 0;
-  return h;
 }
 
 void launch_l2_prefetch(const uint8_t* const* ptrs, const int64_t* nbytes, int n, int ctas, int mode,

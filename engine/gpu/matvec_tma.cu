@@ -122,7 +122,7 @@ __device__ __forceinline__ void mt_finish(const MtArgs& m, int g, int rg, int la
 }
 
 template <int RW>
-__global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs m, PfArgs hint) {
+__global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs m) {
   extern __shared__ __align__(128) unsigned char mt_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = blockIdx.y, W = blockDim.x >> 5;
   unsigned char* sx = mt_smem;
@@ -137,7 +137,6 @@ __global__ void __launch_bounds__(32 * MT_MAX_WARPS, 1) matvec_tma_kernel(MtArgs
   // the weights never depend on earlier kernels: every slot's copy goes out before griddepcontrol.wait
   for (int s = 0; s < m.ns && fill.rg < m.a.tiles; ++s, fill.next(m.nslab, NW))
     if (lane == 0) mt_issue(m, g, fill.rg, fill.j, slots + (size_t)s * m.slot, &bars[s]);
-  l2_hint_issue(hint, (int64_t)blockIdx.y * gridDim.x + blockIdx.x, (int64_t)gridDim.x * gridDim.y);
   pdl_trigger();
   pdl_wait();  // x (and y's readers) are from earlier kernels
   mv_stage_x<QT_Q8_0>(m.a, g, sx);
@@ -278,13 +277,12 @@ bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream) {
   const int per_group = std::max(1, sm_count() / groups);
   const int gx = std::min(per_group, (items + W - 1) / W);
   const dim3 grid((unsigned)gx, (unsigned)groups), block((unsigned)(32 * W));
-  const PfArgs hint = take_l2_hint();  // $DS4_GPU_L2_HINT: the next matvec's weights, asked for while this one waits
   auto go = [&](auto kernel, int slot) {
     if (!smem_set[slot]) {
       DS4_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MT_SMEM_MAX));
       smem_set[slot] = true;
     }
-    launch_pdl(pdl, kernel, grid, block, smem, stream, m, hint);
+    launch_pdl(pdl, kernel, grid, block, smem, stream, m);
   };
   if (m.rw == 1) go(matvec_tma_kernel<1>, 0);
   else if (m.rw == 2) go(matvec_tma_kernel<2>, 1);

@@ -67,8 +67,7 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) router_one_kernel(MvArgs a,
 constexpr int RC_CTAS = 16, RC_WARPS = 16, RC_MAX_CHUNKS = 16;  // E <= 256, K <= 4096 (a multiple of 256)
 
 __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32, 1)
-    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r,
-                          PfArgs hint) {
+    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r) {
   namespace cg = cooperative_groups;
   __shared__ __align__(16) float s_x[RC_MAX_CHUNKS * 256];
   __shared__ float s_logits[ROUTER_MAX_E];  // CTA 0's: every CTA writes its logits here
@@ -82,7 +81,6 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
 #pragma unroll
   for (int j = 0; j < RC_MAX_CHUNKS; ++j)
     q[j] = mine && j < nch ? ld_stream16(qrow + 2 * (256 * j + 8 * lane)) : make_uint4(0, 0, 0, 0);
-  l2_hint_issue(hint, c, RC_CTAS);  // $DS4_GPU_L2_HINT: the shared expert's weights, while the mHC kernel runs
   pdl_trigger();
   pdl_wait();  // x, and the readers of logits, ids and wts, are earlier kernels
   for (int i = threadIdx.x; i < K / 4; i += blockDim.x) ((float4*)s_x)[i] = __ldg((const float4*)x + i);
@@ -180,7 +178,7 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   if (router_cluster_on()) {
     if (!router_cluster_takes((int)w.nrows, (int)w.ncols)) return false;  // two launches beat the arrival count
     launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
-             logits, r, take_l2_hint());
+             logits, r);
     DS4_CHECK_LAUNCH("router cluster");
     return true;
   }

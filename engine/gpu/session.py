@@ -29,7 +29,6 @@ engine). Two paths share the sublayers:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -61,32 +60,21 @@ NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
 
 
-# $DS4_GPU_L2_HINT (v23, an A/B switch; same syntax as DS4_GPU_PREFETCH): weights asked of L2 by a kernel already on
-# the chain, before its griddepcontrol.wait (while the latency-bound kernel before it runs and DRAM idles), instead of
-# by a prefetch kernel on a side stream: qb (q_b, by the q_a/kv bulk-copy matvec, during the mHC), sh (the shared
-# expert's gate and up, by the router's cluster kernel, during the mHC), oa (o_a, by the attention's partial
-# blocks, during q_b's tail and the norms).
-L2_HINT_POINTS = ("qb", "sh", "oa")
-
-
-def parse_points(spec: str, points: tuple[str, ...], var: str) -> dict[str, float]:
-    """Points separated by "," or "+", each `name` or `name:fraction` (of the weights' bytes)."""
+def parse_prefetch(spec: str) -> dict[str, float]:
+    """DS4_GPU_PREFETCH: decode L2 prefetch points separated by "," or "+", each `name` or `name:fraction` (of the
+    weights' bytes): oa / ob (o_a, o_b: asked for after q_b's launch), sh (shared expert: after o_b), qb (the
+    next layer's q_a, kv and q_b: after the shared expert)."""
     out = {}
     for item in filter(None, (t.strip() for t in spec.replace("+", ",").split(","))):
         name, _, frac = item.partition(":")
         try:
             out[name] = float(frac) if frac else 1.0
         except ValueError:
-            raise SessionError(f"{var}: bad fraction in {item!r} (want name or name:0.5)") from None
-        if name not in points or not 0.0 <= out[name] <= 1.0:
-            raise SessionError(f"{var}: {item!r} is not one of {', '.join(points)} with a fraction in [0, 1]")
+            raise SessionError(f"DS4_GPU_PREFETCH: bad fraction in {item!r} (want name or name:0.5)") from None
+        if name not in PREFETCH_POINTS or not 0.0 <= out[name] <= 1.0:
+            raise SessionError(f"DS4_GPU_PREFETCH: {item!r} is not one of {', '.join(PREFETCH_POINTS)} with a "
+                               "fraction in [0, 1]")
     return out
-
-
-def parse_prefetch(spec: str) -> dict[str, float]:
-    """DS4_GPU_PREFETCH: decode L2 prefetch points: oa / ob (o_a, o_b: asked for after q_b's launch), sh (shared
-    expert: after o_b), qb (the next layer's q_a, kv and q_b: after the shared expert)."""
-    return parse_points(spec, PREFETCH_POINTS, "DS4_GPU_PREFETCH")
 
 class Session(Timeline):
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 8192, hooks=None, impl: str | None = None,
@@ -130,8 +118,6 @@ class Session(Timeline):
         if self.device.type == "cuda" and os.environ.get("DS4_GPU_FUSED", "1") != "0":
             self.K = fused.Fused(self.W.ext, self.device)
         self._pf = parse_prefetch(os.environ.get("DS4_GPU_PREFETCH", "")) if self.K is not None else {}
-        self.l2_hints = parse_points(os.environ.get("DS4_GPU_L2_HINT", ""), L2_HINT_POINTS, "DS4_GPU_L2_HINT") \
-            if self.K is not None else {}
         self._pf_stream, self._pf_joins = None, False
         # decode graph branches (DS4_GPU_BRANCH): independent work on a side stream
         self._branches = branches.BRANCHES if self.K is not None else frozenset()
@@ -442,7 +428,7 @@ class Session(Timeline):
             if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
-            with prefill.section("q_a_kv", on), self.l2_hint("qb", [C.blk(li, L.ATTN_Q_B)]):
+            with prefill.section("q_a_kv", on):
                 qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
@@ -478,19 +464,6 @@ class Session(Timeline):
             self.W.prefetch(names, self._pf[point], groups)
         self.W._sync_stream()  # the extension's launches go to the main stream again
         self._pf_joins = True
-
-    @contextlib.contextmanager
-    def l2_hint(self, point: str, names: list[str], groups: int = 1):
-        """Decode only: the next carrier launch inside the block asks L2 for these weights (DS4_GPU_L2_HINT)."""
-        mats = [self.W.mat(n) for n in names] if self._in_step and point in self.l2_hints else []
-        on = bool(mats) and not any(isinstance(m, torch.Tensor) for m in mats)
-        if on:
-            self.W.ext.l2_hint(mats, self.l2_hints[point], groups)
-        try:
-            yield
-        finally:
-            if on:
-                self.W.ext.l2_hint([])  # a hint no carrier took does not reach a later launch
 
     def _rms_norm(self, x, w):
         if self.K is not None:
@@ -563,8 +536,7 @@ class Session(Timeline):
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
                      W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok, cfg.n_expert_used, cfg.routed_scale)
-            with self.l2_hint("sh", self._shexp(li)[:2]):
-                one = self.K.router_one(W.mat(gate_inp), b, *route) if one_launch else None
+            one = self.K.router_one(W.mat(gate_inp), b, *route) if one_launch else None
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one
