@@ -2,6 +2,8 @@
 // and the combine with the sinks and the inverse RoPE, in two launches or one ($DS4_GPU_ATTN_ONE), and their launcher.
 #include <math.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdlib>
 
@@ -197,8 +199,11 @@ constexpr int ATT_CHUNKS_AT_ONCE = 8;                 // chunks whose loads are 
 __host__ __device__ constexpr int attn_combine_floats(int d, int nh, int n_chunks) {
   return nh * d + d + nh * n_chunks + 2 * nh * ATT_VWARPS + 32 + nh;
 }
+// c4_0, c4_1: only the float4 columns [c4_0, c4_1) of each head row are formed and stored (-1: to the end); every
+// column is computed alone, so a slice has the bits of the whole (row_post must then be elementwise: no norm).
 __device__ void attn_combine_heads(const float* part_o, const float* part_ml, int n_chunks, int H, int d, int h0,
-                                   int nh, const float* sinks, float p, const RowPost& o, float* out, float* sh) {
+                                   int nh, const float* sinks, float p, const RowPost& o, float* out, float* sh,
+                                   int c4_0 = 0, int c4_1 = -1) {
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
   float* v = sh;                           // [nh][d] outputs
   float* tmp = v + nh * d;                 // [d] row_post's scratch
@@ -245,10 +250,10 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   // Column sums: thread tid takes the float4 columns i = tid, tid + nt, ... of all nh heads and, per column,
   // issues the loads of ATT_CHUNKS_AT_ONCE chunks before it adds them (__ldcg loads keep their order, so loads
   // interleaved with the adds would have 1-2 in flight). Each column adds its chunks in order 0..n-1.
-  const int d4 = d / 4, n4 = nh * d4;
+  const int d4 = d / 4, c4_end = c4_1 < 0 ? d4 : c4_1, w4 = c4_end - c4_0, n4 = nh * w4;
   const int64_t cstride4 = (int64_t)H * d4;  // float4s from one chunk to the next
-  for (int i = tid; i < n4; i += nt) {
-    const int hh = i / d4;
+  for (int k4 = tid; k4 < n4; k4 += nt) {
+    const int hh = k4 / w4, i = hh * d4 + c4_0 + k4 % w4;  // i: the float4 of v (head hh's row, column slice)
     const float4* src = (const float4*)(part_o + (int64_t)(h0 + hh) * d) + i % d4;
     const float* w = wc + hh * n_chunks;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -269,7 +274,10 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   }
   __syncthreads();
   for (int hh = 0; hh < nh; ++hh) row_post(v + hh * d, tmp, d, p, o, red);
-  for (int i = tid; i < n4; i += nt) ((float4*)(out + (int64_t)h0 * d))[i] = ((const float4*)v)[i];
+  for (int k4 = tid; k4 < n4; k4 += nt) {
+    const int i = (k4 / w4) * d4 + c4_0 + k4 % w4;
+    ((float4*)(out + (int64_t)h0 * d))[i] = ((const float4*)v)[i];
+  }
 }
 
 __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const float* part_o, const float* part_ml,
@@ -279,6 +287,31 @@ __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const
   pdl_begin();
   extern __shared__ __align__(16) float sh[];
   attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
+}
+
+// Both passes in one launch as thread block clusters ($DS4_GPU_ATTN_CLUSTER=1, where the keys make at most
+// ATT_CLUSTER chunks): one cluster of ATT_CLUSTER CTAs per head group; CTA c computes chunk c's partials exactly as
+// attn_partial_kernel (into the same global buffers), one cluster barrier, then every CTA combines the group's heads
+// for its own slice of d / ATT_CLUSTER columns with attn_combine_heads (the combine kernel's arithmetic per column):
+// the same bits as the two launches, without the second launch and its wait. Why: the cluster forms of the mHC pre
+// and the router (v22, v23) beat their two-kernel or arrival-count forms; the combine is ~6 us of frontier per layer.
+constexpr int ATT_CLUSTER = 16;
+
+__global__ void __cluster_dims__(ATT_CLUSTER, 1, 1) __launch_bounds__(ATT_THREADS, 1)
+    attn_cluster_kernel(const float* q, KeyList L, int n_keys, int d, int hb, const int64_t* pos, float scale,
+                        float* part_o, float* part_ml, const float* sinks, RowPost o, float* out) {
+  namespace cg = cooperative_groups;
+  pdl_begin();
+  extern __shared__ __align__(16) float sh[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int c = (int)cluster.block_rank(), g = blockIdx.y, H = gridDim.y * hb, nc = (n_keys + ATT_KEYS - 1) / ATT_KEYS;
+  const int64_t p = *pos;
+  if (c < nc) attn_partial_block(q, L, n_keys, d, hb, H, c, g, p, scale, part_o, part_ml, sh);
+  __threadfence();  // this CTA's partials (global memory) before the barrier that lets the others read them
+  __syncthreads();
+  cluster.sync();
+  const int d4 = d / 4, w4 = (d4 + ATT_CLUSTER - 1) / ATT_CLUSTER, c4_0 = min(d4, c * w4);
+  attn_combine_heads(part_o, part_ml, nc, H, d, g * hb, hb, sinks, (float)p, o, out, sh, c4_0, min(d4, c4_0 + w4));
 }
 
 // Both passes in one launch ($DS4_GPU_ATTN_ONE=1): the partial blocks as attn_partial_kernel; each then counts
@@ -381,6 +414,26 @@ static int attn_tiles_mode() {
   return attn_tiles_override() >= 0 ? attn_tiles_override() : env;
 }
 
+// $DS4_GPU_ATTN_CLUSTER=1 (v23, prepared, an A/B switch): attn_cluster_kernel where the keys make at most ATT_CLUSTER
+// chunks (at 2k: the layers without an indexer selection) and the device places clusters of 16; the same bits as the
+// two launches. set_attn_cluster overrides it (0, 1; -1 the environment).
+static int& attn_cluster_override() {
+  static int v = -1;
+  return v;
+}
+void set_attn_cluster(int mode) { attn_cluster_override() = mode == 0 || mode == 1 ? mode : -1; }
+static bool attn_cluster_on() {
+  static const bool env = [] {
+    const char* e = std::getenv("DS4_GPU_ATTN_CLUSTER");
+    return e && e[0] == '1';
+  }();
+  return attn_cluster_override() >= 0 ? attn_cluster_override() == 1 : env;
+}
+bool attn_cluster_takes(int n_keys) {
+  static const bool fits = cluster_fits(attn_cluster_kernel, ATT_CLUSTER, ATT_THREADS);
+  return attn_cluster_on() && attn_chunks(n_keys) <= ATT_CLUSTER && fits;
+}
+
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
 // 1: attn_one_kernel with $DS4_GPU_ATTN_ONE_HEADS heads per block (1..8, default 2). The last block of a group
 //    combines all its heads, reading heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per
@@ -428,6 +481,18 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     launch_k(attn_one_wait_kernel, dim3(nc * (H / hb) + H), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, H, pos,
              scale, part_o, part_ml, sinks, o, out);
     DS4_CHECK_LAUNCH("attention (one launch, waiting combine blocks)");
+    return;
+  }
+  if (mode == 0 && !o.norm && attn_cluster_takes(n_keys)) {
+    const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb), attn_combine_floats(d, hb, nc));
+    static size_t shm_cluster_set = 0;
+    if (shm > 48 * 1024 && shm > shm_cluster_set) {
+      DS4_CHECK(cudaFuncSetAttribute(attn_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+      shm_cluster_set = shm;
+    }
+    launch_k(attn_cluster_kernel, dim3(ATT_CLUSTER, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos,
+             scale, part_o, part_ml, sinks, o, out);
+    DS4_CHECK_LAUNCH("attention (clusters)");
     return;
   }
   int hb1 = mode == 1 ? std::min(attn_one_heads(), hb) : 0;  // the largest head count <= the asked one dividing H

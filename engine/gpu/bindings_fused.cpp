@@ -220,6 +220,10 @@ void bind_fused_ops(py::module_& m) {
   m.def("attn_chunks", &attn_chunks);
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
+  m.def("set_attn_cluster", &set_attn_cluster, py::arg("mode"),
+        "decode attention as one launch of thread block clusters where the keys make at most 16 chunks (the same "
+        "bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_CLUSTER");
+  m.def("attn_cluster_takes", &attn_cluster_takes, py::arg("n_keys"));
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
                         int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,
                         uintptr_t part_o, uintptr_t part_ml, uintptr_t out) {
