@@ -181,14 +181,16 @@ void bind_fused_ops(py::module_& m) {
   m.def("router_cluster_takes", &router_cluster_takes, py::arg("E"), py::arg("K"),
         "whether router_one runs as the cluster kernel now for E experts of K columns");
   m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
-                         int k, float scale, uintptr_t ids, uintptr_t wts) {
+                         int k, float scale, uintptr_t ids, uintptr_t wts, uintptr_t xq) {
+    const XQ planes = xq ? xq_at(reinterpret_cast<uint8_t*>(xq), 1, w.p.ncols) : XQ();
     return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),
                              ptr<const int64_t>(table), ptr<const int64_t>(tok), k, scale, ptr<int32_t>(ids),
-                             ptr<float>(wts), stream());
+                             ptr<float>(wts), stream(), xq ? &planes : nullptr);
   }, py::arg("w"), py::arg("x"), py::arg("logits"), py::arg("bias"), py::arg("table"), py::arg("tok"), py::arg("k"),
-        py::arg("scale"), py::arg("ids"), py::arg("wts"),
+        py::arg("scale"), py::arg("ids"), py::arg("wts"), py::arg("xq") = 0,
         "decode (one token): logits = w . x (the bits of matvec's F16 launch) and the router on them (as router) in "
-        "one launch (router.cu); False, nothing launched, where that kernel does not take w");
+        "one launch (router.cu); False, nothing launched, where that kernel does not take w. xq: a buffer of "
+        "xq_bytes(1, ncols) that also receives x's quantized planes (quantize_x_into's bits; the cluster kernel only)");
   m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out, uintptr_t row_w, int64_t width,
                      uintptr_t row_of) {
     launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream(), ptr<const float>(row_w),

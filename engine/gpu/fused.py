@@ -26,6 +26,10 @@ TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
 ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "1") == "1"
+# decode, with the one-launch router: 1 has its cluster kernel also write the routed experts' quantized x (the CTAs
+# that do not route), instead of a quantize_x launch on the `ffn` branch (EARLY_XQ); the routed gate/up then depends on
+# the router alone, so it is launched early behind it and holds the SMs before the shared expert's grids. v23: A/B.
+ROUTER_XQ = os.environ.get("DS4_GPU_ROUTER_XQ", "0") == "1"
 # decode: 1 launches the indexer's head-weight matvec (w = proj a) with the compressor steps, on their side branch,
 # instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
 # q_b on the main branch), so off by default; DS4_GPU_IDX_MERGE=comp puts it into the compressors' own launch instead
@@ -216,10 +220,11 @@ class Fused:
         return ids, wts
 
     def router_one(self, w, x: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
-                   tok: torch.Tensor, k: int, scale: float):
+                   tok: torch.Tensor, k: int, scale: float, xq: torch.Tensor | None = None):
         """Decode (x [1, n_embd]): (logits = w · x, ids, wts) as W.mm then `router`, with the same bits, in one
         launch (router.cu). None, with nothing launched, where that kernel does not take w (a torch matrix, not
-        F16, shapes the streaming matvec declines): the caller then runs the two launches."""
+        F16, shapes the streaming matvec declines): the caller then runs the two launches. xq (uint8, xq_bytes(1, n)):
+        also receives x's quantized planes (quantize_x_into's bits; the cluster kernel only, else None)."""
         if isinstance(w, torch.Tensor) or x.shape[0] != 1:
             return None
         x = x.contiguous()
@@ -229,7 +234,7 @@ class Fused:
         tok = tok.to(torch.int64).contiguous()
         self._stream()
         if not self.ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), int(k), float(scale), _p(ids),
-                                   _p(wts)):
+                                   _p(wts), _p(xq)):
             return None
         return logits, ids, wts
 

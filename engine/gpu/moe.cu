@@ -11,6 +11,7 @@
 
 #include "moe_mma.cuh"
 #include "mv_core.cuh"
+#include "xquant.cuh"
 
 namespace ds4gpu {
 
@@ -59,41 +60,6 @@ __device__ __forceinline__ XQ gu_stage_x(const XQ& xq, unsigned char* smem) {
   for (int i = threadIdx.x; i < xq.n / 32; i += blockDim.x) s.scale[i] = __ldg(xq.scale + i);
   __syncthreads();
   return s;
-}
-
-// One x block of 32 values, one per lane, with exactly the arithmetic and shuffle order of quantize_x_kernel
-// (repack.cu), so the planes are bitwise the same: hi = rint(v / s), lo = clamp(rint((v / s - hi) 254)),
-// s = amax / 127; scale = s / 254; sum16 = the xor-shuffle sum of the lane's 16-value half (NaN or an all-zero
-// block: hi = lo = 0, as there).
-struct XLaneQ {
-  int hi, lo;
-  float scale, sum16;
-};
-__device__ __forceinline__ XLaneQ quantize_x_lane(float v) {
-  float amax = fabsf(v);
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = amax / 127.0f;
-  XLaneQ q{0, 0, 0.0f, 0.0f};
-  if (amax > 0.0f) {
-    const float t = v / s;
-    const float hr = rintf(t);
-    q.hi = (int)hr;
-    q.lo = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
-  }
-  float sum = v;
-  for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  q.scale = s / 254.0f;
-  q.sum16 = sum;
-  return q;
-}
-
-// Writes the quantized block xb (0-based over the whole array) of lane's value v into q.
-__device__ __forceinline__ void put_x_block(const XQ& q, int64_t xb, int lane, float v) {
-  const XLaneQ r = quantize_x_lane(v);
-  q.hi[xb * 32 + lane] = (int8_t)r.hi;
-  q.lo[xb * 32 + lane] = (int8_t)r.lo;
-  if (lane == 0) q.scale[xb] = r.scale;
-  if ((lane & 15) == 0) q.sum16[xb * 2 + lane / 16] = r.sum16;
 }
 
 // XQ: the CTA quantizes the token's x (n floats, n % 32 == 0) into shared memory. Each warp loads the values

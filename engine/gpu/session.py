@@ -526,17 +526,21 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
+            router_xq = fused.ROUTER_XQ and one_launch and W.moe_takes_xq(li, b.shape[0])  # planes from the router
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
-                    if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
+                    if fused.EARLY_XQ and not router_xq and W.moe_takes_xq(li, b.shape[0]):  # x's planes on the side
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
                      W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok, cfg.n_expert_used, cfg.routed_scale)
-            one = self.K.router_one(W.mat(gate_inp), b, *route) if one_launch else None
+            xq_buf = self._xq_buf(b.shape[1]) if router_xq else None
+            one = self.K.router_one(W.mat(gate_inp), b, *route, xq=xq_buf) if one_launch else None
+            if router_xq:  # the router's planes, or (it declined) quantize_x on this stream
+                xq = xq_buf.data_ptr() if one is not None else W.quantize_x_into(b, xq_buf)
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one
