@@ -384,6 +384,31 @@ def test_compress_step_sequence(K, r, width):
     assert rel(state[2][:3], ref[2][:3]) < 1e-5 and torch.all(state[2][3:] == 0)
 
 
+@pytest.mark.parametrize("r,width", [(128, 512), (16, 512), (4, 1024)])
+def test_compress_step_regs_same_bits(K, r, width):
+    """DS4_GPU_COMPRESS_REGS (ext.set_compress_regs): the pooling with the candidates' loads in flight (mode 1: ratio 4,
+    v16; mode 2: every ratio, v23) gives every state and row tensor of the v15 loops bit for bit, over two windows."""
+    g = torch.Generator().manual_seed(31 + r)
+    rd, n_rows = 64, 4
+    d = width // 2 if r == 4 else width
+    freq, ape, norm_w = freq_table(rd, 160000.0), rnd(g, r, width, scale=0.3), rnd(g, d)
+    fr = 2 * r if r == 4 else r
+    states = [[torch.zeros(fr, width, device=DEV), torch.full((fr, width), -math.inf, device=DEV),
+               torch.zeros(n_rows, d, device=DEV)] for _ in range(2)]
+    try:
+        for p in range(2 * r + 1):
+            kv, sc = rnd(g, 1, width, scale=2.0), rnd(g, 1, width, scale=3.0)
+            for mode, st in zip((0, 2), states):
+                K.ext.set_compress_regs(mode)
+                K.compress_step(kv, sc, ape, *st, torch.tensor([p], device=DEV), r, norm_w, 1e-6, freq, rd, 0, False)
+    finally:
+        K.ext.set_compress_regs(-1)
+    torch.cuda.synchronize()
+    assert torch.isfinite(states[1][2][:2]).all() and (states[1][2][:2] != 0).any()
+    for a, b in zip(*states):
+        assert torch.equal(a, b)
+
+
 def test_compress_step_two_jobs_in_one_launch(K):
     """A ratio-4 layer's two compressors (the attention's, FP8 rows; the indexer's, FP4 QAT rows) stepped in one launch
     of two blocks: every state and row tensor bitwise as with a launch each, over three pooling windows."""

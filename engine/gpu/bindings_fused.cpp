@@ -222,6 +222,9 @@ void bind_fused_ops(py::module_& m) {
   m.def("attn_chunks", &attn_chunks);
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
+  m.def("set_compress_regs", &set_compress_regs, py::arg("mode"),
+        "decode compressor's pooling with the candidates' loads in flight (the same bits): 1 ratio 4, 2 every ratio, 0 "
+        "the v15 loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
   m.def("set_attn_cluster", &set_attn_cluster, py::arg("mode"),
         "decode attention as one launch of thread block clusters where the keys make at most 16 chunks (the same "
         "bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_CLUSTER");

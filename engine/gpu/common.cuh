@@ -370,6 +370,8 @@ void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, 
 // attn_decode.cu: $DS4_GPU_ATTN_CLUSTER (1 on, 0 off, -1 the environment) and whether launch_attention takes the one
 // launch of clusters for this many keys now.
 void set_attn_cluster(int mode);
+// fused.cu: $DS4_GPU_COMPRESS_REGS (the pooling with its candidates' loads in flight: 1 ratio 4, 2 all, 0 off, -1 env)
+void set_compress_regs(int mode);
 bool attn_cluster_takes(int n_keys);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,

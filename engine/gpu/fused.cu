@@ -158,7 +158,7 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // frontier; on the last token of a window pool the candidates (softmax over the window per column),
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
 // Block b runs job b (a ratio-4 layer's two compressors in one launch: on its pooling steps they pool side by side).
-__global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64_t* pos, bool regs) {
+__global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64_t* pos, int regs) {
   pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
@@ -204,6 +204,41 @@ __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64
       float acc = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
+      v[j] = isfinite(acc) ? acc : 0.0f;
+    }
+  } else if (r != 4 && regs >= 2) {
+    // other ratios (128: one pooling step in 128 tokens, ~3 x 128 candidate loads per column): the loop below with
+    // its loads issued CR at a time, the same operations in the same order: the same bits, 3 nc / CR round trips
+    constexpr int CR = 16;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+      float t[CR], k[CR];
+      float mx = -INFINITY;
+      for (int i0 = 0; i0 < nc; i0 += CR) {
+#pragma unroll
+        for (int u = 0; u < CR; ++u) t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : -INFINITY;
+#pragma unroll
+        for (int u = 0; u < CR; ++u)
+          if (i0 + u < nc) mx = fmaxf(mx, t[u]);
+      }
+      float sum = 0.0f;
+      for (int i0 = 0; i0 < nc; i0 += CR) {
+#pragma unroll
+        for (int u = 0; u < CR; ++u) t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < CR; ++u)
+          if (i0 + u < nc) sum += expf(t[u] - mx);
+      }
+      float acc = 0.0f;
+      for (int i0 = 0; i0 < nc; i0 += CR) {
+#pragma unroll
+        for (int u = 0; u < CR; ++u) {
+          t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : 0.0f;
+          k[u] = i0 + u < nc ? s_kv[(int64_t)(i0 + u) * width + j] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < CR; ++u)
+          if (i0 + u < nc) acc += k[u] * (expf(t[u] - mx) / sum);
+      }
       v[j] = isfinite(acc) ? acc : 0.0f;
     }
   } else {
@@ -312,13 +347,20 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
 }
 
 // $DS4_GPU_COMPRESS_REGS (v16, default 1): ratio-4 pooling and frontier shift with each column's candidates loaded
-// together (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass.
-static bool compress_regs() {
-  static const bool on = [] {
+// together (the same bits); 2 (v23, prepared, not yet run on a GPU): also the other ratios' pooling with 16
+// candidates' loads in flight (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass.
+// set_compress_regs overrides it (0-2; -1 the environment).
+static int& compress_regs_override() {
+  static int v = -1;
+  return v;
+}
+void set_compress_regs(int mode) { compress_regs_override() = mode >= 0 && mode <= 2 ? mode : -1; }
+static int compress_regs() {
+  static const int env = [] {
     const char* e = std::getenv("DS4_GPU_COMPRESS_REGS");
-    return !(e && e[0] == '0');
+    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 1;
   }();
-  return on;
+  return compress_regs_override() >= 0 ? compress_regs_override() : env;
 }
 
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s) {
