@@ -410,9 +410,32 @@ class Fused:
         return sel
 
 
-def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
+_COMP_NAMES = {True: ("IDX_COMP_KV", "IDX_COMP_GATE", "IDX_COMP_APE", "IDX_COMP_NORM"),
+               False: ("COMP_KV", "COMP_GATE", "COMP_APE", "COMP_NORM")}
+
+
+def compress_products(sess, li: int) -> tuple[list[str], bool]:
+    """(the matrices whose products with a the compressor steps of layer li take: kv and score of each compressor,
+    then the indexer's proj where it rides along (DS4_GPU_IDX_MERGE=comp), whether they all share type and width,
+    so one launch can make them)."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    W, r = sess.W, sess.cfg.ratio(li)
+    jobs = (False, True) if r == 4 else (False,)
+    mats = [C.blk(li, getattr(L, _COMP_NAMES[ix][j])) for ix in jobs for j in (0, 1)]
+    ws = [W.mat(n) for n in mats]
+    one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
+    proj = C.blk(li, L.IDX_PROJ)
+    with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
+        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
+    return mats + [proj] * with_proj, one
+
+
+def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor, products: list | None = None) -> None:
     """The decode compressor steps of layer li (and its indexer's on ratio-4 layers): they read only the
-    normalized input a and the layer's compressor state, so they may run on a side branch."""
+    normalized input a and the layer's compressor state, so they may run on a side branch. products: the
+    products of compress_products' matrices with a, made already (DS4_GPU_COMP_MERGE: in the q_a/kv launch)."""
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
@@ -420,18 +443,16 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     r = cfg.ratio(li)
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     jobs = (False, True) if r == 4 else (False,)
-    names_of = {True: (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM),
-                False: (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)}
-    mats = [C.blk(li, names_of[ix][j]) for ix in jobs for j in (0, 1)]
+    names_of = {ix: tuple(getattr(L, n) for n in _COMP_NAMES[ix]) for ix in (False, True)}
+    names, one = compress_products(sess, li)
+    mats = names[:2 * len(jobs)]
+    with_proj = len(names) > len(mats)
     # both compressors' kv and score products in one launch where the four matrices share type and width (and the
     # indexer's proj, which reads a too, as a fifth: DS4_GPU_IDX_MERGE=comp)
-    ws = [W.mat(n) for n in mats]
-    one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
-    proj = C.blk(li, L.IDX_PROJ)
-    with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
-        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
-    outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
-        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    if products is not None:
+        outs = products
+    else:
+        outs = W.mm_many(names, a) if one else [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
     if with_proj:
         sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:

@@ -55,6 +55,10 @@ PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # not by its own launch (the same bits); read once, "0" turns it off. The default since v19: 7.27 / 7.35 against
 # 7.31 / 7.39 ms at 2k / 8k (v18: 7.33 / 7.41 against 7.35 / 7.42)
 NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
+# decode: 1 makes the compressors' products (F16) in the q_a/kv launch (matvec_pair_kernel: both read a; the bits of
+# their own launch) and leaves only the compressor steps on the `comp` branch. Why (v23 trace): the branch's own
+# streaming matvec takes the SMs q_b frees, and the chain's norm_rope waits for it. v23: prepared, an A/B switch.
+COMP_MERGE = os.environ.get("DS4_GPU_COMP_MERGE", "0") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
 # separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
@@ -425,11 +429,18 @@ class Session(Timeline):
                 X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM,
                                                 pending)
             self._comp_forked = self._in_step and "comp" in self._branches and cfg.ratio(li) != 0
-            if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
+            comp_names, merged = [], False
+            if self._comp_forked and COMP_MERGE:  # DS4_GPU_COMP_MERGE: the products in the q_a/kv launch
+                comp_names, merged = fused.compress_products(self, li)
+                comp_names = comp_names if merged else []
+            if self._comp_forked and not comp_names:  # the compressors need only a: beside q_a/kv, q_b and the norms
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
             with prefill.section("q_a_kv", on):
-                qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
+                qa, kv, *comp_outs = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)] + comp_names, a)
+            if comp_names:  # only the compressor steps beside q_b and the norms
+                with self.side.fork():
+                    fused.compress_steps(self, li, a, pos, products=comp_outs)
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
