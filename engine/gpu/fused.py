@@ -444,15 +444,16 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor, products: 
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     jobs = (False, True) if r == 4 else (False,)
     names_of = {ix: tuple(getattr(L, n) for n in _COMP_NAMES[ix]) for ix in (False, True)}
-    names, one = compress_products(sess, li)
-    mats = names[:2 * len(jobs)]
-    with_proj = len(names) > len(mats)
+    product_names, one = compress_products(sess, li)
+    mats = product_names[:2 * len(jobs)]
+    with_proj = len(product_names) > len(mats)
     # both compressors' kv and score products in one launch where the four matrices share type and width (and the
     # indexer's proj, which reads a too, as a fifth: DS4_GPU_IDX_MERGE=comp)
     if products is not None:
         outs = products
     else:
-        outs = W.mm_many(names, a) if one else [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+        outs = W.mm_many(product_names, a) if one else \
+            [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
     if with_proj:
         sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:

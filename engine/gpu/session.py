@@ -438,9 +438,9 @@ class Session(Timeline):
                     fused.compress_steps(self, li, a, pos)
             with prefill.section("q_a_kv", on):
                 qa, kv, *comp_outs = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)] + comp_names, a)
-            if comp_names:  # only the compressor steps beside q_b and the norms
-                with self.side.fork():
-                    fused.compress_steps(self, li, a, pos, products=comp_outs)
+                if comp_names:  # only the compressor steps beside q_b and the norms
+                    with self.side.fork():
+                        fused.compress_steps(self, li, a, pos, products=comp_outs)
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
