@@ -430,8 +430,9 @@ static bool attn_cluster_on() {
   return attn_cluster_override() >= 0 ? attn_cluster_override() == 1 : env;
 }
 bool attn_cluster_takes(int n_keys) {
-  static const bool fits = cluster_fits(attn_cluster_kernel, ATT_CLUSTER, ATT_THREADS);
-  return attn_cluster_on() && attn_chunks(n_keys) <= ATT_CLUSTER && fits;
+  if (!attn_cluster_on() || attn_chunks(n_keys) > ATT_CLUSTER) return false;
+  static const bool fits = cluster_fits(attn_cluster_kernel, ATT_CLUSTER, ATT_THREADS);  // asked only when switched on
+  return fits;
 }
 
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
