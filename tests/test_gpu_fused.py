@@ -700,32 +700,3 @@ def test_hc_cluster_kernel_matches_the_one_launch_kernel(K, T, D, head, post_for
     if not head:
         assert rel(post, post0) < 2e-6 and rel(comb, comb0) < 2e-6
     check_hc_pre(Xn.double(), Wf, scale, base, nw, head, out, post, comb)
-
-
-@pytest.mark.parametrize("p,H,n_comp,use_sel,ratio", [
-    (2300, 64, 17, False, 128),  # Flash at 2k, a ratio-128 layer: 145 keys, 10 chunks
-    (300, 16, 40, False, 4),     # 168 keys, 11 chunks
-    (40, 6, 40, False, 4),       # fewer heads than a block's warps
-    (2300, 64, 600, True, 4),    # 640 keys: 40 chunks, more than a cluster: the two launches
-])
-def test_decode_attention_clusters_same_bits(K, p, H, n_comp, use_sel, ratio):
-    """DS4_GPU_ATTN_CLUSTER (ext.set_attn_cluster): the partials and the combine in one launch of 16-CTA clusters give the
-    two launches' output bit for bit where the keys make at most 16 chunks; past that the launcher keeps two launches."""
-    g = torch.Generator().manual_seed(50 + p + H)
-    d, rd, cap = 512, 64, 128
-    q, raw, comp = rnd(g, H, d), rnd(g, cap, d), rnd(g, n_comp, d)
-    sinks, freq = rnd(g, H), freq_table(rd, 160000.0)
-    pos = torch.tensor([p], device=DEV)
-    sel = torch.randperm(n_comp, generator=g)[:min(512, n_comp * 3 // 5)].to(DEV) if use_sel else None
-    n_keys = cap + (sel.numel() if use_sel else n_comp)
-    outs = []
-    try:
-        for mode in (0, 1, 0):
-            K.ext.set_attn_cluster(mode)
-            assert K.ext.attn_cluster_takes(n_keys) == (mode == 1 and (n_keys + 15) // 16 <= 16)
-            outs.append(K.attention(q, raw, comp, sel, ratio, pos, sinks, freq, rd).clone())
-    finally:
-        K.ext.set_attn_cluster(-1)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -120,35 +120,6 @@ def test_one_launch_gives_the_bits_of_the_two_launches(E, K, k, mode, cluster) -
         ext.set_router_cluster(-1)
 
 
-@pytest.mark.parametrize("E,K,mode", [(256, 4096, "bias"), (32, 512, "hashed")])
-def test_cluster_writes_the_quantize_x_planes(E, K, mode) -> None:
-    """xq (DS4_GPU_ROUTER_XQ): the cluster kernel's CTAs that do not route also write x's quantized planes, bitwise
-    quantize_x_into's; the routing is unchanged; the arrival-count kernel declines a buffer (nothing launched)."""
-    ext = gpu.load()
-    rng = np.random.default_rng(E + K + 5)
-    w = gpu.upload(f"router_xq.{E}.{K}", Q.F16, (K, E), random_blocks(Q.F16, E, K, rng))
-    bias, table, tok = routing_inputs(mode, E, 6, rng)
-    x = cuda(rng.standard_normal((1, K)) * 3.0)
-    x[0, :32] = 0.0  # an all-zero block
-    nbytes = ext.xq_bytes(1, K)
-    want = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
-    ext.quantize_x_into(x.data_ptr(), 1, K, want.data_ptr())
-    got = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
-    ext.set_router_cluster(1)
-    try:
-        logits, ids, wts = outputs(E, 6)
-        assert ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), 6, 1.5, _p(ids), _p(wts),
-                              got.data_ptr())
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), "planes differ from quantize_x_into's"
-        assert_same((logits, ids, wts), two_launches(w, x, bias, table, tok, 6, 1.5))
-        ext.set_router_cluster(0)
-        assert not ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), 6, 1.5, _p(ids), _p(wts),
-                                  got.data_ptr())
-    finally:
-        ext.set_router_cluster(-1)
-
-
 def test_calls_alternating_between_layers() -> None:
     """Two layers' routers one after the other on the stream, no synchronization between them (decode)."""
     ext = gpu.load()

@@ -181,16 +181,14 @@ void bind_fused_ops(py::module_& m) {
   m.def("router_cluster_takes", &router_cluster_takes, py::arg("E"), py::arg("K"),
         "whether router_one runs as the cluster kernel now for E experts of K columns");
   m.def("router_one", [](const Tensor& w, uintptr_t x, uintptr_t logits, uintptr_t bias, uintptr_t table, uintptr_t tok,
-                         int k, float scale, uintptr_t ids, uintptr_t wts, uintptr_t xq) {
-    const XQ planes = xq ? xq_at(reinterpret_cast<uint8_t*>(xq), 1, w.p.ncols) : XQ();
+                         int k, float scale, uintptr_t ids, uintptr_t wts) {
     return launch_router_one(w.p, ptr<const float>(x), ptr<float>(logits), ptr<const float>(bias),
                              ptr<const int64_t>(table), ptr<const int64_t>(tok), k, scale, ptr<int32_t>(ids),
-                             ptr<float>(wts), stream(), xq ? &planes : nullptr);
+                             ptr<float>(wts), stream());
   }, py::arg("w"), py::arg("x"), py::arg("logits"), py::arg("bias"), py::arg("table"), py::arg("tok"), py::arg("k"),
-        py::arg("scale"), py::arg("ids"), py::arg("wts"), py::arg("xq") = 0,
+        py::arg("scale"), py::arg("ids"), py::arg("wts"),
         "decode (one token): logits = w . x (the bits of matvec's F16 launch) and the router on them (as router) in "
-        "one launch (router.cu); False, nothing launched, where that kernel does not take w. xq: a buffer of "
-        "xq_bytes(1, ncols) that also receives x's quantized planes (quantize_x_into's bits; the cluster kernel only)");
+        "one launch (router.cu); False, nothing launched, where that kernel does not take w");
   m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out, uintptr_t row_w, int64_t width,
                      uintptr_t row_of) {
     launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream(), ptr<const float>(row_w),
@@ -225,10 +223,6 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_compress_regs", &set_compress_regs, py::arg("mode"),
         "decode compressor's pooling with the candidates' loads in flight (the same bits): 1 ratio 4, 2 every ratio, 0 "
         "the v15 loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
-  m.def("set_attn_cluster", &set_attn_cluster, py::arg("mode"),
-        "decode attention as one launch of thread block clusters where the keys make at most 16 chunks (the same "
-        "bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_CLUSTER");
-  m.def("attn_cluster_takes", &attn_cluster_takes, py::arg("n_keys"));
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
                         int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,
                         uintptr_t part_o, uintptr_t part_ml, uintptr_t out) {

@@ -26,10 +26,6 @@ TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
 ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "1") == "1"
-# decode, with the one-launch router: 1 has its cluster kernel also write the routed experts' quantized x (the CTAs
-# that do not route), instead of a quantize_x launch on the `ffn` branch (EARLY_XQ); the routed gate/up then depends on
-# the router alone, so it is launched early behind it and holds the SMs before the shared expert's grids. v23: A/B.
-ROUTER_XQ = os.environ.get("DS4_GPU_ROUTER_XQ", "0") == "1"
 # decode: 1 launches the indexer's head-weight matvec (w = proj a) with the compressor steps, on their side branch,
 # instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
 # q_b on the main branch), so off by default; DS4_GPU_IDX_MERGE=comp puts it into the compressors' own launch instead
@@ -220,11 +216,10 @@ class Fused:
         return ids, wts
 
     def router_one(self, w, x: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None,
-                   tok: torch.Tensor, k: int, scale: float, xq: torch.Tensor | None = None):
+                   tok: torch.Tensor, k: int, scale: float):
         """Decode (x [1, n_embd]): (logits = w · x, ids, wts) as W.mm then `router`, with the same bits, in one
         launch (router.cu). None, with nothing launched, where that kernel does not take w (a torch matrix, not
-        F16, shapes the streaming matvec declines): the caller then runs the two launches. xq (uint8, xq_bytes(1, n)):
-        also receives x's quantized planes (quantize_x_into's bits; the cluster kernel only, else None)."""
+        F16, shapes the streaming matvec declines): the caller then runs the two launches."""
         if isinstance(w, torch.Tensor) or x.shape[0] != 1:
             return None
         x = x.contiguous()
@@ -234,7 +229,7 @@ class Fused:
         tok = tok.to(torch.int64).contiguous()
         self._stream()
         if not self.ext.router_one(w, _p(x), _p(logits), _p(bias), _p(table), _p(tok), int(k), float(scale), _p(ids),
-                                   _p(wts), _p(xq)):
+                                   _p(wts)):
             return None
         return logits, ids, wts
 
@@ -410,32 +405,9 @@ class Fused:
         return sel
 
 
-_COMP_NAMES = {True: ("IDX_COMP_KV", "IDX_COMP_GATE", "IDX_COMP_APE", "IDX_COMP_NORM"),
-               False: ("COMP_KV", "COMP_GATE", "COMP_APE", "COMP_NORM")}
-
-
-def compress_products(sess, li: int) -> tuple[list[str], bool]:
-    """(the matrices whose products with a the compressor steps of layer li take: kv and score of each compressor,
-    then the indexer's proj where it rides along (DS4_GPU_IDX_MERGE=comp), whether they all share type and width,
-    so one launch can make them)."""
-    from ds4.gguf_tools import constants as C
-
-    L = C.LayerTensor
-    W, r = sess.W, sess.cfg.ratio(li)
-    jobs = (False, True) if r == 4 else (False,)
-    mats = [C.blk(li, getattr(L, _COMP_NAMES[ix][j])) for ix in jobs for j in (0, 1)]
-    ws = [W.mat(n) for n in mats]
-    one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
-    proj = C.blk(li, L.IDX_PROJ)
-    with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
-        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
-    return mats + [proj] * with_proj, one
-
-
-def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor, products: list | None = None) -> None:
+def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     """The decode compressor steps of layer li (and its indexer's on ratio-4 layers): they read only the
-    normalized input a and the layer's compressor state, so they may run on a side branch. products: the
-    products of compress_products' matrices with a, made already (DS4_GPU_COMP_MERGE: in the q_a/kv launch)."""
+    normalized input a and the layer's compressor state, so they may run on a side branch."""
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
@@ -443,17 +415,18 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor, products: 
     r = cfg.ratio(li)
     fp8 = cfg.n_nope if cfg.fp8_kv else 0
     jobs = (False, True) if r == 4 else (False,)
-    names_of = {ix: tuple(getattr(L, n) for n in _COMP_NAMES[ix]) for ix in (False, True)}
-    product_names, one = compress_products(sess, li)
-    mats = product_names[:2 * len(jobs)]
-    with_proj = len(product_names) > len(mats)
+    names_of = {True: (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE, L.IDX_COMP_NORM),
+                False: (L.COMP_KV, L.COMP_GATE, L.COMP_APE, L.COMP_NORM)}
+    mats = [C.blk(li, names_of[ix][j]) for ix in jobs for j in (0, 1)]
     # both compressors' kv and score products in one launch where the four matrices share type and width (and the
     # indexer's proj, which reads a too, as a fifth: DS4_GPU_IDX_MERGE=comp)
-    if products is not None:
-        outs = products
-    else:
-        outs = W.mm_many(product_names, a) if one else \
-            [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    ws = [W.mat(n) for n in mats]
+    one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
+    proj = C.blk(li, L.IDX_PROJ)
+    with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
+        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
+    outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
+        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
     if with_proj:
         sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:

@@ -17,7 +17,6 @@
 
 #include "mv_stream.cuh"
 #include "router.cuh"
-#include "xquant.cuh"
 
 namespace ds4gpu {
 
@@ -68,8 +67,7 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) router_one_kernel(MvArgs a,
 constexpr int RC_CTAS = 16, RC_WARPS = 16, RC_MAX_CHUNKS = 16;  // E <= 256, K <= 4096 (a multiple of 256)
 
 __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32, 1)
-    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r,
-                          XQ xq_out) {
+    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r) {
   namespace cg = cooperative_groups;
   __shared__ __align__(16) float s_x[RC_MAX_CHUNKS * 256];
   __shared__ float s_logits[ROUTER_MAX_E];  // CTA 0's: every CTA writes its logits here
@@ -102,12 +100,7 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
     cluster.map_shared_rank(s_logits, 0)[row] = acc;
   }
   cluster.sync();  // every logit is in CTA 0's shared memory
-  if (c == 0) {
-    route_token<false>(s_logits, r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
-  } else if (xq_out.hi) {  // while CTA 0 routes: x's planes for the routed experts, one 32-column block per warp
-    for (int xb = (c - 1) * RC_WARPS + warp; xb < K / 32; xb += (RC_CTAS - 1) * RC_WARPS)
-      put_x_block(xq_out, xb, lane, s_x[32 * xb + lane]);
-  }
+  if (c == 0) route_token<false>(s_logits, r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
 }
 
 // $DS4_GPU_ROUTER_CLUSTER (default 1 since v23: decode 6.12 -> 6.02 ms at 2k; 0: router_one_kernel, the arrival-count
@@ -170,8 +163,7 @@ bool router_cluster_takes(int E, int K) {
 }
 
 bool launch_router_one(const Packed& w, const float* x, float* logits, const float* bias, const int64_t* table,
-                       const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream,
-                       const XQ* xq_out) {
+                       const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream) {
   if (mv_variant_here() < 4 || w.qtype != QT_F16 || w.nrows > ROUTER_MAX_E || k < 1 || k > ROUTER_MAX_K ||
       k > w.nrows || (table && !tok))
     return false;
@@ -186,11 +178,10 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   if (router_cluster_on()) {
     if (!router_cluster_takes((int)w.nrows, (int)w.ncols)) return false;  // two launches beat the arrival count
     launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
-             logits, r, xq_out ? *xq_out : XQ());
+             logits, r);
     DS4_CHECK_LAUNCH("router cluster");
     return true;
   }
-  if (xq_out) return false;  // only the cluster kernel writes x's planes
   if (p.C == 2) launch_c<2>(a, r, p.threads, p.smem, stream);
   else if (p.C == 4) launch_c<4>(a, r, p.threads, p.smem, stream);
   else launch_c<8>(a, r, p.threads, p.smem, stream);

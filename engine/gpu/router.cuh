@@ -23,11 +23,8 @@ constexpr int ROUTER_MAX_K = 16;   // experts per token
 // and whether it takes a router of E experts and K columns now.
 void set_router_cluster(int mode);
 bool router_cluster_takes(int E, int K);
-// xq_out (the cluster kernel only; false where another form would run): x's quantized planes for the routed experts
-// too, bitwise quantize_x's, written by the CTAs that do not route (DS4_GPU_ROUTER_XQ).
 bool launch_router_one(const Packed& w, const float* x, float* logits, const float* bias, const int64_t* table,
-                       const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream,
-                       const XQ* xq_out = nullptr);
+                       const int64_t* tok, int k, float scale, int32_t* ids, float* wts, cudaStream_t stream);
 
 #if defined(__CUDACC__)
 // Routing of token t by the whole calling CTA (any blockDim.x that is a multiple of 32; experts e = tid,

@@ -55,10 +55,6 @@ PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # not by its own launch (the same bits); read once, "0" turns it off. The default since v19: 7.27 / 7.35 against
 # 7.31 / 7.39 ms at 2k / 8k (v18: 7.33 / 7.41 against 7.35 / 7.42)
 NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
-# decode: 1 makes the compressors' products (F16) in the q_a/kv launch (matvec_pair_kernel: both read a; the bits of
-# their own launch) and leaves only the compressor steps on the `comp` branch. Why (v23 trace): the branch's own
-# streaming matvec takes the SMs q_b frees, and the chain's norm_rope waits for it. v23: prepared, an A/B switch.
-COMP_MERGE = os.environ.get("DS4_GPU_COMP_MERGE", "0") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
 # separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
@@ -429,18 +425,11 @@ class Session(Timeline):
                 X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM,
                                                 pending)
             self._comp_forked = self._in_step and "comp" in self._branches and cfg.ratio(li) != 0
-            comp_names, merged = [], False
-            if self._comp_forked and COMP_MERGE:  # DS4_GPU_COMP_MERGE: the products in the q_a/kv launch
-                comp_names, merged = fused.compress_products(self, li)
-                comp_names = comp_names if merged else []
-            if self._comp_forked and not comp_names:  # the compressors need only a: beside q_a/kv, q_b and the norms
+            if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
             with prefill.section("q_a_kv", on):
-                qa, kv, *comp_outs = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)] + comp_names, a)
-                if comp_names:  # only the compressor steps beside q_b and the norms
-                    with self.side.fork():
-                        fused.compress_steps(self, li, a, pos, products=comp_outs)
+                qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
@@ -537,21 +526,17 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
-            router_xq = fused.ROUTER_XQ and one_launch and W.moe_takes_xq(li, b.shape[0])  # planes from the router
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
-                    if fused.EARLY_XQ and not router_xq and W.moe_takes_xq(li, b.shape[0]):  # x's planes on the side
+                    if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
                      W.ids(C.blk(li, L.FFN_GATE_TID2EID)) if hashed else None, tok, cfg.n_expert_used, cfg.routed_scale)
-            xq_buf = self._xq_buf(b.shape[1]) if router_xq else None
-            one = self.K.router_one(W.mat(gate_inp), b, *route, xq=xq_buf) if one_launch else None
-            if router_xq:  # the router's planes, or (it declined) quantize_x on this stream
-                xq = xq_buf.data_ptr() if one is not None else W.quantize_x_into(b, xq_buf)
+            one = self.K.router_one(W.mat(gate_inp), b, *route) if one_launch else None
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one

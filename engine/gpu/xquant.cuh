@@ -1,6 +1,5 @@
 // One 32-value activation block quantized by one warp (lane = column) into XQ's planes with quantize_x_kernel's
-// arithmetic (repack.cu), so the planes are bitwise the same: moe.cu (gate/up's own x and h) and router.cu (the
-// routed experts' x from the router's cluster kernel) use it.
+// arithmetic (repack.cu), so the planes are bitwise the same: moe.cu (gate/up's own x and h) uses it.
 #pragma once
 
 #include "common.cuh"
