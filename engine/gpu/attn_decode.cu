@@ -2,8 +2,6 @@
 // and the combine with the sinks and the inverse RoPE, in two launches or one ($DS4_GPU_ATTN_ONE), and their launcher.
 #include <math.h>
 
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <cstdlib>
 
@@ -201,9 +199,10 @@ __host__ __device__ constexpr int attn_combine_floats(int d, int nh, int n_chunk
 }
 // c4_0, c4_1: only the float4 columns [c4_0, c4_1) of each head row are formed and stored (-1: to the end); every
 // column is computed alone, so a slice has the bits of the whole (row_post must then be elementwise: no norm).
+// cs (optional): the inverse RoPE's factors, staged by row_post_stage before griddepcontrol.wait.
 __device__ void attn_combine_heads(const float* part_o, const float* part_ml, int n_chunks, int H, int d, int h0,
                                    int nh, const float* sinks, float p, const RowPost& o, float* out, float* sh,
-                                   int c4_0 = 0, int c4_1 = -1) {
+                                   int c4_0 = 0, int c4_1 = -1, const float* cs = nullptr) {
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
   float* v = sh;                           // [nh][d] outputs
   float* tmp = v + nh * d;                 // [d] row_post's scratch
@@ -214,11 +213,19 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
   float* lsum = red + 32;                  // [nh] the softmax denominator of each head
   // (virtual warp vw, head hh) pairs i = vw * nh + hh go round the real warps: the few virtual warps that have
   // chunks (n_chunks <= 32 vw) are spread over different warps, so their loads are in flight together.
+  // One (virtual warp, head) pair per warp and one chunk per lane (every decode shape up to 512 chunks): the pass
+  // below keeps its chunk's m and l in registers for the second pass instead of reading them again (one L2 round
+  // trip less on the chain; the same values, so the same bits).
+  const bool one_each = nh * ATT_VWARPS <= nw && n_chunks <= ATT_COMBINE_THREADS;
+  float m_own = -INFINITY, l_own = 0.0f;
   for (int i = warp; i < nh * ATT_VWARPS; i += nw) {
     const int vw = i / nh, hh = i % nh, h = h0 + hh;
     float mx = -INFINITY;
-    for (int c = vw * 32 + lane; c < n_chunks; c += ATT_COMBINE_THREADS)
-      mx = fmaxf(mx, __ldcg(part_ml + ((int64_t)c * H + h) * 2));
+    for (int c = vw * 32 + lane; c < n_chunks; c += ATT_COMBINE_THREADS) {
+      const float m = __ldcg(part_ml + ((int64_t)c * H + h) * 2);
+      if (one_each) m_own = m, l_own = __ldcg(part_ml + ((int64_t)c * H + h) * 2 + 1);
+      mx = fmaxf(mx, m);
+    }
     mx = warp_max_f(mx);
     if (lane == 0) mxs[hh * ATT_VWARPS + vw] = mx;
   }
@@ -229,7 +236,8 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
     for (int k = 0; k < ATT_VWARPS; ++k) M = fmaxf(M, mxs[hh * ATT_VWARPS + k]);
     float ls = 0.0f;
     for (int c = vw * 32 + lane; c < n_chunks; c += ATT_COMBINE_THREADS) {
-      const float m = __ldcg(part_ml + ((int64_t)c * H + h) * 2), l = __ldcg(part_ml + ((int64_t)c * H + h) * 2 + 1);
+      const float m = one_each ? m_own : __ldcg(part_ml + ((int64_t)c * H + h) * 2),
+                  l = one_each ? l_own : __ldcg(part_ml + ((int64_t)c * H + h) * 2 + 1);
       const float w = m == -INFINITY ? 0.0f : expf(m - M);
       wc[hh * n_chunks + c] = w;
       if (m != -INFINITY) ls += l * w;
@@ -273,45 +281,31 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
     ((float4*)v)[i] = make_float4(acc.x / L, acc.y / L, acc.z / L, acc.w / L);
   }
   __syncthreads();
-  for (int hh = 0; hh < nh; ++hh) row_post(v + hh * d, tmp, d, p, o, red);
+  for (int hh = 0; hh < nh; ++hh) row_post(v + hh * d, tmp, d, p, o, red, cs);
   for (int k4 = tid; k4 < n4; k4 += nt) {
     const int i = (k4 / w4) * d4 + c4_0 + k4 % w4;
     ((float4*)(out + (int64_t)h0 * d))[i] = ((const float4*)v)[i];
   }
 }
 
+template <bool PRE>
 __global__ void __launch_bounds__(ATT_COMBINE_THREADS) attn_combine_kernel(const float* part_o, const float* part_ml,
                                                                            int n_chunks, int H, int d,
                                                                            const float* sinks, const int64_t* pos,
                                                                            RowPost o, float* out) {
-  pdl_begin();
   extern __shared__ __align__(16) float sh[];
-  attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
-}
-
-// Both passes in one launch as thread block clusters ($DS4_GPU_ATTN_CLUSTER=1, where the keys make at most
-// ATT_CLUSTER chunks): one cluster of ATT_CLUSTER CTAs per head group; CTA c computes chunk c's partials exactly as
-// attn_partial_kernel (into the same global buffers), one cluster barrier, then every CTA combines the group's heads
-// for its own slice of d / ATT_CLUSTER columns with attn_combine_heads (the combine kernel's arithmetic per column):
-// the same bits as the two launches, without the second launch and its wait. Why: the cluster forms of the mHC pre
-// and the router (v22, v23) beat their two-kernel or arrival-count forms; the combine is ~6 us of frontier per layer.
-constexpr int ATT_CLUSTER = 16;
-
-__global__ void __cluster_dims__(ATT_CLUSTER, 1, 1) __launch_bounds__(ATT_THREADS, 1)
-    attn_cluster_kernel(const float* q, KeyList L, int n_keys, int d, int hb, const int64_t* pos, float scale,
-                        float* part_o, float* part_ml, const float* sinks, RowPost o, float* out) {
-  namespace cg = cooperative_groups;
-  pdl_begin();
-  extern __shared__ __align__(16) float sh[];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int c = (int)cluster.block_rank(), g = blockIdx.y, H = gridDim.y * hb, nc = (n_keys + ATT_KEYS - 1) / ATT_KEYS;
-  const int64_t p = *pos;
-  if (c < nc) attn_partial_block(q, L, n_keys, d, hb, H, c, g, p, scale, part_o, part_ml, sh);
-  __threadfence();  // this CTA's partials (global memory) before the barrier that lets the others read them
-  __syncthreads();
-  cluster.sync();
-  const int d4 = d / 4, w4 = (d4 + ATT_CLUSTER - 1) / ATT_CLUSTER, c4_0 = min(d4, c * w4);
-  attn_combine_heads(part_o, part_ml, nc, H, d, g * hb, hb, sinks, (float)p, o, out, sh, c4_0, min(d4, c4_0 + w4));
+  if constexpr (PRE) {  // $DS4_GPU_PREWAIT: the position, the sinks and the RoPE factors before the wait (row_post_stage)
+    pdl_trigger();
+    float* staged = sh + attn_combine_floats(d, 1, n_chunks);  // [H] sinks, then the RoPE factors
+    const float p = (float)*pos;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) staged[h] = sinks[h];
+    const RowPost os = row_post_stage(o, d, p, nullptr, staged + H);
+    pdl_wait();  // the partials are the previous kernel's
+    attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, staged, p, os, out, sh, 0, -1, staged + H);
+  } else {
+    pdl_begin();
+    attn_combine_heads(part_o, part_ml, n_chunks, H, d, blockIdx.x, 1, sinks, (float)*pos, o, out, sh);
+  }
 }
 
 // Both passes in one launch ($DS4_GPU_ATTN_ONE=1): the partial blocks as attn_partial_kernel; each then counts
@@ -414,27 +408,6 @@ static int attn_tiles_mode() {
   return attn_tiles_override() >= 0 ? attn_tiles_override() : env;
 }
 
-// $DS4_GPU_ATTN_CLUSTER=1 (v23, prepared, an A/B switch): attn_cluster_kernel where the keys make at most ATT_CLUSTER
-// chunks (at 2k: the layers without an indexer selection) and the device places clusters of 16; the same bits as the
-// two launches. set_attn_cluster overrides it (0, 1; -1 the environment).
-static int& attn_cluster_override() {
-  static int v = -1;
-  return v;
-}
-void set_attn_cluster(int mode) { attn_cluster_override() = mode == 0 || mode == 1 ? mode : -1; }
-static bool attn_cluster_on() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_ATTN_CLUSTER");
-    return e && e[0] == '1';
-  }();
-  return attn_cluster_override() >= 0 ? attn_cluster_override() == 1 : env;
-}
-bool attn_cluster_takes(int n_keys) {
-  if (!attn_cluster_on() || attn_chunks(n_keys) > ATT_CLUSTER) return false;
-  static const bool fits = cluster_fits(attn_cluster_kernel, ATT_CLUSTER, ATT_THREADS);  // asked only when switched on
-  return fits;
-}
-
 // $DS4_GPU_ATTN_ONE: decode attention in one launch; unset or 0: two launches (the default).
 // 1: attn_one_kernel with $DS4_GPU_ATTN_ONE_HEADS heads per block (1..8, default 2). The last block of a group
 //    combines all its heads, reading heads x chunks x d floats through one SM (Flash at 2k, 40 chunks: 80 KB per
@@ -484,18 +457,6 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     DS4_CHECK_LAUNCH("attention (one launch, waiting combine blocks)");
     return;
   }
-  if (mode == 0 && !o.norm && attn_cluster_takes(n_keys)) {
-    const size_t shm = sizeof(float) * (size_t)std::max(attn_partial_floats(d, hb), attn_combine_floats(d, hb, nc));
-    static size_t shm_cluster_set = 0;
-    if (shm > 48 * 1024 && shm > shm_cluster_set) {
-      DS4_CHECK(cudaFuncSetAttribute(attn_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-      shm_cluster_set = shm;
-    }
-    launch_k(attn_cluster_kernel, dim3(ATT_CLUSTER, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos,
-             scale, part_o, part_ml, sinks, o, out);
-    DS4_CHECK_LAUNCH("attention (clusters)");
-    return;
-  }
   int hb1 = mode == 1 ? std::min(attn_one_heads(), hb) : 0;  // the largest head count <= the asked one dividing H
   while (hb1 > 1 && H % hb1) --hb1;
   if (hb1 > 0 && H / hb1 <= ATT_ONE_MAX_GROUPS) {
@@ -519,14 +480,15 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
            part_ml);
   DS4_CHECK_LAUNCH("attention partial");
-  size_t shm2 = sizeof(float) * (size_t)attn_combine_floats(d, 1, nc);
-  static size_t shm2_set = 0;
-  if (shm2 > 48 * 1024 && shm2 > shm2_set) {
-    DS4_CHECK(cudaFuncSetAttribute(attn_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
-    shm2_set = shm2;
+  const int pre = prewait_mode() && !o.norm;  // row_post_stage stages no norm weight here (attention asks none)
+  size_t shm2 = sizeof(float) * ((size_t)attn_combine_floats(d, 1, nc) + (pre ? H + rope_stage_size(o.rope_dim) : 0));
+  static size_t shm2_set[2] = {0, 0};
+  auto* combine = pre ? attn_combine_kernel<true> : attn_combine_kernel<false>;
+  if (shm2 > 48 * 1024 && shm2 > shm2_set[pre]) {
+    DS4_CHECK(cudaFuncSetAttribute(combine, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm2));
+    shm2_set[pre] = shm2;
   }
-  launch_k(attn_combine_kernel, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o,
-           out);
+  launch_k(combine, dim3(H), dim3(ATT_COMBINE_THREADS), shm2, s, part_o, part_ml, nc, H, d, sinks, pos, o, out);
   DS4_CHECK_LAUNCH("attention combine");
 }
 

@@ -98,6 +98,10 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_wait();
 }
 bool pdl_enabled();  // $DS4_GPU_PDL, default on
+// $DS4_GPU_PREWAIT (fused.cu): the latency-bound row kernels (norm_rope, compress_step, the attention combine) stage
+// what depends only on weights and the position before griddepcontrol.wait; set_prewait overrides it (0, 1; -1 env).
+int prewait_mode();
+void set_prewait(int mode);
 
 // launch_pdl: the same with programmatic dependent launch only where `pdl` (and $DS4_GPU_PDL) allow it.
 template <typename... KArgs, typename... Args>
@@ -367,12 +371,8 @@ bool mmw_takes(const Packed& w, int n_expert);
 int mmw_tile_rows();
 void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
                         float* y, cudaStream_t stream, int pipe = -1);  // pipe: 1 warp-specialized, 0 lock-step, -1 env
-// attn_decode.cu: $DS4_GPU_ATTN_CLUSTER (1 on, 0 off, -1 the environment) and whether launch_attention takes the one
-// launch of clusters for this many keys now.
-void set_attn_cluster(int mode);
 // fused.cu: $DS4_GPU_COMPRESS_REGS (the pooling with its candidates' loads in flight: 1 ratio 4, 2 all, 0 off, -1 env)
 void set_compress_regs(int mode);
-bool attn_cluster_takes(int n_keys);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

@@ -60,8 +60,10 @@ __global__ void __launch_bounds__(RMS_THREADS) rms_norm_kernel(const float* x, c
 // One row per block: x[row] -> row_post -> out[row] (or the ring row pos % ring_cap when ring_cap > 0).
 // Token of a row: row / rows_per_token; its position pos[token]. Blocks past job a's rows do job b's, and past
 // those job c's (decode: the query heads, the KV row and, on indexed layers, the indexer's query heads in one launch).
+// pre ($DS4_GPU_PREWAIT): the position, the norm weight and the RoPE factors are staged before the wait
+// (row_post_stage; needs 4 d floats of shared memory), so after it only the row's own load is an L2 round trip.
+template <bool PRE>
 __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, NormRopeJob c, const int64_t* pos) {
-  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
   const int bi = (int)blockIdx.x;
@@ -71,6 +73,24 @@ __global__ void norm_rope_kernel(NormRopeJob a, NormRopeJob b, NormRopeJob c, co
   float* v = sh;
   float* tmp = sh + d;
   const int row = bi - (which > 0 ? a.rows : 0) - (which > 1 ? b.rows : 0), t = row / j.rows_per_token;
+  if constexpr (PRE) {
+    pdl_trigger();
+    const int64_t p = pos ? pos[t] : 0;
+    float* cs = sh + 3 * d;
+    const RowPost o = row_post_stage(j.o, d, (float)p, sh + 2 * d, cs);
+    pdl_wait();  // x (and in_scale) are the previous kernel's
+    const float in_s = j.in_scale ? j.in_scale[t] : 1.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      const float x = j.x[(int64_t)row * d + i];
+      v[i] = j.in_scale ? x * in_s : x;
+    }
+    __syncthreads();
+    row_post(v, tmp, d, (float)p, o, red, cs);
+    const int64_t orow = j.ring_cap > 0 ? p % j.ring_cap : row;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) j.out[orow * d + i] = v[i];
+    return;
+  }
+  pdl_begin();
   const float in_s = j.in_scale ? j.in_scale[t] : 1.0f;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float x = j.x[(int64_t)row * d + i];
@@ -158,11 +178,112 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // frontier; on the last token of a window pool the candidates (softmax over the window per column),
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
 // Block b runs job b (a ratio-4 layer's two compressors in one launch: on its pooling steps they pool side by side).
+// A ratio-4 step with $DS4_GPU_PREWAIT: before the wait, the position and (on pooling steps) the norm weight and the
+// RoPE factors of the finished row (row_post_stage); after it, each thread loads everything its columns need at once
+// (this token's kv and score, the APE row, the window's other candidates), pools them in registers with the
+// expressions of the regs path below, and stores the shifted frontier straight from registers: one L2 round trip
+// where the regs path has ~8 (store, reload, one per pooled column, one per shifted column, the weights). The values
+// stored and pooled are the regs path's, so the same bits. Thread t takes columns j = t, t + nt, ... of the first half
+// and d + j of the second; CJ columns' loads are issued together. Needs 4 d floats of shared memory.
+constexpr int CJ = 2;
+__device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* pos, float* sh, float* red) {
+  const int width = job.width, d = width / 2, tid = threadIdx.x, nt = blockDim.x;
+  pdl_trigger();
+  const int64_t p = *pos;
+  const int phase = (int)(p % 4), slot = 4 + phase;
+  const bool pool = (p + 1) % 4 == 0;
+  const int64_t row = (p + 1) / 4 - 1;
+  float* v = sh;
+  float* cs = sh + 3 * d;
+  const RowPost o = pool ? row_post_stage(job.o, d, (float)(row * 4), sh + 2 * d, cs) : job.o;
+  const float* ape = job.ape + (int64_t)phase * width;
+  float* s_kv = job.s_kv;
+  float* s_sc = job.s_sc;
+  pdl_wait();  // kv and sc are the previous kernel's
+  for (int j0 = tid; j0 < d; j0 += CJ * nt) {
+    // [u][i]: column j0 + u nt; a: slots 0-7 of the first-half column j, b: slots 4-7 of the second-half column d + j
+    float nk[CJ][2], ns[CJ][2], ak[CJ][8], as[CJ][8], bk[CJ][4], bs[CJ][4];
+#pragma unroll
+    for (int u = 0; u < CJ; ++u) {
+      const int j = j0 + u * nt;
+      if (j >= d) break;
+      nk[u][0] = job.kv[j];
+      nk[u][1] = job.kv[d + j];
+      ns[u][0] = job.sc[j] + ape[j];
+      ns[u][1] = job.sc[d + j] + ape[d + j];
+      if (!pool) continue;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        ak[u][i] = i == slot ? 0.0f : s_kv[(int64_t)i * width + j];
+        as[u][i] = i == slot ? 0.0f : s_sc[(int64_t)i * width + j];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        bk[u][i] = i + 4 == slot ? 0.0f : s_kv[(int64_t)(i + 4) * width + d + j];
+        bs[u][i] = i + 4 == slot ? 0.0f : s_sc[(int64_t)(i + 4) * width + d + j];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < CJ; ++u) {
+      const int j = j0 + u * nt;
+      if (j >= d) break;
+      if (!pool) {  // this token's kv and score into its slot of the frontier, nothing else
+        s_kv[(int64_t)slot * width + j] = nk[u][0];
+        s_kv[(int64_t)slot * width + d + j] = nk[u][1];
+        s_sc[(int64_t)slot * width + j] = ns[u][0];
+        s_sc[(int64_t)slot * width + d + j] = ns[u][1];
+        continue;
+      }
+#pragma unroll
+      for (int i = 4; i < 8; ++i) {  // this token's slot (a runtime index: selects keep the arrays in registers)
+        if (i == slot) ak[u][i] = nk[u][0], as[u][i] = ns[u][0], bk[u][i - 4] = nk[u][1], bs[u][i - 4] = ns[u][1];
+      }
+      float sc8[8], kv8[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        sc8[i] = i < 4 ? as[u][i] : bs[u][i - 4];
+        kv8[i] = i < 4 ? ak[u][i] : bk[u][i - 4];
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, sc8[i]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += expf(sc8[i] - mx);
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
+      v[j] = isfinite(acc) ? acc : 0.0f;
+      // the frontier shifted: the window's slots 4-7 become 0-3, slots 4-7 empty
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s_kv[(int64_t)i * width + j] = ak[u][i + 4];
+        s_sc[(int64_t)i * width + j] = as[u][i + 4];
+        s_kv[(int64_t)i * width + d + j] = bk[u][i];
+        s_sc[(int64_t)i * width + d + j] = bs[u][i];
+        s_kv[(int64_t)(i + 4) * width + j] = 0.0f;
+        s_sc[(int64_t)(i + 4) * width + j] = -INFINITY;
+        s_kv[(int64_t)(i + 4) * width + d + j] = 0.0f;
+        s_sc[(int64_t)(i + 4) * width + d + j] = -INFINITY;
+      }
+    }
+  }
+  if (!pool) return;  // uniform over the block
+  __syncthreads();
+  row_post(v, sh + d, d, (float)(row * 4), o, red, cs);
+  for (int j = tid; j < d; j += nt) job.rows[row * d + j] = v[j];
+}
+
+template <bool PRE>
 __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64_t* pos, int regs) {
-  pdl_begin();
   extern __shared__ float sh[];
   __shared__ float red[32];
   const CompressJob& job = blockIdx.x == 0 ? ja : jb;
+  if (PRE && job.r == 4) {
+    compress_step_r4_prewait(job, pos, sh, red);
+    return;
+  }
+  pdl_begin();
   const float* kv = job.kv;
   const float* sc = job.sc;
   const float* ape = job.ape;
@@ -327,7 +448,9 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
     return;
   }
   const int d = std::max(a.d, std::max(jb.rows ? jb.d : 0, jc.rows ? jc.d : 0));
-  launch_k(norm_rope_kernel, dim3(a.rows + jb.rows + jc.rows), dim3(128), 2 * d * sizeof(float), s, a, jb, jc, pos);
+  const int pre = prewait_mode();
+  launch_k(pre ? norm_rope_kernel<true> : norm_rope_kernel<false>, dim3(a.rows + jb.rows + jc.rows), dim3(128),
+           (pre ? 4 : 2) * d * sizeof(float), s, a, jb, jc, pos);
   DS4_CHECK_LAUNCH("norm_rope");
 }
 
@@ -346,9 +469,10 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
   DS4_CHECK_LAUNCH("swiglu");
 }
 
-// $DS4_GPU_COMPRESS_REGS (v16, default 1): ratio-4 pooling and frontier shift with each column's candidates loaded
-// together (the same bits); 2 (v23, prepared, not yet run on a GPU): also the other ratios' pooling with 16
-// candidates' loads in flight (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass.
+// $DS4_GPU_COMPRESS_REGS (v16: 1): ratio-4 pooling and frontier shift with each column's candidates loaded together
+// (the same bits); 2 (v24 default; its GPU test passed, decode at 2k unchanged: no ratio-128 pooling step falls in the
+// bench's 64 tokens): also the other ratios' pooling with 16 candidates' loads in flight (the same bits), estimated ~100 -> ~25 us
+// on the one pooling step in 128 of a ratio-128 layer; 0: the v15 loops, one dependent L2 round trip per candidate.
 // set_compress_regs overrides it (0-2; -1 the environment).
 static int& compress_regs_override() {
   static int v = -1;
@@ -358,9 +482,25 @@ void set_compress_regs(int mode) { compress_regs_override() = mode >= 0 && mode 
 static int compress_regs() {
   static const int env = [] {
     const char* e = std::getenv("DS4_GPU_COMPRESS_REGS");
-    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 1;
+    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
   }();
   return compress_regs_override() >= 0 ? compress_regs_override() : env;
+}
+
+// $DS4_GPU_PREWAIT (v24): 1 = norm_rope, the ratio-4 compressor steps and the attention combine stage the position, the
+// norm weights and the RoPE factors before griddepcontrol.wait, and the ratio-4 step loads its window at once (the same
+// bits); 0 (default until measured) = the v23 kernels. set_prewait overrides it (0, 1; -1 the environment).
+static int& prewait_override() {
+  static int v = -1;
+  return v;
+}
+void set_prewait(int mode) { prewait_override() = mode == 0 || mode == 1 ? mode : -1; }
+int prewait_mode() {
+  static const int env = [] {
+    const char* e = std::getenv("DS4_GPU_PREWAIT");
+    return e && e[0] == '1' ? 1 : 0;
+  }();
+  return prewait_override() >= 0 ? prewait_override() : env;
 }
 
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s) {
@@ -372,8 +512,9 @@ void launch_compress_step(const CompressJob& a, const CompressJob* b, const int6
     check_row_post(j->o, dj);
     d = std::max(d, dj);
   }
-  launch_k(compress_step_kernel, dim3(b ? 2 : 1), dim3(256), 2 * d * sizeof(float), s, a, b ? *b : a, pos,
-           compress_regs());
+  const int pre = prewait_mode();
+  launch_k(pre ? compress_step_kernel<true> : compress_step_kernel<false>, dim3(b ? 2 : 1), dim3(256),
+           (pre ? 4 : 2) * d * sizeof(float), s, a, b ? *b : a, pos, compress_regs());
   DS4_CHECK_LAUNCH("compress_step");
 }
 

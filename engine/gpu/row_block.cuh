@@ -21,7 +21,8 @@ namespace {
 // FP8 e4m3 rounding of the first fp8_nope dims in blocks of 64, or Hadamard + FP4 e2m1 in blocks of 32.
 // Mirrors ops.rms_norm, ops.apply_tail, ops.fp8_kv_round and ops.indexer_qat.
 // RowPost (common.cuh) says which of these steps run.
-__device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o, float* red) {
+// cs (optional): the RoPE factors of position p as rope_stage wrote them (the same values row_post would compute).
+__device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o, float* red, const float* cs = nullptr) {
   const int tid = threadIdx.x, nt = blockDim.x;
   if (o.norm) {
     float ss = 0.0f;
@@ -34,9 +35,15 @@ __device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o,
   if (o.freq) {
     const int half = o.rope_dim / 2, n_nope = d - o.rope_dim;
     for (int i = tid; i < half; i += nt) {
-      float ang = p * o.freq[i];
-      float c = cosf(ang), s = sinf(ang);
-      if (o.inverse) s = -s;
+      float c, s;
+      if (cs) {
+        c = cs[i];
+        s = cs[half + i];
+      } else {
+        float ang = p * o.freq[i];
+        c = cosf(ang), s = sinf(ang);
+        if (o.inverse) s = -s;
+      }
       float x0 = v[n_nope + 2 * i], x1 = v[n_nope + 2 * i + 1];
       v[n_nope + 2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
       v[n_nope + 2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
@@ -80,6 +87,32 @@ __device__ void row_post(float* v, float* tmp, int d, float p, const RowPost& o,
     }
     __syncthreads();
   }
+}
+
+// The prologue a row_post kernel can run before griddepcontrol.wait ($DS4_GPU_PREWAIT): the norm weight and the RoPE
+// factors of position p depend only on weights and on the position (written before the step's graph starts), so
+// staging them into shared memory takes their L2 round trips (and the cosf/sinf) off the chain that follows the wait.
+// Returns o with w pointing at the staged copy; cs receives what rope_stage_size(o) floats row_post(..., cs) reads.
+// The staged values are read after the caller's next __syncthreads.
+__host__ __device__ constexpr int rope_stage_size(int rope_dim) { return rope_dim; }
+__device__ RowPost row_post_stage(const RowPost& o, int d, float p, float* w_stage, float* cs) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  RowPost s = o;
+  if (o.norm && o.w) {
+    for (int i = tid; i < d; i += nt) w_stage[i] = o.w[i];
+    s.w = w_stage;
+  }
+  if (o.freq) {
+    const int half = o.rope_dim / 2;
+    for (int i = tid; i < half; i += nt) {
+      float ang = p * o.freq[i];
+      float c = cosf(ang), sn = sinf(ang);
+      if (o.inverse) sn = -sn;
+      cs[i] = c;
+      cs[half + i] = sn;
+    }
+  }
+  return s;
 }
 
 }  // namespace
