@@ -210,7 +210,8 @@ void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int toke
                         cudaStream_t stream);
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
-                const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false);  // true: scratch.xq_in holds x
+                const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false,  // true: scratch.xq_in holds x
+                cudaEvent_t gateup_done = nullptr);  // recorded on stream right after the gate/up launch
 
 // fused.cu and hc.cu (mHC): the non-matvec chains of a layer (see the kernels there for the exact semantics).
 struct RowPost {

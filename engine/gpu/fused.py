@@ -30,9 +30,6 @@ ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "1") == "1"
 # instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
 # q_b on the main branch), so off by default; DS4_GPU_IDX_MERGE=comp puts it into the compressors' own launch instead
 EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
-# decode (v24, an A/B switch): CTAs per SM of the compressors' product launch on the `comp` side branch (0: as many as
-# fit). Why: v23's traces show that launch taking the SMs q_b frees, so the chain's norm_rope ends ~8 us after q_b.
-COMP_PER_SM = int(os.environ.get("DS4_GPU_COMP_PER_SM", "0") or 0)
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
@@ -428,16 +425,8 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     proj = C.blk(li, L.IDX_PROJ)
     with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
         (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
-    cap = COMP_PER_SM if sess._comp_forked and W.ext is not None else 0
-    if cap:
-        W.ext.set_mv_cap(cap)
-    try:
-        outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
-            [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
-    finally:
-        if cap:
-            from . import branches
-            W.ext.set_mv_cap(branches.SIDE_PER_SM)  # the side branch's own cap (0: none)
+    outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
+        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
     if with_proj:
         sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
     if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:
