@@ -1,6 +1,7 @@
 """DS4_GPU_PREWAIT (ext.set_prewait): norm_rope, the ratio-4 compressor steps and the attention combine stage their
 position-only inputs (the position, norm weights, RoPE factors, sinks) before griddepcontrol.wait, and the ratio-4 step
-loads its window at once. Each kernel must give the v23 kernels' outputs bit for bit, and so must the session's decode
+loads its window at once; mode 2 also the mHC pre's scale, base and norm weight, the router's bias, the position in the
+attention partials, the top-k and the index keys, and the index keys' older rows. Each kernel must give the v23 kernels' outputs bit for bit, and so must the session's decode
 logits (eager and graph-replayed). Skipped without a CUDA device and the built extension."""
 
 from __future__ import annotations
@@ -37,16 +38,20 @@ def freq_table(rope_dim, base=160000.0):
 
 
 def both(K, run):
-    """run() under the v23 kernels, then with the prewait prologues; (off, on) results, synchronized."""
+    """run() under the v23 kernels (mode 0), then with the prologues (modes 1 and 2); (off, on) results with `on` the
+    mode-2 run, synchronized, after checking that mode 1 gave mode 2's result."""
     outs = []
     try:
-        for mode in (0, 1):
+        for mode in (0, 1, 2):
             K.ext.set_prewait(mode)
             outs.append(run())
     finally:
         K.ext.set_prewait(-1)
     torch.cuda.synchronize()
-    return outs
+    one, two = outs[1:]
+    for a, b in zip(one if isinstance(one, (list, tuple)) else [one], two if isinstance(two, (list, tuple)) else [two]):
+        assert torch.equal(a, b)
+    return outs[0], outs[2]
 
 
 @pytest.mark.parametrize("p", [0, 7, 2047, 40000])
@@ -160,6 +165,18 @@ def test_decode_attention_combine_same_bits(K, p, H, n_comp, use_sel):
     assert torch.equal(off, on)
 
 
+@pytest.mark.parametrize("n,p", [(528, 2111), (516, 2063), (2064, 8255), (600, 1000)])
+def test_topk_position_read_early_same_bits(K, n, p):
+    """The decode top-k (mode 2 reads the position before its wait): the same selection, including the early exit where
+    every visible row fits (p = 1000: 250 visible rows of 600)."""
+    g = torch.Generator().manual_seed(n + p)
+    keys = torch.randn(n, generator=g, dtype=torch.float64).to(DEV)
+    keys[7] = keys[9]  # a tie
+    pos = torch.tensor([p], device=DEV)
+    off, on = both(K, lambda: K.topk(keys, 512, pos, 4).clone())
+    assert torch.equal(off, on)
+
+
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     from conftest import quantize_cli
@@ -180,7 +197,7 @@ def test_session_decode_logits_same_bits(small_model, graphs):
     toks = np.random.default_rng(9).integers(2, small_model.config.vocab_size, 46).tolist()
     runs, W = [], None
     try:
-        for mode in (0, 1):
+        for mode in (0, 2):
             ext.set_prewait(mode)
             s = Session(small_model, ctx=256, graphs=graphs, weights=W)
             W = s.W

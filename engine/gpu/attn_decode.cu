@@ -175,10 +175,15 @@ __device__ void attn_partial_block(const float* q, const KeyList& L, int n_keys,
 
 __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* q, KeyList L, int n_keys, int d,
                                                                    int hb, const int64_t* pos, float scale,
-                                                                   float* part_o, float* part_ml) {
-  pdl_begin();
+                                                                   float* part_o, float* part_ml, bool pre) {
   extern __shared__ __align__(16) float sh[];
-  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, *pos, scale, part_o, part_ml, sh);
+  // pre ($DS4_GPU_PREWAIT=2): the position (written before the step's graph starts) is read before the wait, so the
+  // key rows' addresses and visibility do not wait for its round trip after it
+  pdl_trigger();
+  const int64_t p_early = pre ? *pos : 0;
+  pdl_wait();
+  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, pre ? p_early : *pos, scale, part_o,
+                     part_ml, sh);
 }
 
 // Pass 2: combine the chunks of heads h0..h0+nh-1 with the sinks, then row_post (the inverse RoPE on the tail).
@@ -478,7 +483,7 @@ void launch_attention(const float* q, int H, int d, const float* raw, int cap, c
     shm_set = shm;
   }
   launch_k(attn_partial_kernel, dim3(nc, H / hb), dim3(ATT_THREADS), shm, s, q, L, n_keys, d, hb, pos, scale, part_o,
-           part_ml);
+           part_ml, prewait_mode() >= 2);
   DS4_CHECK_LAUNCH("attention partial");
   const int pre = prewait_mode() && !o.norm;  // row_post_stage stages no norm weight here (attention asks none)
   size_t shm2 = sizeof(float) * ((size_t)attn_combine_floats(d, 1, nc) + (pre ? H + rope_stage_size(o.rope_dim) : 0));

@@ -289,7 +289,7 @@ bool matvec(const Tensor& w, const Array& x, Array& y, int groups, uintptr_t nor
 }
 
 void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& x, const Array& ids,
-         const Array& weights, Array& y, float clamp, uintptr_t xq_in, uintptr_t gateup_done) {
+         const Array& weights, Array& y, float clamp, uintptr_t xq_in) {
   if (gate.ne.size() != 3) throw std::invalid_argument("moe: expert tensors are [cols, rows, experts]");
   int n_expert = (int)gate.ne[2];
   if (x.shape.size() != 2 || ids.shape.size() != 2 || weights.shape != ids.shape || y.shape != x.shape)
@@ -307,7 +307,7 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
     s.xq_in = xq_at(reinterpret_cast<uint8_t*>(xq_in), T, D);
   }
   launch_moe(gate.p, up.p, down.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, y.f(), s, stream(),
-             xq_in != 0, reinterpret_cast<cudaEvent_t>(gateup_done));
+             xq_in != 0);
 }
 
 // The gate/up half of moe on its own: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j] (tests, bench).
@@ -573,9 +573,8 @@ PYBIND11_MODULE(_ext, m) {
   }, py::arg("x"), py::arg("T"), py::arg("n"), py::arg("buf"),
         "The activation planes of quantize_x (hi, lo, scales, sums) of x [T, n] into buf (xq_bytes(T, n) bytes).");
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
-        py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f, py::arg("xq_in") = 0, py::arg("gateup_done") = 0,
-        "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]). gateup_done: a CUDA "
-        "event (event_create) recorded right after the gate/up launch, for another stream to follow it alone.");
+        py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f, py::arg("xq_in") = 0,
+        "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
   m.def("moe_gateup", &moe_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("ids"), py::arg("weights"),
         py::arg("h"), py::arg("clamp") = 10.0f,
         "The gate/up half of moe: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j]; h is [T k, n_ff].");
@@ -646,18 +645,6 @@ PYBIND11_MODULE(_ext, m) {
           g_stream_external = true;
         }, py::arg("stream"),
         "Launch every later op on this CUDA stream handle (e.g. torch.cuda.current_stream().cuda_stream).");
-  // Raw CUDA events for cross-stream edges at a point inside one of the extension's multi-kernel calls (moe's
-  // gateup_done); also capturable: a record and a wait inside stream capture become a graph edge.
-  m.def("event_create", []() {
-    cudaEvent_t e = nullptr;
-    DS4_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return reinterpret_cast<uintptr_t>(e);
-  }, "A new CUDA event without timing (never destroyed: one per session is made).");
-  m.def("event_record", [](uintptr_t e) { DS4_CHECK(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), stream())); },
-        py::arg("event"), "Record the event on the extension's current stream.");
-  m.def("stream_wait_event", [](uintptr_t s, uintptr_t e) {
-    DS4_CHECK(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(s), reinterpret_cast<cudaEvent_t>(e), 0));
-  }, py::arg("stream"), py::arg("event"), "The CUDA stream handle waits for the event's last record.");
   m.def("reset_stream", []() {
           g_stream = nullptr;
           g_stream_external = false;

@@ -225,7 +225,8 @@ void bind_fused_ops(py::module_& m) {
         "the v15 loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
   m.def("set_prewait", &set_prewait, py::arg("mode"),
         "norm_rope, the ratio-4 compressor steps and the attention combine stage their position-only inputs before "
-        "griddepcontrol.wait (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_PREWAIT; read when a launch is made");
+        "griddepcontrol.wait (the same bits): 1 on, 2 also the mHC pre, router, attention partials, top-k and index keys, "
+        "0 off, -1 back to $DS4_GPU_PREWAIT; read when a launch is made");
   m.def("attention", [](uintptr_t q, int H, int d, uintptr_t raw, int cap, uintptr_t comp, uintptr_t sel, int n_comp,
                         int ratio, uintptr_t pos, float scale, uintptr_t sinks, uintptr_t freq, int rope_dim,
                         uintptr_t part_o, uintptr_t part_ml, uintptr_t out) {

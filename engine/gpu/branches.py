@@ -88,16 +88,11 @@ class SideStream:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     @contextmanager
-    def fork(self, after_event: int = 0):
-        """after_event: an extension event (event_create) the side stream waits for instead of everything launched so
-        far on the current stream (e.g. moe's gateup_done: the branch follows the routed gate/up alone)."""
+    def fork(self):
         main = torch.cuda.current_stream(self.device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
-        if after_event:
-            self.ext.stream_wait_event(self.stream.cuda_stream, after_event)
-        else:
-            self.stream.wait_stream(main)
+        self.stream.wait_stream(main)
         try:
             with torch.cuda.stream(self.stream):
                 self._route()

@@ -99,7 +99,8 @@ __device__ __forceinline__ void pdl_begin() {
 }
 bool pdl_enabled();  // $DS4_GPU_PDL, default on
 // $DS4_GPU_PREWAIT (fused.cu): the latency-bound row kernels (norm_rope, compress_step, the attention combine) stage
-// what depends only on weights and the position before griddepcontrol.wait; set_prewait overrides it (0, 1; -1 env).
+// what depends only on weights and the position before griddepcontrol.wait (2: also the mHC pre, router, attention
+// partials, top-k and index keys); set_prewait overrides it (0-2; -1 env).
 int prewait_mode();
 void set_prewait(int mode);
 
@@ -210,8 +211,7 @@ void launch_moe_combine(const float* y_sorted, const int64_t* slot_row, int toke
                         cudaStream_t stream);
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
-                const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false,  // true: scratch.xq_in holds x
-                cudaEvent_t gateup_done = nullptr);  // recorded on stream right after the gate/up launch
+                const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false);  // true: scratch.xq_in holds x
 
 // fused.cu and hc.cu (mHC): the non-matvec chains of a layer (see the kernels there for the exact semantics).
 struct RowPost {

@@ -52,12 +52,13 @@ __device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
 __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREADS, 1)
     hc_cluster_kernel(const float* X, const float* Wf, int M, const float* scale, const float* base,
                       const float* norm_w, int D, int iters, float eps_rms, float eps_hc, bool head, float* out,
-                      float* post_out, float* comb_out, HcPost hp, bool rcp, float* logits_out) {
+                      float* post_out, float* comb_out, HcPost hp, bool rcp, float* logits_out, bool early) {
   namespace cg = cooperative_groups;
   constexpr int n = 4;
   __shared__ float s_warp[HCC_MAX_THREADS / 32][HCC_Q];
   __shared__ float s_all[HCC_CTAS][HCC_Q];  // every CTA's partials, written by each CTA into every CTA
   __shared__ float s_tot[HCC_Q];
+  __shared__ float s_base[HCC_MAX_M], s_scale[3];  // early: the weights read after the cluster barrier, staged early
   cg::cluster_group cluster = cg::this_cluster();
   const int c = (int)cluster.block_rank(), t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int dc = D / HCC_CTAS, d = c * dc + tid;
@@ -68,6 +69,16 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
   for (int m = 0; m < HCC_MAX_M; ++m)
 #pragma unroll
     for (int i = 0; i < n; ++i) w[m][i] = m < M ? __ldg(Wf + m * nD + (int64_t)i * D + d) : 0.0f;
+  // early ($DS4_GPU_PREWAIT=2): scale, base and the norm weight are weights too, read here instead of after the cluster
+  // barrier (their round trip was on the chain there); the same values, so the same bits. The head has one scale.
+  float nw = 1.0f;
+  if (early) {
+    for (int k = tid; k < M; k += blockDim.x) s_base[k] = base[k];
+    if (tid < (head ? 1 : 3)) s_scale[tid] = scale[tid];
+    if (norm_w) nw = __ldg(norm_w + d);
+    scale = s_scale;  // read after the __syncthreads below
+    base = s_base;
+  }
   pdl_wait();
   float x[n];
   const float* Xt = X + (int64_t)t * nD;
@@ -136,7 +147,7 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
                    2.0f * ((pre[0] * pre[1] * G[1] + pre[0] * pre[2] * G[2]) + (pre[0] * pre[3] * G[3] + pre[1] * pre[2] * G[5]) +
                            (pre[1] * pre[3] * G[6] + pre[2] * pre[3] * G[8]));
   const float r2 = rsqrtf(su / (float)D + eps_rms);
-  out[(int64_t)t * D + d] = u * r2 * (norm_w ? __ldg(norm_w + d) : 1.0f);
+  out[(int64_t)t * D + d] = u * r2 * (early ? nw : (norm_w ? __ldg(norm_w + d) : 1.0f));
   if (c == 0 && warp == 0 && !head) {  // post and comb, after this warp's out columns
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(s_tot[n + lane] * r * scale[1] + base[n + lane]);
     if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these
@@ -176,7 +187,7 @@ void launch_hc_cluster(const float* X, const float* Wf, int M, const float* scal
                        const float* norm_w, int T, int D, int iters, float eps_rms, float eps_hc, bool head,
                        float* out, float* post, float* comb, const HcPost& hp, cudaStream_t s, float* logits) {
   launch_k(hc_cluster_kernel, dim3(HCC_CTAS, T), dim3(D / HCC_CTAS), 0, s, X, Wf, M, scale, base, norm_w, D, iters,
-           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits);
+           eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits, prewait_mode() >= 2);
   DS4_CHECK_LAUNCH("hc_cluster");
 }
 

@@ -240,12 +240,27 @@ __device__ __forceinline__ void ik2_fold(float (&d)[32], int lane) {
 }
 __global__ void __launch_bounds__(256) index_keys_v2_kernel(const float* q, const float* w, const float* idx,
                                                              int n_rows, int Hi, const int64_t* pos, int ratio,
-                                                             float scale, RowPost post, double* keys) {
-  pdl_begin();
+                                                             float scale, RowPost post, double* keys, bool pre) {
   __shared__ __align__(16) float qs[IK2_MAX_H * IK2_DI];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool has_post = post.qat || post.freq;
-  const int64_t p = *pos;
+  const int c = blockIdx.x * IK2_ROWS + warp;
+  // pre ($DS4_GPU_PREWAIT=2): before the wait, the position (written before the step's graph starts) and this warp's
+  // compressed key row, unless it is the row this step's compressor pools (the last visible one on a pooling step):
+  // the others were written by earlier steps. The same values, so the same bits.
+  pdl_trigger();
+  int64_t p = pre ? *pos : 0;
+  float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  bool have_r = false;
+  if (pre && c < n_rows && !((p + 1) % ratio == 0 && c == (p + 1) / ratio - 1)) {
+    r = __ldg((const float4*)(idx + (int64_t)c * IK2_DI) + lane);
+    have_r = true;
+  }
+  pdl_wait();
+  if (!pre) p = *pos;
+  float wv[IK2_MAX_H / 32];  // the heads' weights (this step's), loaded with q instead of inside the head loop
+#pragma unroll
+  for (int i = 0; i < IK2_MAX_H / 32; ++i) wv[i] = pre && 32 * i + lane < Hi ? w[32 * i + lane] : 0.0f;
   for (int h = warp; h < Hi; h += 8) {  // stage (and post-process) one head row per warp
     float v[4];
 #pragma unroll
@@ -254,9 +269,7 @@ __global__ void __launch_bounds__(256) index_keys_v2_kernel(const float* q, cons
 #pragma unroll
     for (int k = 0; k < 4; ++k) qs[h * IK2_DI + lane + 32 * k] = v[k];
   }
-  const int c = blockIdx.x * IK2_ROWS + warp;
-  float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (c < n_rows) r = __ldg((const float4*)(idx + (int64_t)c * IK2_DI) + lane);
+  if (c < n_rows && !have_r) r = __ldg((const float4*)(idx + (int64_t)c * IK2_DI) + lane);
   __syncthreads();
   if (c >= n_rows) return;
   const int64_t n_vis = (p + 1) / ratio;
@@ -278,7 +291,15 @@ __global__ void __launch_bounds__(256) index_keys_v2_kernel(const float* q, cons
     ik2_fold<2>(d, lane);
     ik2_fold<1>(d, lane);
     const int h = h0 + lane;  // d[0] is head h's dot over all 128 dims
-    total += w[h] * scale * fmaxf(d[0], 0.0f);
+    float wh = w[0];
+    if (pre) {
+#pragma unroll
+      for (int i = 0; i < IK2_MAX_H / 32; ++i)  // a select, not an index: wv stays in registers
+        if (i == h0 / 32) wh = wv[i];
+    } else {
+      wh = w[h];
+    }
+    total += wh * scale * fmaxf(d[0], 0.0f);
   }
   total = warp_sum_f(total);
   if (lane == 0) keys[c] = (double)total - (double)c * 1e-300;
@@ -294,7 +315,7 @@ void launch_index_keys_v2(const float* q, const float* w, const float* idx, int 
   if (post.norm || post.fp8_nope || post.inverse) throw std::invalid_argument("index_keys v2: post is RoPE and QAT only");
   if (!pos) throw std::invalid_argument("index_keys v2: needs the position");
   launch_k(index_keys_v2_kernel, dim3((n_rows + IK2_ROWS - 1) / IK2_ROWS), dim3(256), 0, s, q, w, idx, n_rows, Hi, pos,
-           ratio, scale, post, keys);
+           ratio, scale, post, keys, prewait_mode() >= 2);
   DS4_CHECK_LAUNCH("index_keys_v2");
 }
 

@@ -408,7 +408,7 @@ void launch_moe_gateup(const Packed& gate, const Packed& up, int n_expert, const
 
 void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_expert, const float* x,
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
-                const MoeScratch& s, cudaStream_t stream, bool x_quantized, cudaEvent_t gateup_done) {
+                const MoeScratch& s, cudaStream_t stream, bool x_quantized) {
   if (gate.qtype != up.qtype) throw std::invalid_argument("gate and up experts must share a type");
   if (gate.qtype == QT_F16 || down.qtype == QT_F16) throw std::invalid_argument("MoE needs quantized experts");
   if (n_expert < 1 || gate.nrows % n_expert || down.nrows % n_expert)
@@ -419,11 +419,9 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   const int pairs = tokens * k;
   if (!x_quantized && gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
     launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
-    if (gateup_done) DS4_CHECK(cudaEventRecord(gateup_done, stream));
     if (gateup_x_quant() == 2) launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   } else {
     launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream, x_quantized);
-    if (gateup_done) DS4_CHECK(cudaEventRecord(gateup_done, stream));  // another stream may follow the gate/up alone
     launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   }
   switch (down.qtype) {

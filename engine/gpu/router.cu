@@ -67,10 +67,12 @@ __global__ void __launch_bounds__(MV_MAX_THREADS, 2) router_one_kernel(MvArgs a,
 constexpr int RC_CTAS = 16, RC_WARPS = 16, RC_MAX_CHUNKS = 16;  // E <= 256, K <= 4096 (a multiple of 256)
 
 __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32, 1)
-    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r) {
+    router_cluster_kernel(const uint8_t* qs, int64_t qs_row, int K, const float* x, float* logits, RouteArgs r,
+                          bool pre) {
   namespace cg = cooperative_groups;
   __shared__ __align__(16) float s_x[RC_MAX_CHUNKS * 256];
   __shared__ float s_logits[ROUTER_MAX_E];  // CTA 0's: every CTA writes its logits here
+  __shared__ float s_bias[ROUTER_MAX_E];    // pre: CTA 0's copy of the bias (a weight), read after the barrier
   cg::cluster_group cluster = cg::this_cluster();
   const int c = (int)cluster.block_rank(), warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows_per_cta = (r.E + RC_CTAS - 1) / RC_CTAS, row = c * rows_per_cta + warp;
@@ -82,6 +84,10 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
   for (int j = 0; j < RC_MAX_CHUNKS; ++j)
     q[j] = mine && j < nch ? ld_stream16(qrow + 2 * (256 * j + 8 * lane)) : make_uint4(0, 0, 0, 0);
   pdl_trigger();
+  // pre ($DS4_GPU_PREWAIT=2): the routing's bias loads leave the chain after the cluster barrier (the same values)
+  const bool staged = pre && c == 0 && r.bias;
+  if (staged)
+    for (int e = threadIdx.x; e < r.E; e += blockDim.x) s_bias[e] = r.bias[e];
   pdl_wait();  // x, and the readers of logits, ids and wts, are earlier kernels
   for (int i = threadIdx.x; i < K / 4; i += blockDim.x) ((float4*)s_x)[i] = __ldg((const float4*)x + i);
   __syncthreads();
@@ -100,7 +106,7 @@ __global__ void __cluster_dims__(RC_CTAS, 1, 1) __launch_bounds__(RC_WARPS * 32,
     cluster.map_shared_rank(s_logits, 0)[row] = acc;
   }
   cluster.sync();  // every logit is in CTA 0's shared memory
-  if (c == 0) route_token<false>(s_logits, r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
+  if (c == 0) route_token<false>(s_logits, staged ? s_bias : r.bias, r.table, r.tok, 0, r.E, r.k, r.scale, r.ids, r.wts);
 }
 
 // $DS4_GPU_ROUTER_CLUSTER (default 1 since v23: decode 6.12 -> 6.02 ms at 2k; 0: router_one_kernel, the arrival-count
@@ -178,7 +184,7 @@ bool launch_router_one(const Packed& w, const float* x, float* logits, const flo
   if (router_cluster_on()) {
     if (!router_cluster_takes((int)w.nrows, (int)w.ncols)) return false;  // two launches beat the arrival count
     launch_k(router_cluster_kernel, dim3(RC_CTAS), dim3(RC_WARPS * 32), 0, stream, w.qs, w.qs_row, (int)w.ncols, x,
-             logits, r);
+             logits, r, prewait_mode() >= 2);
     DS4_CHECK_LAUNCH("router cluster");
     return true;
   }

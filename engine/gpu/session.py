@@ -58,10 +58,6 @@ NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
 # separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
-# decode with the `ffn` branch (v24, an A/B switch): 1 launches the shared expert on the side stream only after the
-# routed gate/up (moe's gateup_done event), beside the routed quantize and down. Why: v23's traces have the shared
-# expert's grids take the SMs first, so the routed gate/up (which needs whole SMs) starts ~9 us after the router.
-SHARED_LATE = os.environ.get("DS4_GPU_SHARED_LATE", "0") == "1"
 
 
 def parse_prefetch(spec: str) -> dict[str, float]:
@@ -129,7 +125,6 @@ class Session(Timeline):
         self.hc_defer = branches.DeferredSinkhorn(self.K, self.device) if branches.HC_DEFER and self.K is not None \
             else None
         self._comp_forked = False
-        self._gateup_event = 0  # the extension event moe records after the routed gate/up (SHARED_LATE)
         self.tc_attn = tc.TC_ATTN and self.device.type == "cuda"  # prefill attention products on tensor cores
         self.tf32_attn = tc.TF32_ATTN and self.device.type == "cuda"  # ... as TF32 (a speed mode)
         self.load_weights()
@@ -531,14 +526,12 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
-            late = forked and SHARED_LATE  # the shared expert after the routed gate/up (DS4_GPU_SHARED_LATE)
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
-                    if not late:
-                        sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
+                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
@@ -549,12 +542,7 @@ class Session(Timeline):
             _, ids, w = one
             if xq_ready is not None:
                 self.side.wait(xq_ready)
-            if late and self._gateup_event == 0:
-                self._gateup_event = W.ext.event_create()
-            out = W.moe(li, b, ids, w, limit, xq=xq, gateup_done=self._gateup_event if late else 0)
-            if late:
-                with self.side.fork(after_event=self._gateup_event):
-                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
+            out = W.moe(li, b, ids, w, limit, xq=xq)
             if forked:
                 self.side.join()
                 return out, sh

@@ -100,11 +100,15 @@ __device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov
 // One block per row: row b reads keys + b * ld, pos + b (when pos is set) and writes sel + b * k.
 template <int REG, typename Key>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys, int n, int64_t ld, int k,
-                                                                 const int64_t* pos, int ratio, int64_t* sel) {
-  pdl_begin();
+                                                                 const int64_t* pos, int ratio, int64_t* sel,
+                                                                 bool pre) {
   keys += (int64_t)blockIdx.x * ld;
   sel += (int64_t)blockIdx.x * k;
   if (pos) pos += blockIdx.x;
+  // pre ($DS4_GPU_PREWAIT=2): the position (written before the step's graph starts) is read before the wait
+  pdl_trigger();
+  const int64_t p_early = pre && pos ? *pos : 0;
+  pdl_wait();
   // two histograms (and OR/AND words): a pass clears the next one's, saving a barrier per pass
   __shared__ unsigned hist[2][256];
   __shared__ unsigned sh_or[2][2], sh_and[2][2];  // [buffer][hi, lo]
@@ -113,7 +117,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
   __shared__ int sh_gt, sh_eq;
   const int tid = threadIdx.x;
   if (pos) {
-    const int64_t n_vis = (*pos + 1) / ratio;
+    const int64_t n_vis = ((pre ? p_early : *pos) + 1) / ratio;
     if (n_vis <= k) {  // every visible row fits; the attention masks rows >= n_vis itself
       for (int i = tid; i < k; i += blockDim.x) sel[i] = i;
       return;
@@ -245,12 +249,13 @@ void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int6
   };
   if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
     launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS)), 0, s, keys, n, ld, k,
-             pos, ratio, sel);
+             pos, ratio, sel, prewait_mode() >= 2);
   else if (n <= TOPK_REG_ITEMS_WIDE * TOPK_THREADS)
     launch_k(topk_rows_kernel<TOPK_REG_ITEMS_WIDE, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS_WIDE)), 0, s, keys,
-             n, ld, k, pos, ratio, sel);
+             n, ld, k, pos, ratio, sel, prewait_mode() >= 2);
   else
-    launch_k(topk_rows_kernel<0, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio, sel);
+    launch_k(topk_rows_kernel<0, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio, sel,
+             prewait_mode() >= 2);
   DS4_CHECK_LAUNCH("topk_rows");
 }
 }  // namespace

@@ -320,18 +320,8 @@ class Weights:
         return buf.data_ptr()
 
     def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
-            xq: int = 0, gateup_done: int = 0) -> torch.Tensor:
-        """Routed experts; xq: the address of b already quantized by quantize_x_into (one token; moe_takes_xq).
-        gateup_done: an extension event (event_create) recorded once the gate/up products are launched, for another
-        stream to follow them alone (where the experts run in one piece; otherwise recorded after all of them)."""
-        self._gateup_recorded = False
-        y = self._moe(li, b, ids, wts, limit, xq, gateup_done)
-        if gateup_done and not self._gateup_recorded:
-            self._sync_stream()
-            self.ext.event_record(gateup_done)
-        return y
-
-    def _moe(self, li, b, ids, wts, limit, xq, gateup_done):
+            xq: int = 0) -> torch.Tensor:
+        """Routed experts; xq: the address of b already quantized by quantize_x_into (one token; moe_takes_xq)."""
         names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
         gate, up, down = (self.mat(n) for n in names)
         T = b.shape[0]
@@ -353,8 +343,7 @@ class Weights:
             for i in range(0, T, MOE_PIECE):
                 j = min(T, i + MOE_PIECE)
                 self.ext.moe(gate, up, down, self._arr(b[i:j]), self._arr(ids32[i:j]), self._arr(wts[i:j]),
-                             self._arr(y[i:j]), float(limit), xq if T == 1 else 0, gateup_done if T == 1 else 0)
-            self._gateup_recorded = T == 1
+                             self._arr(y[i:j]), float(limit), xq if T == 1 else 0)
             return y
         # float32 fallback (F16/F32 experts): gathered expert matrices, no host sync (capturable)
         g, u, d = (self._dense3(n, m) for n, m in zip(names, (gate, up, down)))
