@@ -487,11 +487,12 @@ static int compress_regs() {
   return compress_regs_override() >= 0 ? compress_regs_override() : env;
 }
 
-// $DS4_GPU_PREWAIT (v24, default 1): norm_rope, the ratio-4 compressor steps and the attention combine stage the
+// $DS4_GPU_PREWAIT (v24, default 2): 1 = norm_rope, the ratio-4 compressor steps and the attention combine stage the
 // position, the norm weights and the RoPE factors before griddepcontrol.wait, and the ratio-4 step loads its window at
-// once (the same bits; decode 6.05 / 6.09 -> 5.97 / 6.01 ms at 2k / 8k); 2 also the mHC pre's scale, base and norm
+// once (the same bits; decode 6.05 / 6.09 -> 5.97 / 6.01 ms at 2k / 8k); 2 = also the mHC pre's scale, base and norm
 // weight, the router's bias, the position in the attention partials, the top-k and the index keys, and the index keys'
-// older rows (the same bits); 0 = the v23 kernels. set_prewait overrides it (0-2; -1 the environment).
+// older rows (the same bits; 5.94 / 6.03 -> 5.86 / 5.93 ms); 0 = the v23 kernels. set_prewait overrides it (0-2; -1 the
+// environment).
 static int& prewait_override() {
   static int v = -1;
   return v;
@@ -500,7 +501,7 @@ void set_prewait(int mode) { prewait_override() = mode >= 0 && mode <= 2 ? mode 
 int prewait_mode() {
   static const int env = [] {
     const char* e = std::getenv("DS4_GPU_PREWAIT");
-    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 1;
+    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
   }();
   return prewait_override() >= 0 ? prewait_override() : env;
 }
