@@ -384,10 +384,10 @@ def test_compress_step_sequence(K, r, width):
     assert rel(state[2][:3], ref[2][:3]) < 1e-5 and torch.all(state[2][3:] == 0)
 
 
-@pytest.mark.parametrize("r,width", [(128, 512), (16, 512), (4, 1024)])
+@pytest.mark.parametrize("r,width", [(4, 1024)])
 def test_compress_step_regs_same_bits(K, r, width):
-    """DS4_GPU_COMPRESS_REGS (ext.set_compress_regs): the pooling with the candidates' loads in flight (mode 1: ratio 4,
-    v16; mode 2: every ratio, v23) gives every state and row tensor of the v15 loops bit for bit, over two windows."""
+    """DS4_GPU_COMPRESS_REGS (ext.set_compress_regs): the ratio-4 pooling with the candidates' loads in flight (v16)
+    gives every state and row tensor of the v15 loops bit for bit, over two windows."""
     g = torch.Generator().manual_seed(31 + r)
     rd, n_rows = 64, 4
     d = width // 2 if r == 4 else width
@@ -398,7 +398,7 @@ def test_compress_step_regs_same_bits(K, r, width):
     try:
         for p in range(2 * r + 1):
             kv, sc = rnd(g, 1, width, scale=2.0), rnd(g, 1, width, scale=3.0)
-            for mode, st in zip((0, 2), states):
+            for mode, st in zip((0, 1), states):
                 K.ext.set_compress_regs(mode)
                 K.compress_step(kv, sc, ape, *st, torch.tensor([p], device=DEV), r, norm_w, 1e-6, freq, rd, 0, False)
     finally:

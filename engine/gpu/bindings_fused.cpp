@@ -221,8 +221,8 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");
   m.def("set_compress_regs", &set_compress_regs, py::arg("mode"),
-        "decode compressor's pooling with the candidates' loads in flight (the same bits): 1 ratio 4, 2 every ratio, 0 "
-        "the v15 loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
+        "decode compressor's ratio-4 pooling with the candidates' loads in flight (the same bits): 1 on, 0 the v15 "
+        "loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
   m.def("set_prewait", &set_prewait, py::arg("mode"),
         "norm_rope, the ratio-4 compressor steps and the attention combine stage their position-only inputs before "
         "griddepcontrol.wait (the same bits): 1 on, 2 also the mHC pre, router, attention partials, top-k and index keys, "

@@ -327,41 +327,6 @@ __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64
       for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
       v[j] = isfinite(acc) ? acc : 0.0f;
     }
-  } else if (r != 4 && regs >= 2) {
-    // other ratios (128: one pooling step in 128 tokens, ~3 x 128 candidate loads per column): the loop below with
-    // its loads issued CR at a time, the same operations in the same order: the same bits, 3 nc / CR round trips
-    constexpr int CR = 16;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-      float t[CR], k[CR];
-      float mx = -INFINITY;
-      for (int i0 = 0; i0 < nc; i0 += CR) {
-#pragma unroll
-        for (int u = 0; u < CR; ++u) t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : -INFINITY;
-#pragma unroll
-        for (int u = 0; u < CR; ++u)
-          if (i0 + u < nc) mx = fmaxf(mx, t[u]);
-      }
-      float sum = 0.0f;
-      for (int i0 = 0; i0 < nc; i0 += CR) {
-#pragma unroll
-        for (int u = 0; u < CR; ++u) t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : 0.0f;
-#pragma unroll
-        for (int u = 0; u < CR; ++u)
-          if (i0 + u < nc) sum += expf(t[u] - mx);
-      }
-      float acc = 0.0f;
-      for (int i0 = 0; i0 < nc; i0 += CR) {
-#pragma unroll
-        for (int u = 0; u < CR; ++u) {
-          t[u] = i0 + u < nc ? s_sc[(int64_t)(i0 + u) * width + j] : 0.0f;
-          k[u] = i0 + u < nc ? s_kv[(int64_t)(i0 + u) * width + j] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < CR; ++u)
-          if (i0 + u < nc) acc += k[u] * (expf(t[u] - mx) / sum);
-      }
-      v[j] = isfinite(acc) ? acc : 0.0f;
-    }
   } else {
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
       float mx = -INFINITY;
@@ -469,20 +434,19 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
   DS4_CHECK_LAUNCH("swiglu");
 }
 
-// $DS4_GPU_COMPRESS_REGS (v16: 1): ratio-4 pooling and frontier shift with each column's candidates loaded together
-// (the same bits); 2 (v24 default; its GPU test passed, decode at 2k unchanged: no ratio-128 pooling step falls in the
-// bench's 64 tokens): also the other ratios' pooling with 16 candidates' loads in flight (the same bits), estimated ~100 -> ~25 us
-// on the one pooling step in 128 of a ratio-128 layer; 0: the v15 loops, one dependent L2 round trip per candidate.
-// set_compress_regs overrides it (0-2; -1 the environment).
+// $DS4_GPU_COMPRESS_REGS (v16, default 1): ratio-4 pooling and frontier shift with each column's candidates loaded
+// together (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass. (v23's mode 2, the
+// other ratios' pooling with 16 candidates' loads in flight, measured slower in v24: bench_compress's ratio-128 pooling
+// step 135.8 against 117.5 us; removed.) set_compress_regs overrides it (0, 1; -1 the environment).
 static int& compress_regs_override() {
   static int v = -1;
   return v;
 }
-void set_compress_regs(int mode) { compress_regs_override() = mode >= 0 && mode <= 2 ? mode : -1; }
+void set_compress_regs(int mode) { compress_regs_override() = mode == 0 || mode == 1 ? mode : -1; }
 static int compress_regs() {
   static const int env = [] {
     const char* e = std::getenv("DS4_GPU_COMPRESS_REGS");
-    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
+    return e && e[0] == '0' ? 0 : 1;
   }();
   return compress_regs_override() >= 0 ? compress_regs_override() : env;
 }
