@@ -65,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from ds4.engine import gpu
 
-    if not gpu.available():
-        print(f"bench_compress: no GPU engine here ({gpu.unavailable_reason()})", file=sys.stderr)
-        return 2
     if args.reps < 1:
         print("bench_compress: --reps must be at least 1", file=sys.stderr)
+        return 2
+    if not gpu.available():
+        print(f"bench_compress: no GPU engine here ({gpu.unavailable_reason()})", file=sys.stderr)
         return 2
     # (ratio, DS4_GPU_PREWAIT, DS4_GPU_COMPRESS_REGS, name); v24: ratio 4 10.60 -> 6.33 us pooling (1.42 storing),
     # ratio 128 117.5 us pooling (v23's regs 2: 135.8, removed)
