@@ -178,21 +178,6 @@ __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float l
 // frontier; on the last token of a window pool the candidates (softmax over the window per column),
 // finish the row (norm, RoPE at the row's position, FP8 or FP4 simulation) and shift the frontier.
 // Block b runs job b (a ratio-4 layer's two compressors in one launch: on its pooling steps they pool side by side).
-// A ratio-4 column's pooled value: softmax over the window's 8 scores, weighted sum of the 8 kv values (the loop of the
-// general path below in its order: the same bits); 0 where it is not finite.
-__device__ __forceinline__ float pool_window8(const float (&sc8)[8], const float (&kv8)[8]) {
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) mx = fmaxf(mx, sc8[i]);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) sum += expf(sc8[i] - mx);
-  float acc = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
-  return isfinite(acc) ? acc : 0.0f;
-}
-
 // A ratio-4 step with $DS4_GPU_PREWAIT: before the wait, the position and (on pooling steps) the norm weight and the
 // RoPE factors of the finished row (row_post_stage); after it, each thread loads everything its columns need at once
 // (this token's kv and score, the APE row, the window's other candidates), pools them in registers with the
@@ -259,7 +244,16 @@ __device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* 
         sc8[i] = i < 4 ? as[u][i] : bs[u][i - 4];
         kv8[i] = i < 4 ? ak[u][i] : bk[u][i - 4];
       }
-      v[j] = pool_window8(sc8, kv8);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, sc8[i]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += expf(sc8[i] - mx);
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
+      v[j] = isfinite(acc) ? acc : 0.0f;
       // the frontier shifted: the window's slots 4-7 become 0-3, slots 4-7 empty
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -322,7 +316,16 @@ __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64
         sc8[i] = s_sc[at];
         kv8[i] = s_kv[at];
       }
-      v[j] = pool_window8(sc8, kv8);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, sc8[i]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += expf(sc8[i] - mx);
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += kv8[i] * (expf(sc8[i] - mx) / sum);
+      v[j] = isfinite(acc) ? acc : 0.0f;
     }
   } else {
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
@@ -452,18 +455,17 @@ static int compress_regs() {
 // position, the norm weights and the RoPE factors before griddepcontrol.wait, and the ratio-4 step loads its window at
 // once (the same bits; decode 6.05 / 6.09 -> 5.97 / 6.01 ms at 2k / 8k); 2 = also the mHC pre's scale, base and norm
 // weight, the router's bias, the position in the attention partials, the top-k and the index keys, and the index keys'
-// older rows (the same bits; 5.94 / 6.03 -> 5.86 / 5.93 ms); 3 (an A/B) = also the routed down kernel's expert ids and
-// first weight blocks, after a gate/up that lets its successor in only once past its own wait (moe.cu); 0 = the v23
-// kernels. set_prewait overrides it (0-3; -1 the environment).
+// older rows (the same bits; 5.94 / 6.03 -> 5.86 / 5.93 ms); 0 = the v23 kernels. set_prewait overrides it (0-2; -1 the
+// environment).
 static int& prewait_override() {
   static int v = -1;
   return v;
 }
-void set_prewait(int mode) { prewait_override() = mode >= 0 && mode <= 3 ? mode : -1; }
+void set_prewait(int mode) { prewait_override() = mode >= 0 && mode <= 2 ? mode : -1; }
 int prewait_mode() {
   static const int env = [] {
     const char* e = std::getenv("DS4_GPU_PREWAIT");
-    return e && e[0] >= '0' && e[0] <= '3' ? e[0] - '0' : 2;
+    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
   }();
   return prewait_override() >= 0 ? prewait_override() : env;
 }

@@ -127,15 +127,13 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h, const float* x,
-                                                                     XQ xq_h, bool late_trigger) {
+                                                                     XQ xq_h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
   constexpr size_t table_bytes = gu_table_bytes<QT, LUT>();
   using TB = GuTables<QT, LUT>;
-  // late_trigger ($DS4_GPU_PREWAIT=3): the next kernel is let in only once this one passed its wait, i.e. once the
-  // router is complete, so the down kernel two launches on may read the expert ids before its own wait
-  if (!late_trigger) pdl_trigger();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   TB tb{};
   if constexpr (QT == QT_IQ2_XXS) {
@@ -147,7 +145,6 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     if constexpr (LUT == 0) tb = TB{s_rep, lane};
   }
   pdl_wait();  // ids, x and h's readers are from earlier kernels
-  if (late_trigger) pdl_trigger();
   if constexpr (XM == GU_X_STAGED) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
   if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
   const int groups = (n_ff + RH - 1) / RH;
@@ -188,15 +185,10 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   }
 }
 
-// ids_early ($DS4_GPU_PREWAIT=3, after a gate/up launched with late_trigger): the expert ids and the first unit's
-// weight blocks are read before griddepcontrol.wait (the router that wrote the ids is complete once this kernel runs,
-// see moe_gateup_rows_kernel); after it only h's planes are an L2 round trip away. The same blocks in the same order.
-template <int QT, bool X8 = false, bool EARLY = false>
+template <int QT, bool X8 = false>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y) {
-  constexpr bool ids_early = EARLY;
-  if constexpr (!EARLY) pdl_begin();
-  else pdl_trigger();
+  pdl_begin();
   constexpr int R = MOE_R;
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
   __shared__ float red[CTA_WARPS][R];
@@ -215,42 +207,19 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
   // The k experts' columns are one long row: units (expert j, x block xb) are spread over the
   // lanes and warps, so no warp walks the experts one DRAM round trip after another.
   const int nxb = (int)(down.ncols / 32), nb = (int)(down.ncols / 256);
-  // the rows of expert unit u's block (expert j of the token, x block xb)
-  auto unit_rows = [&](int u, const uint8_t* (&qrow)[R], const uint8_t* (&srow)[R]) {
-    const int j = u / nxb;
+  for (int u = cs * 32 + lane; u < k * nxb; u += 32 * S) {
+    const int j = u / nxb, xb = u - j * nxb;
     int e = __ldg(ids + token * k + j);
     e = (e < 0 || e >= n_expert) ? 0 : e;  // the gate/up kernel already poisoned this expert's h
+    const uint8_t* qrow[R];
+    const uint8_t* srow[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       int64_t row = (int64_t)e * n_embd + min(r0 + r, n_embd - 1);
       qrow[r] = down.qs + row * down.qs_row;
       srow[r] = down.sc + row * down.sc_row;
     }
-  };
-  int u = cs * 32 + lane;
-  if constexpr (EARLY) {  // this lane's first unit, its weight blocks loaded before the wait (peeled off the loop)
-    RawXb first[R];
-    if (u < k * nxb) {
-      const uint8_t* qrow[R];
-      const uint8_t* srow[R];
-      unit_rows(u, qrow, srow);
-#pragma unroll
-      for (int r = 0; r < R; ++r) load_xb<QT>(qrow[r], srow[r], u % nxb, nb, first[r]);
-    }
-    pdl_wait();  // h's planes are the previous kernel's
-    if (u < k * nxb) {
-      const int j = u / nxb, xb = u - j * nxb;
-      int vec[1] = {token * k + j};
-      mv_block<QT, 1, R, Iq2Tables, false, X8>(first, xb, xq, vec, tb, acc);  // mv_accumulate's one block
-    }
-    u += 32 * S;
-  }
-  for (; u < k * nxb; u += 32 * S) {
-    const int j = u / nxb, xb = u - j * nxb;
     int vec[1] = {token * k + j};
-    const uint8_t* qrow[R];
-    const uint8_t* srow[R];
-    unit_rows(u, qrow, srow);
     mv_accumulate<QT, 1, R, Iq2Tables, false, X8>(qrow, srow, xb + 1, nb, xb, 1, xq, vec, tb, acc);  // this one x block
   }
   warp_sum<R, 1>(acc);
@@ -352,8 +321,7 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   if (it == resident.end())
     it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
   launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
-           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h,
-           prewait_mode() >= 3);
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
 template <int QT>
@@ -404,15 +372,12 @@ static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int
 
 template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
-                        int tokens, int k, float* y, cudaStream_t stream, bool ids_early = false) {
+                        int tokens, int k, float* y, cudaStream_t stream) {
   int S = column_splits(k * down.ncols / 32);
   int rows_per_cta = (CTA_WARPS / S) * MOE_R;
   dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
   if (moe_x8())
     launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
-  else if (ids_early)
-    launch_k(moe_down_kernel<QT, false, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids,
-             k, S, y);
   else
     launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
   DS4_CHECK_LAUNCH("moe down");
@@ -452,22 +417,18 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
   if (down.ncols != n_ff || down.nrows / n_expert != n_embd || up.ncols != gate.ncols || up.nrows != gate.nrows)
     throw std::invalid_argument("gate/up/down shapes do not form one expert FFN");
   const int pairs = tokens * k;
-  bool ids_early = false;  // $DS4_GPU_PREWAIT=3: the rows gate/up (late trigger) runs, so down may read ids early
   if (!x_quantized && gateup_xq_takes(gate.qtype, tokens, n_embd, n_ff, k)) {
     launch_gateup_xq(gate, up, n_ff, n_expert, x, ids, weights, k, clamp, s, stream);
     if (gateup_x_quant() == 2) launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
   } else {
     launch_moe_gateup(gate, up, n_expert, x, ids, weights, tokens, k, clamp, s, stream, x_quantized);
     launch_quantize_x(s.h, pairs, n_ff, s.xq_h, stream);
-    ids_early = prewait_mode() >= 3 && !(gate.qtype == QT_IQ2_XXS && gateup_mma_enabled() && !moe_x8());
   }
   switch (down.qtype) {
-    case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream, ids_early); break;
-    case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream, ids_early); break;
-    case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream, ids_early); break;
-    case QT_IQ2_XXS:
-      launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream, ids_early);
-      break;
+    case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
   }
 }
