@@ -28,7 +28,7 @@ def test_times_pooling_against_storing_steps() -> None:
     r = _run("--reps", "40")
     assert r.returncode == 0, r.stderr
     rows = [line.rsplit(None, 3) for line in r.stdout.splitlines()[1:]]
-    assert len(rows) == 3
+    assert len(rows) == 4
     for name, pool, store, ratio in rows:
         assert float(pool) > float(store) > 0, name  # pooling does the storing step's work and more
         assert abs(float(ratio) - float(pool) / float(store)) < 0.01 * float(ratio) + 0.01

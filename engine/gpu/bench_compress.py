@@ -14,7 +14,7 @@ import argparse
 import sys
 
 
-def compress_us(ratio: int, pooling: bool, prewait: int, regs: int, reps: int) -> float:
+def compress_us(ratio: int, pooling: bool, prewait: int, regs: int, reps: int, wide: int = 0) -> float:
     """µs per launch of one decode compressor step at Flash's shapes (ratio 4: both compressors in one launch)."""
     import torch
 
@@ -43,6 +43,7 @@ def compress_us(ratio: int, pooling: bool, prewait: int, regs: int, reps: int) -
     pos = torch.tensor([p if pooling else p + 1], device=dev)
     K.ext.set_prewait(prewait)
     K.ext.set_compress_regs(regs)
+    K.ext.set_compress_wide(wide)
     try:
         if len(jobs) == 2:
             def run():
@@ -57,6 +58,7 @@ def compress_us(ratio: int, pooling: bool, prewait: int, regs: int, reps: int) -
     finally:
         K.ext.set_prewait(-1)
         K.ext.set_compress_regs(-1)
+        K.ext.set_compress_wide(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu.available():
         print(f"bench_compress: no GPU engine here ({gpu.unavailable_reason()})", file=sys.stderr)
         return 2
-    # (ratio, DS4_GPU_PREWAIT, DS4_GPU_COMPRESS_REGS, name); v24: ratio 4 10.60 -> 6.33 us pooling (1.42 storing),
+    # (ratio, DS4_GPU_PREWAIT, DS4_GPU_COMPRESS_REGS, DS4_GPU_COMPRESS_WIDE, name); v24: ratio 4 10.60 -> 6.33 us pooling (1.42 storing),
     # ratio 128 117.5 us pooling (v23's regs 2: 135.8, removed)
-    forms = [(4, 0, 1, "ratio 4, v23"), (4, 1, 1, "ratio 4, prewait (one round trip)"),
-             (128, 1, 1, "ratio 128 (the v15 loops)")]
+    forms = [(4, 0, 1, 0, "ratio 4, v23"), (4, 1, 1, 0, "ratio 4, prewait (one round trip)"),
+             (128, 1, 1, 0, "ratio 128 (the v15 loops)"), (128, 1, 1, 1, "ratio 128, COMPRESS_WIDE (prepared)")]
     print(f"{'form':<36} {'pooling us':>11} {'storing us':>11} {'ratio':>6}")
-    for ratio, prewait, regs, name in forms:
-        pool = compress_us(ratio, True, prewait, regs, args.reps)
-        store = compress_us(ratio, False, prewait, regs, args.reps)
+    for ratio, prewait, regs, wide, name in forms:
+        pool = compress_us(ratio, True, prewait, regs, args.reps, wide)
+        store = compress_us(ratio, False, prewait, regs, args.reps, wide)
         print(f"{name:<36} {pool:>11.2f} {store:>11.2f} {pool / store:>6.2f}")
     return 0
 

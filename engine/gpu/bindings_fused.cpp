@@ -223,6 +223,9 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_compress_regs", &set_compress_regs, py::arg("mode"),
         "decode compressor's ratio-4 pooling with the candidates' loads in flight (the same bits): 1 on, 0 the v15 "
         "loops, -1 back to $DS4_GPU_COMPRESS_REGS; read when a launch is made or captured");
+  m.def("set_compress_wide", &set_compress_wide, py::arg("mode"),
+        "decode compressor's pooling of ratios other than 4 split over the block's warps (not the loops' bits): 1 on, "
+        "0 off, -1 back to $DS4_GPU_COMPRESS_WIDE; read when a launch is made or captured");
   m.def("set_prewait", &set_prewait, py::arg("mode"),
         "norm_rope, the ratio-4 compressor steps and the attention combine stage their position-only inputs before "
         "griddepcontrol.wait (the same bits): 1 on, 2 also the mHC pre, router, attention partials, top-k and index keys, "

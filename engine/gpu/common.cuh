@@ -372,8 +372,10 @@ bool mmw_takes(const Packed& w, int n_expert);
 int mmw_tile_rows();
 void launch_mmw_experts(const Packed& w, int n_expert, const MmfActivations& x, const int4* tiles, int ntiles,
                         float* y, cudaStream_t stream, int pipe = -1);  // pipe: 1 warp-specialized, 0 lock-step, -1 env
-// fused.cu: $DS4_GPU_COMPRESS_REGS (the pooling with its candidates' loads in flight: 1 ratio 4, 2 all, 0 off, -1 env)
+// fused.cu: $DS4_GPU_COMPRESS_REGS (the ratio-4 pooling with its candidates' loads in flight: 1 on, 0 off, -1 env) and
+// $DS4_GPU_COMPRESS_WIDE (the other ratios' pooling split over the warps: 1 on, 0 off, -1 env)
 void set_compress_regs(int mode);
+void set_compress_wide(int mode);
 void launch_attention(const float* q, int H, int d, const float* raw, int cap, const float* comp, const int64_t* sel,
                       int n_comp, int ratio, const int64_t* pos, float scale, const float* sinks, const RowPost& o,
                       float* part_o, float* part_ml, float* out, cudaStream_t s);

@@ -274,7 +274,73 @@ __device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* 
   for (int j = tid; j < d; j += nt) job.rows[row * d + j] = v[j];
 }
 
-template <bool PRE>
+// The pooling of ratios other than 4 with $DS4_GPU_COMPRESS_WIDE=1 (v24, prepared, not yet run on a GPU): the v15 loops
+// give each thread whole columns, i.e. 3 x r dependent-ish L2 loads per column (bench_compress: 117 us per ratio-128
+// pooling step, on one token in 128). Here the 8 warps split a column group's r candidates (r / 8 each), every thread
+// loads its candidates of two column groups at once, pools them with a split softmax (its max, then sum e and sum kv e),
+// and warp 0 combines the 8 warps' parts rescaled to the common max. Not the loops' bits (another summation order and
+// A / S instead of sum kv (e / S)); the same outcome for NaN or infinite inputs (0). Needs 256 threads, r % 8 == 0,
+// r / 8 <= POOL_WIDE_CPW and d % 32 == 0 (compress_wide_takes).
+constexpr int POOL_WIDE_CPW = 16, POOL_WIDE_GROUPS = 2;
+__host__ __device__ constexpr bool compress_wide_fits(int r, int d) {
+  return r != 4 && r % 8 == 0 && r / 8 <= POOL_WIDE_CPW && d % (32 * POOL_WIDE_GROUPS) == 0;
+}
+__device__ void pool_wide(const float* s_kv, const float* s_sc, int width, int d, int nc, float* v) {
+  __shared__ float part[3][POOL_WIDE_GROUPS][8][32];  // [m, sum e, sum kv e][group][warp][lane]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, cpw = nc / 8, i0 = warp * cpw;
+  for (int g0 = 0; g0 < d / 32; g0 += POOL_WIDE_GROUPS) {
+    float t[POOL_WIDE_GROUPS][POOL_WIDE_CPW], k[POOL_WIDE_GROUPS][POOL_WIDE_CPW];
+#pragma unroll
+    for (int q = 0; q < POOL_WIDE_GROUPS; ++q) {
+      const int j = 32 * (g0 + q) + lane;
+#pragma unroll
+      for (int u = 0; u < POOL_WIDE_CPW; ++u) {
+        t[q][u] = u < cpw ? s_sc[(int64_t)(i0 + u) * width + j] : -INFINITY;
+        k[q][u] = u < cpw ? s_kv[(int64_t)(i0 + u) * width + j] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < POOL_WIDE_GROUPS; ++q) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < POOL_WIDE_CPW; ++u) m = fmaxf(m, t[q][u]);
+      float se = 0.0f, sa = 0.0f;
+      if (m != -INFINITY) {
+#pragma unroll
+        for (int u = 0; u < POOL_WIDE_CPW; ++u) {
+          if (u >= cpw) break;
+          const float e = expf(t[q][u] - m);
+          se += e;
+          sa += k[q][u] * e;
+        }
+      }
+      part[0][q][warp][lane] = m;
+      part[1][q][warp][lane] = se;
+      part[2][q][warp][lane] = sa;
+    }
+    __syncthreads();
+    if (warp < POOL_WIDE_GROUPS) {  // warp q combines group g0 + q
+      const int q = warp;
+      float M = -INFINITY;
+      for (int w = 0; w < 8; ++w) M = fmaxf(M, part[0][q][w][lane]);
+      float S = 0.0f, A = 0.0f;
+      if (M != -INFINITY) {
+        for (int w = 0; w < 8; ++w) {
+          const float mw = part[0][q][w][lane];
+          if (mw == -INFINITY) continue;
+          const float f = expf(mw - M);
+          S += part[1][q][w][lane] * f;
+          A += part[2][q][w][lane] * f;
+        }
+      }
+      const float val = A / S;
+      v[32 * (g0 + q) + lane] = isfinite(val) ? val : 0.0f;
+    }
+    __syncthreads();
+  }
+}
+
+template <bool PRE, bool WIDE = false>
 __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64_t* pos, int regs) {
   extern __shared__ float sh[];
   __shared__ float red[32];
@@ -305,7 +371,9 @@ __global__ void compress_step_kernel(CompressJob ja, CompressJob jb, const int64
   const int nc = r == 4 ? 8 : r;
   float* v = sh;
   float* tmp = sh + d;
-  if (r == 4 && regs) {
+  if (WIDE && compress_wide_fits(r, d) && blockDim.x == 256) {
+    pool_wide(s_kv, s_sc, width, d, nc, v);
+  } else if (r == 4 && regs) {
     // ratio 4: the 8 candidates of a column are loaded together (all in flight at once), then pooled in the order
     // of the loop below, with the same expressions: the same bits, one L2 round trip instead of ~24 per column
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
@@ -451,6 +519,21 @@ static int compress_regs() {
   return compress_regs_override() >= 0 ? compress_regs_override() : env;
 }
 
+// $DS4_GPU_COMPRESS_WIDE (v24, prepared, default 0): the pooling of ratios other than 4 by pool_wide (not the v15 loops'
+// bits); set_compress_wide overrides it (0, 1; -1 the environment).
+static int& compress_wide_override() {
+  static int v = -1;
+  return v;
+}
+void set_compress_wide(int mode) { compress_wide_override() = mode == 0 || mode == 1 ? mode : -1; }
+static int compress_wide() {
+  static const int env = [] {
+    const char* e = std::getenv("DS4_GPU_COMPRESS_WIDE");
+    return e && e[0] == '1' ? 1 : 0;
+  }();
+  return compress_wide_override() >= 0 ? compress_wide_override() : env;
+}
+
 // $DS4_GPU_PREWAIT (v24, default 2): 1 = norm_rope, the ratio-4 compressor steps and the attention combine stage the
 // position, the norm weights and the RoPE factors before griddepcontrol.wait, and the ratio-4 step loads its window at
 // once (the same bits; decode 6.05 / 6.09 -> 5.97 / 6.01 ms at 2k / 8k); 2 = also the mHC pre's scale, base and norm
@@ -480,8 +563,11 @@ void launch_compress_step(const CompressJob& a, const CompressJob* b, const int6
     d = std::max(d, dj);
   }
   const int pre = prewait_mode();
-  launch_k(pre ? compress_step_kernel<true> : compress_step_kernel<false>, dim3(b ? 2 : 1), dim3(256),
-           (pre ? 4 : 2) * d * sizeof(float), s, a, b ? *b : a, pos, compress_regs());
+  // the wide pooling in instantiations of its own, so the default kernels keep their code
+  auto* kernel = compress_wide() ? (pre ? compress_step_kernel<true, true> : compress_step_kernel<false, true>)
+                                 : (pre ? compress_step_kernel<true> : compress_step_kernel<false>);
+  launch_k(kernel, dim3(b ? 2 : 1), dim3(256), (pre ? 4 : 2) * d * sizeof(float), s, a, b ? *b : a, pos,
+           compress_regs());
   DS4_CHECK_LAUNCH("compress_step");
 }
 
