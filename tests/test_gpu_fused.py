@@ -409,6 +409,36 @@ def test_compress_step_regs_same_bits(K, r, width):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("r,width", [(128, 512), (16, 512), (16, 128)])
+def test_compress_step_wide_pooling_matches_the_loops(K, r, width):
+    """DS4_GPU_COMPRESS_WIDE (ext.set_compress_wide, v24, prepared): the pooling of ratios other than 4 split over the
+    block's warps. Not the v15 loops' bits (another summation order), so: the frontier state bitwise as the loops leave
+    it, the finished rows within float32 rounding of the loops' (no FP8 rounding here: its steps would magnify a last-bit
+    difference), over two pooling windows."""
+    g = torch.Generator().manual_seed(50 + r + width)
+    rd, n_rows = 64, 3
+    freq = freq_table(rd, 160000.0)
+    ape, norm_w = rnd(g, r, width, scale=0.3), rnd(g, width)
+    inputs = [(rnd(g, 1, width, scale=2.0), rnd(g, 1, width, scale=3.0)) for _ in range(2 * r)]
+    runs = []
+    try:
+        for wide in (0, 1):
+            K.ext.set_compress_wide(wide)
+            st = [torch.zeros(r, width, device=DEV), torch.full((r, width), -math.inf, device=DEV),
+                  torch.zeros(n_rows, width, device=DEV)]
+            for p, (kv, sc) in enumerate(inputs):
+                K.compress_step(kv, sc, ape, *st, torch.tensor([p], device=DEV), r, norm_w, 1e-6, freq, rd, 0, False)
+            runs.append(st)
+    finally:
+        K.ext.set_compress_wide(-1)
+    torch.cuda.synchronize()
+    loops, wide = runs
+    assert torch.equal(loops[0], wide[0]) and torch.equal(loops[1], wide[1])  # the shifted frontier
+    assert (wide[2][:2] != 0).any() and torch.isfinite(wide[2]).all()
+    rel = float(torch.linalg.norm((wide[2] - loops[2]).double()) / torch.linalg.norm(loops[2].double()))
+    assert rel < 2e-6
+
+
 def test_compress_step_two_jobs_in_one_launch(K):
     """A ratio-4 layer's two compressors (the attention's, FP8 rows; the indexer's, FP4 QAT rows) stepped in one launch
     of two blocks: every state and row tensor bitwise as with a launch each, over three pooling windows."""

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -98,6 +99,23 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_wait();
 }
 bool pdl_enabled();  // $DS4_GPU_PDL, default on
+
+// A host-side A/B switch: the digit 0..hi of environment variable `var` (anything else: dflt), read at the first get();
+// set(mode) overrides it for this process (a mode outside 0..hi: back to the environment). Launchers read it when a
+// launch is made or captured; the session's launches come from one host thread.
+struct EnvSwitch {
+  const char* var;
+  int hi, dflt;
+  int forced = -1, env = -1;
+  int get() {
+    if (env < 0) {
+      const char* e = std::getenv(var);
+      env = e && e[0] >= '0' && e[0] <= '0' + hi && e[1] == 0 ? e[0] - '0' : dflt;
+    }
+    return forced >= 0 ? forced : env;
+  }
+  void set(int mode) { forced = mode >= 0 && mode <= hi ? mode : -1; }
+};
 // $DS4_GPU_PREWAIT (fused.cu): the latency-bound row kernels (norm_rope, compress_step, the attention combine) stage
 // what depends only on weights and the position before griddepcontrol.wait (2: also the mHC pre, router, attention
 // partials, top-k and index keys); set_prewait overrides it (0-2; -1 env).

@@ -506,33 +506,15 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
 // together (the same bits); 0: the v15 loops, one dependent L2 round trip per candidate and pass. (v23's mode 2, the
 // other ratios' pooling with 16 candidates' loads in flight, measured slower in v24: bench_compress's ratio-128 pooling
 // step 135.8 against 117.5 us; removed.) set_compress_regs overrides it (0, 1; -1 the environment).
-static int& compress_regs_override() {
-  static int v = -1;
-  return v;
-}
-void set_compress_regs(int mode) { compress_regs_override() = mode == 0 || mode == 1 ? mode : -1; }
-static int compress_regs() {
-  static const int env = [] {
-    const char* e = std::getenv("DS4_GPU_COMPRESS_REGS");
-    return e && e[0] == '0' ? 0 : 1;
-  }();
-  return compress_regs_override() >= 0 ? compress_regs_override() : env;
-}
+static EnvSwitch compress_regs_switch{"DS4_GPU_COMPRESS_REGS", 1, 1};
+void set_compress_regs(int mode) { compress_regs_switch.set(mode); }
+static int compress_regs() { return compress_regs_switch.get(); }
 
 // $DS4_GPU_COMPRESS_WIDE (v24, prepared, default 0): the pooling of ratios other than 4 by pool_wide (not the v15 loops'
 // bits); set_compress_wide overrides it (0, 1; -1 the environment).
-static int& compress_wide_override() {
-  static int v = -1;
-  return v;
-}
-void set_compress_wide(int mode) { compress_wide_override() = mode == 0 || mode == 1 ? mode : -1; }
-static int compress_wide() {
-  static const int env = [] {
-    const char* e = std::getenv("DS4_GPU_COMPRESS_WIDE");
-    return e && e[0] == '1' ? 1 : 0;
-  }();
-  return compress_wide_override() >= 0 ? compress_wide_override() : env;
-}
+static EnvSwitch compress_wide_switch{"DS4_GPU_COMPRESS_WIDE", 1, 0};
+void set_compress_wide(int mode) { compress_wide_switch.set(mode); }
+static int compress_wide() { return compress_wide_switch.get(); }
 
 // $DS4_GPU_PREWAIT (v24, default 2): 1 = norm_rope, the ratio-4 compressor steps and the attention combine stage the
 // position, the norm weights and the RoPE factors before griddepcontrol.wait, and the ratio-4 step loads its window at
@@ -540,18 +522,9 @@ static int compress_wide() {
 // weight, the router's bias, the position in the attention partials, the top-k and the index keys, and the index keys'
 // older rows (the same bits; 5.94 / 6.03 -> 5.86 / 5.93 ms); 0 = the v23 kernels. set_prewait overrides it (0-2; -1 the
 // environment).
-static int& prewait_override() {
-  static int v = -1;
-  return v;
-}
-void set_prewait(int mode) { prewait_override() = mode >= 0 && mode <= 2 ? mode : -1; }
-int prewait_mode() {
-  static const int env = [] {
-    const char* e = std::getenv("DS4_GPU_PREWAIT");
-    return e && e[0] >= '0' && e[0] <= '2' ? e[0] - '0' : 2;
-  }();
-  return prewait_override() >= 0 ? prewait_override() : env;
-}
+static EnvSwitch prewait_switch{"DS4_GPU_PREWAIT", 2, 2};
+void set_prewait(int mode) { prewait_switch.set(mode); }
+int prewait_mode() { return prewait_switch.get(); }
 
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s) {
   int d = 0;
