@@ -411,7 +411,7 @@ def test_compress_step_regs_same_bits(K, r, width):
 
 @pytest.mark.parametrize("r,width", [(128, 512), (16, 512), (16, 128)])
 def test_compress_step_wide_pooling_matches_the_loops(K, r, width):
-    """DS4_GPU_COMPRESS_WIDE (ext.set_compress_wide, v24, prepared): the pooling of ratios other than 4 split over the
+    """DS4_GPU_COMPRESS_WIDE (ext.set_compress_wide, default since v25): the pooling of ratios other than 4 split over the
     block's warps. Not the v15 loops' bits (another summation order), so: the frontier state bitwise as the loops leave
     it, the finished rows within float32 rounding of the loops' (no FP8 rounding here: its steps would magnify a last-bit
     difference), over two pooling windows."""

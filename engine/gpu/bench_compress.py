@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     # (ratio, DS4_GPU_PREWAIT, DS4_GPU_COMPRESS_REGS, DS4_GPU_COMPRESS_WIDE, name); v24: ratio 4 10.60 -> 6.33 us pooling (1.42 storing),
     # ratio 128 117.5 us pooling (v23's regs 2: 135.8, removed)
     forms = [(4, 0, 1, 0, "ratio 4, v23"), (4, 1, 1, 0, "ratio 4, prewait (one round trip)"),
-             (128, 1, 1, 0, "ratio 128 (the v15 loops)"), (128, 1, 1, 1, "ratio 128, COMPRESS_WIDE (prepared)")]
+             (128, 1, 1, 0, "ratio 128 (the v15 loops)"), (128, 1, 1, 1, "ratio 128, COMPRESS_WIDE (v25 default)")]
     print(f"{'form':<36} {'pooling us':>11} {'storing us':>11} {'ratio':>6}")
     for ratio, prewait, regs, wide, name in forms:
         pool = compress_us(ratio, True, prewait, regs, args.reps, wide)

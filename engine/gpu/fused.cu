@@ -274,9 +274,9 @@ __device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* 
   for (int j = tid; j < d; j += nt) job.rows[row * d + j] = v[j];
 }
 
-// The pooling of ratios other than 4 with $DS4_GPU_COMPRESS_WIDE=1 (v24, prepared, not yet run on a GPU): the v15 loops
-// give each thread whole columns, i.e. 3 x r dependent-ish L2 loads per column (bench_compress: 117 us per ratio-128
-// pooling step, on one token in 128). Here the 8 warps split a column group's r candidates (r / 8 each), every thread
+// The pooling of ratios other than 4 with $DS4_GPU_COMPRESS_WIDE=1 (prepared in v24, default since v25): the v15 loops
+// give each thread whole columns, i.e. 3 x r dependent-ish L2 loads per column (bench_compress: 118 us per ratio-128
+// pooling step, on one token in 128; this form 28.8 us). Here the 8 warps split a column group's r candidates (r / 8 each), every thread
 // loads its candidates of two column groups at once, pools them with a split softmax (its max, then sum e and sum kv e),
 // and warp 0 combines the 8 warps' parts rescaled to the common max. Not the loops' bits (another summation order and
 // A / S instead of sum kv (e / S)); the same outcome for NaN or infinite inputs (0). Needs 256 threads, r % 8 == 0,
@@ -510,9 +510,9 @@ static EnvSwitch compress_regs_switch{"DS4_GPU_COMPRESS_REGS", 1, 1};
 void set_compress_regs(int mode) { compress_regs_switch.set(mode); }
 static int compress_regs() { return compress_regs_switch.get(); }
 
-// $DS4_GPU_COMPRESS_WIDE (v24, prepared, default 0): the pooling of ratios other than 4 by pool_wide (not the v15 loops'
-// bits); set_compress_wide overrides it (0, 1; -1 the environment).
-static EnvSwitch compress_wide_switch{"DS4_GPU_COMPRESS_WIDE", 1, 0};
+// $DS4_GPU_COMPRESS_WIDE (v25, default 1): the pooling of ratios other than 4 by pool_wide (not the v15 loops' bits;
+// the ratio-128 pooling step 118 -> 28.8 us); 0: the v15 loops. set_compress_wide overrides it (0, 1; -1 the environment).
+static EnvSwitch compress_wide_switch{"DS4_GPU_COMPRESS_WIDE", 1, 1};
 void set_compress_wide(int mode) { compress_wide_switch.set(mode); }
 static int compress_wide() { return compress_wide_switch.get(); }
 
