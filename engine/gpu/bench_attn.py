@@ -104,6 +104,12 @@ def main(argv=None) -> int:
                        K.prefill_attn(q, win, comp, sel, sinks, pos0, 4))
     print(f"top-k, FP8-rounded keys: fused {full:.2f} ms, exact keys {exact:.2f} ms, packed keys {packed:.2f} ms "
           f"(packed == full: {same})")
+    # form 3 (v25): the FP8-rounded columns' products on the bfloat16 tensor cores (packed keys; not form 2's bits)
+    bf16 = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=3), args.reps)
+    two = K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True, form=2)
+    diff = float((K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=3) - two).norm() / two.norm())
+    print(f"top-k, FP8-rounded keys: form 3 (bfloat16) {bf16:.2f} ms against packed form 2 {packed:.2f} ms: "
+          f"{packed / bf16:.2f}x (rel diff {diff:.1e})")
     return 0
 
 

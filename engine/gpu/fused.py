@@ -37,6 +37,9 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 # summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
 # rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs); 1, the v15 kernel and a norm_rope launch;
 # 3 (default since v17) the v16 kernel after the norm_rope launch: v17 trace, 2k, 80-90 us per token faster than 1
+# prefill attention form (attn_prefill.cu reads the same variable): 3 (v25) takes the keys packed, so prefill_attn
+# packs them whenever that form is asked for and the keys are exact
+ATTN_FORM = os.environ.get("DS4_GPU_ATTN_FORM", "2").strip()
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
@@ -291,8 +294,10 @@ class Fused:
         the next key tile into L2), -1 ($DS4_GPU_ATTN_PREFETCH): the same bits. packed (with exact_dims > 0): the keys
         read from packed copies (their exact_dims columns as bfloat16, the rest float32: half the bytes, two key
         buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
-        form: 2 (the inner loops without per-step branches), 1 (the v13 loops), -1 ($DS4_GPU_ATTN_FORM): the same
-        bits. q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
+        form: 2 (the inner loops without per-step branches), 1 (the v13 loops; the same bits), 3 (the bfloat16
+        products, attn_prefill_bf16.cu: with exact_dims = 448 of d = 512 the keys are then packed; within float32
+        rounding of form 2, not its bits; form 2 where it does not take the shapes), -1 ($DS4_GPU_ATTN_FORM).
+        q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
         norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). split_heads
         > 0: the output as (hi, lo, s), weights.to_half's float16 split with one scale per query and group of
         split_heads heads (hi, lo [T, H d], s [T, H / split_heads]), for the grouped o_a GEMM. None where the kernel
@@ -314,6 +319,10 @@ class Fused:
             out = torch.empty_like(q)
         self._stream()
         win_pk = comp_pk = None
+        if form == -1 and ATTN_FORM in ("1", "2", "3"):
+            form = int(ATTN_FORM)
+        if form == 3:
+            packed = True  # form 3 reads packed keys only
         if packed and exact_dims > 0:
             win_pk, comp_pk = self.pack_keys(win, int(exact_dims)), None if comp is None else self.pack_keys(
                 comp, int(exact_dims))

@@ -17,6 +17,7 @@
 
 #include "block_ops.cuh"
 #include "common.cuh"
+#include "mma_ops.cuh"
 #include "row_warp.cuh"
 
 namespace ds4gpu {
@@ -26,13 +27,6 @@ constexpr int IX_DI = 128;          // key length (every DeepSeek V4 shape); the
 constexpr int IX_QT = 4;            // queries per CTA
 constexpr int IX_WARPS = 4;
 constexpr int IX_ROW = IX_DI + 8;   // padded q row in bf16: 68 words, so rows g = 0..7 start in distinct banks
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo: the lower address

@@ -1,5 +1,5 @@
-// Tensor-core building blocks shared by the prefill product kernels (mmq.cu, mmf.cu): cp.async with zero fill,
-// ldmatrix, and the mma.sync forms they use.
+// Tensor-core building blocks shared by the prefill kernels (mmq.cu, mmf.cu, indexer.cu, attn_prefill_bf16.cu):
+// cp.async with zero fill, ldmatrix, and the mma.sync forms they use.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +29,15 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
 }
 
+// ldsm_x4 transposed: lane l gets rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4 of each matrix. On row-major
+// [k][n] 16-bit data (rows = k) that is m16n8k16's B fragment: matrices (k 0-7, n 0-7) and (k 8-15, n 0-7) give b0, b1.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* row) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 // d = a . b over 32 columns, from a zero accumulator: separate output registers, so no per-mma zeroing moves
 __device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -48,6 +57,14 @@ __device__ __forceinline__ void mma_s8_acc(int (&c)[4], const uint32_t (&a)[4], 
 // c += a . b over 16 columns, float16 operands, float32 accumulators
 __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a . b over 16 columns, bfloat16 operands, float32 accumulators
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                "{%0, %1, %2, %3};\n"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

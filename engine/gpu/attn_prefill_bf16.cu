@@ -1,0 +1,266 @@
+// Prefill attention, form 3 ($DS4_GPU_ATTN_FORM=3, v25): the products of the FP8-simulated key columns on the
+// bfloat16 tensor cores. Those columns are exact in bfloat16 (e4m3 values; the packed key rows of pack_keys hold them
+// so), so a key needs no split there; the queries and the softmax weights are split once as hi + lo, both rounded to
+// bfloat16 (|x - hi - lo| <= 2^-18 |x|), and each product is lo.k then hi.k on m16n8k16: 16 columns per mma where
+// the TF32 forms (attn_prefill.cu) take 8 and split the queries again at every key tile. The RoPE columns (float32
+// keys) keep the TF32 forms' three products. Not the TF32 forms' bits (the split differs); within float32 rounding of
+// them (tests/test_gpu_prefill_attn.py).
+//
+// Why (v15's profile of an 8192-token Flash prefill): the attention took ~0.43 s of 2.1, issue-bound on the TF32
+// splits (8 of ~17 instructions per score step) and on twice the mma count.
+//
+// One CTA per (query, 32 heads), 8 warps, two CTAs per SM, keys in tiles of 16 as in the TF32 forms (the same tile
+// loads, online softmax and epilogue: attn_prefill.cuh). Shared memory: the queries as bfloat16 hi and lo rows (their
+// FP8-simulated columns) and float32 rows (the RoPE columns), then a region that first stages 16 float32 query rows at
+// a time (read, post-processed, split) and then holds the two key buffers and the scores.
+#include <cuda_bf16.h>
+
+#include "attn_prefill.cuh"
+#include "mma_ops.cuh"
+
+namespace ds4gpu {
+
+namespace {
+
+constexpr int A3_MT = 2;                     // m-tiles of 16 heads per CTA
+constexpr int A3_HG = 16 * A3_MT;            // heads per CTA
+constexpr int A3_CP = AP_WARPS / A3_MT;      // output column parts per m-tile
+constexpr int A3_KS = AP_WARPS / (2 * A3_MT);  // head-dimension parts of each score job
+constexpr int A3_KC = 4;                     // independent score chains
+
+// x = hi + lo for a pair, both rounded to bfloat16 (the lower address in the low half, as the fragments want it)
+__device__ __forceinline__ void split_bf16_pair(float2 x, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __float22bfloat162_rn(x);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __float22bfloat162_rn(make_float2(x.x - hf.x, x.y - hf.y));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// Shared layout (bytes from the start): Qh, Ql [HG][pk + 8] bfloat16 (rows 912 bytes apart for pk = 448: ldmatrix's 8
+// rows hit distinct 16-byte bank groups), Qr [HG][d - pk + AP_PAD] float32, then the union region.
+struct A3Layout {
+  int qb, rs, dsb;
+  size_t qh, ql, qr, uni, kbuf_bytes, tail_bytes, stage_bytes, total;
+  __host__ __device__ A3Layout(int d, int pk, int n_sel_staged) {
+    qb = pk + 8;
+    rs = d - pk + AP_PAD;
+    dsb = ap_smem_row_bytes<true>(d, pk);
+    qh = 0;
+    ql = qh + 2 * (size_t)A3_HG * qb;
+    qr = ql + 2 * (size_t)A3_HG * qb;
+    uni = qr + 4 * (size_t)A3_HG * rs;
+    kbuf_bytes = 2 * (size_t)AP_KT * dsb;
+    tail_bytes = 4 * ((size_t)A3_KS * A3_HG * AP_SP + 3 * A3_HG + 2 * AP_KT + n_sel_staged);
+    stage_bytes = 4 * (size_t)16 * (d + AP_PAD);
+    total = uni + (kbuf_bytes + tail_bytes > stage_bytes ? kbuf_bytes + tail_bytes : stage_bytes);
+  }
+};
+
+// The CTA's 32 query rows, 16 at a time: staged as float32 in `stage` (post-processed there as the TF32 forms do it),
+// then the FP8-simulated columns split into Qh + Ql and the RoPE columns copied to Qr.
+__device__ __forceinline__ void a3_stage_queries(const PrefillAttn& a, int t, int64_t p, int h_base, float* stage,
+                                                 __nv_bfloat16* Qh, __nv_bfloat16* Ql, float* Qr, int qb, int rs) {
+  const int d = a.d, pk = a.pk_dims, ds = d + AP_PAD, d4 = d / 4, d2 = d / 2, tid = threadIdx.x;
+  for (int half = 0; half < A3_MT; ++half) {
+    const int hb = h_base + 16 * half;
+    if (half) __syncthreads();  // the previous half's rows are split
+    for (int i = tid; i < 16 * d4; i += AP_THREADS) {
+      const int r = i / d4, c = i - r * d4, h = hb + r;
+      const float4 v = h < a.H ? __ldg((const float4*)(a.q + ((int64_t)t * a.H + h) * d) + c)
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      *(float4*)(stage + r * ds + 4 * c) = v;
+    }
+    if (a.q_post_on) {
+      __syncthreads();  // rows staged by other warps
+      ap_q_post<16>(a, t, (float)p, hb, stage, ds);
+    }
+    __syncthreads();
+    for (int i = tid; i < 16 * d2; i += AP_THREADS) {
+      const int r = i / d2, c = 2 * (i - r * d2), row = 16 * half + r;
+      const float2 x = *(const float2*)(stage + r * ds + c);
+      if (c < pk) {
+        uint32_t hi, lo;
+        split_bf16_pair(x, hi, lo);
+        *(uint32_t*)(Qh + row * qb + c) = hi;
+        *(uint32_t*)(Ql + row * qb + c) = lo;
+      } else {
+        *(float2*)(Qr + row * rs + c - pk) = x;
+      }
+    }
+  }
+  __syncthreads();  // the stage region is free for the key buffers
+}
+
+// NB bfloat16 output tiles (8 columns each) and NR float32 (RoPE) tiles per warp: warp part cp owns the bfloat16 tiles
+// NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work).
+template <int NB, int NR>
+__global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(PrefillAttn a) {
+  constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
+  static_assert(NB % 2 == 0, "bfloat16 tiles go in pairs (one transposed ldmatrix.x4)");
+  extern __shared__ __align__(16) float sh[];
+  const int t = blockIdx.x, h_base = blockIdx.y * HG;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
+  const int d = a.d, pk = a.pk_dims;
+  const int64_t p = a.pos0 + t;
+  const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
+  const int n_keys = a.Wn + n_cmp;
+  const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
+  const bool stage_sel = a.prefetch && a.sel && a.comp;
+  const A3Layout lay(d, pk, stage_sel ? a.n_sel : 0);
+  uint8_t* base = (uint8_t*)sh;
+  __nv_bfloat16* Qh = (__nv_bfloat16*)(base + lay.qh);
+  __nv_bfloat16* Ql = (__nv_bfloat16*)(base + lay.ql);
+  float* Qr = (float*)(base + lay.qr);
+  uint8_t* Kbuf = base + lay.uni;  // [2][AP_KT] key rows of dsb bytes, after the queries are split
+  float* Ss = (float*)(Kbuf + lay.kbuf_bytes);  // [KS][HG][AP_SP] partial scores; part 0 then the tile's weights
+  float* m_s = Ss + KS * HG * AP_SP;
+  float* l_s = m_s + HG;
+  float* f_s = l_s + HG;
+  int* ok_s = (int*)(f_s + HG);    // [2][AP_KT]
+  int* sel_stage = ok_s + 2 * AP_KT;
+  const int qb = lay.qb, rs = lay.rs, dsb = lay.dsb;
+
+  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, Qr, qb, rs);
+  const int* sel_s = nullptr;
+  if (stage_sel) {
+    ap_stage_sel(a, t, n_vis, sel_stage);
+    __syncthreads();
+    sel_s = sel_stage;
+  }
+  ap_load_tile<true>(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s);
+  if (tid < HG) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  const int mt_o = warp % MT, cp = warp / MT;  // this warp's output: m-tile mt_o, column part cp
+  // scores: m-tile warp % MT, keys n0 .. n0 + 7 of the tile, head columns k_lo .. k_hi - 1 (bfloat16 below b_hi)
+  const int mt = warp % MT, n0 = 8 * ((warp / MT) % 2);
+  const int kpart = d / KS, k_lo = (warp / (2 * MT)) * kpart, k_hi = k_lo + kpart;
+  const int b_hi = min(max(pk, k_lo), k_hi);
+  const __nv_bfloat16* qh_row = Qh + (16 * mt + (lane & 15)) * qb + 8 * (lane >> 4);  // ldmatrix.x4: the A fragment
+  const __nv_bfloat16* ql_row = Ql + (16 * mt + (lane & 15)) * qb + 8 * (lane >> 4);
+  const float* q0 = Qr + (16 * mt + g) * rs + 2 * i4 - pk;  // indexed by the absolute column (>= pk)
+  const float* q1 = q0 + 8 * rs;
+  float acc[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+  for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
+    __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
+    if (k0 + AP_KT < n_keys) {
+      ap_load_tile<true>(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * dsb, ok_s + (buf ^ 1) * AP_KT,
+                         dsb, sel_s);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();  // this tile is in shared memory for every thread
+    const uint8_t* Ks = Kbuf + buf * AP_KT * dsb;
+    const int* ok = ok_s + buf * AP_KT;
+    {
+      float cm[KC][4], cc[KC][4];
+#pragma unroll
+      for (int j = 0; j < KC; ++j)
+        cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
+      // ldmatrix.x4 on 8 key rows: matrices at columns k, k + 8, k + 16, k + 24 = B fragments of two 16-column steps
+      const uint8_t* kb_row = Ks + (n0 + (lane & 7)) * dsb + 16 * (lane >> 3);
+      for (int k = k_lo; k < b_hi; k += 16 * KC) {
+#pragma unroll
+        for (int j = 0; j < KC; j += 2) {
+          uint32_t b[4], ah[2][4], al[2][4];
+          ldsm_x4(b, kb_row + 2 * (k + 16 * j));
+          ldsm_x4(al[0], ql_row + k + 16 * j);
+          ldsm_x4(al[1], ql_row + k + 16 * (j + 1));
+          ldsm_x4(ah[0], qh_row + k + 16 * j);
+          ldsm_x4(ah[1], qh_row + k + 16 * (j + 1));
+          mma_bf16(cc[j], al[0], b[0], b[1]);
+          mma_bf16(cc[j + 1], al[1], b[2], b[3]);
+          mma_bf16(cm[j], ah[0], b[0], b[1]);
+          mma_bf16(cm[j + 1], ah[1], b[2], b[3]);
+        }
+      }
+      const uint8_t* kr = Ks + (n0 + g) * dsb;  // the RoPE columns: the TF32 forms' three products
+      for (int k = b_hi; k < k_hi; k += 8 * KC) ap_score_steps<true, true, KC>(q0, q1, kr, k, i4, pk, cm, cc);
+      float c[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        c[e] = ((cc[0][e] + cc[1][e]) + (cc[2][e] + cc[3][e])) + ((cm[0][e] + cm[1][e]) + (cm[2][e] + cm[3][e]));
+      float* sp = Ss + (warp / (2 * MT)) * HG * AP_SP + (16 * mt + g) * AP_SP + n0 + 2 * i4;
+      sp[0] = c[0];
+      sp[1] = c[1];
+      sp[8 * AP_SP] = c[2];
+      sp[8 * AP_SP + 1] = c[3];
+    }
+    __syncthreads();
+    ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
+    __syncthreads();
+    const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      acc[n][0] *= r0;
+      acc[n][1] *= r0;
+      acc[n][2] *= r1;
+      acc[n][3] *= r1;
+    }
+    // P [16 heads x 16 keys] . V [16 keys x 8 columns]: the weights split once per tile, the values (the key rows'
+    // bfloat16 columns) as B fragments by a transposed ldmatrix.x4, two output tiles per load
+    const float* p0 = Ss + (16 * mt_o + g) * AP_SP;
+    uint32_t ph[4], pl[4];
+    split_bf16_pair(*(const float2*)(p0 + 2 * i4), ph[0], pl[0]);
+    split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 2 * i4), ph[1], pl[1]);
+    split_bf16_pair(*(const float2*)(p0 + 8 + 2 * i4), ph[2], pl[2]);
+    split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 8 + 2 * i4), ph[3], pl[3]);
+    const uint8_t* v_row = Ks + (lane & 15) * dsb + 16 * (lane >> 4) + 2 * (8 * NB * cp);
+#pragma unroll
+    for (int n = 0; n < NB; n += 2) {
+      uint32_t v[4];
+      ldsm_x4_trans(v, v_row + 16 * n);
+      mma_bf16(acc[n], pl, v[0], v[1]);
+      mma_bf16(acc[n + 1], pl, v[2], v[3]);
+      mma_bf16(acc[n], ph, v[0], v[1]);
+      mma_bf16(acc[n + 1], ph, v[2], v[3]);
+    }
+#pragma unroll
+    for (int ks = 0; ks < AP_KT; ks += 8) {  // the RoPE columns: TF32, 8 keys per step
+      const float* pp = p0 + ks;
+      uint32_t ah[4], al[4];
+      split_tf32(pp[i4], ah[0], al[0]);
+      split_tf32(pp[8 * AP_SP + i4], ah[1], al[1]);
+      split_tf32(pp[i4 + 4], ah[2], al[2]);
+      split_tf32(pp[8 * AP_SP + i4 + 4], ah[3], al[3]);
+      ap_pv_chunk<true, true, NR, NT>(Ks + (ks + i4) * dsb, dsb, pk + 8 * NR * cp, g, pk, ah, al, acc, NB);
+    }
+  }
+  ap_finish<NT, HG>(a, t, p, h_base, mt_o, NT,
+                    [&](int n) { return n < NB ? 8 * (NB * cp + n) : pk + 8 * (NR * cp + n - NB); }, acc, m_s, l_s,
+                    f_s, Ss);
+}
+
+template <int NB, int NR>
+void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
+  static size_t shm_set = 0;
+  if (shm > shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)shm));
+    shm_set = shm;
+  }
+  prefill_attn_bf16_kernel<NB, NR><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+}
+
+}  // namespace
+
+// Form 3 where it takes the shapes (packed keys with 448 bfloat16 columns of 512: DeepSeek V4's head; the split
+// output's head groups within 32 heads): launched, true; else false (the caller runs a TF32 form).
+bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
+  if (!a.win_pk || a.d != 512 || a.pk_dims != 448 || a.exact_dims != a.pk_dims) return false;
+  if (a.out_hi && A3_HG % a.out_hpg) return false;
+  const bool stage_sel = a.prefetch && a.sel && a.comp;
+  const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
+  if (lay.total > 113 * 1024) return false;  // two CTAs per SM
+  launch_bf16<14, 2>(a, lay.total, s);  // per warp: 56 / 4 bfloat16 tiles and 8 / 4 RoPE tiles
+  DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
+  return true;
+}
+
+}  // namespace ds4gpu
