@@ -86,7 +86,7 @@ def test_exact_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
     win = ops.fp8_kv_round(win, n_nope)
     comp = None if comp is None else ops.fp8_kv_round(comp, n_nope)
     full = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio)
-    fast = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope)
+    fast = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=2)  # form 3: its own tests
     assert torch.equal(fast, full)
     ref = reference(q, win, comp, sel, sinks, pos0, ratio)
     assert float((fast.double() - ref).norm() / ref.norm()) < 1e-5
@@ -156,12 +156,12 @@ def test_packed_keys_give_the_same_bits(T, H, d, n_comp, k_sel, pos0, ratio):
     n_nope = d - 64
     win = ops.fp8_kv_round(win, n_nope)
     comp = None if comp is None else ops.fp8_kv_round(comp, n_nope)
-    plain = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope)
-    packed = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True)
+    plain = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=2)
+    packed = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True, form=2)
     assert torch.equal(packed, plain)
     for mode in (0, 2):  # the staged selection and the L2 prefetch forms read the packed rows alike
         assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True,
-                                          prefetch=mode), plain), mode
+                                          prefetch=mode, form=2), plain), mode
 
 
 @pytest.mark.parametrize("T,H,d,n_comp,k_sel,pos0,ratio", [
@@ -259,7 +259,7 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     also DS4_GPU_ATTN_OUT_ROPE, then also DS4_GPU_ATTN_PACKED, are the bits of the full form."""
     from conftest import quantize_cli
 
-    from ds4.engine.gpu import prefill
+    from ds4.engine.gpu import fused, prefill
     from ds4.engine.gpu.session import Session as GpuSession
     from ds4.engine.model import Model
 
@@ -267,6 +267,7 @@ def test_exact_keys_in_the_session(monkeypatch, tmp_path):
     m = Model.load(tmp_path / "small.gguf")
     assert m.config.fp8_kv
     toks = np.random.default_rng(13).integers(2, m.config.vocab_size, 600).tolist()
+    monkeypatch.setattr(fused, "ATTN_FORM", "2")  # the TF32 forms' bits (form 3 has its own session test)
     monkeypatch.setattr(prefill, "FUSED_ATTN", True)
     monkeypatch.setattr(prefill, "ATTN_EXACT_KEYS", False)
     monkeypatch.setattr(prefill, "ATTN_OUT_ROPE", False)
@@ -366,6 +367,25 @@ def _fp8_case(seed, T, H, n_comp, k_sel, pos0, ratio, d=512):
     return q, win, comp, sel, sinks, n_nope
 
 
+def test_pack_keys_split_tail_writes_bfloat16_hi_and_lo():
+    """pack_keys(split_tail=True), form 3's rows: the first pk_dims values as bfloat16 by truncation, then the other
+    columns as bfloat16 hi (rounded to nearest even, as torch rounds) and lo = x - hi (rounded); the same row size."""
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    d, pk = 512, 448
+    x = ops.fp8_kv_round(torch.randn(37, d, generator=torch.Generator().manual_seed(6)).to(DEV), pk)
+    got = K.pack_keys(x, pk, split_tail=True).cpu()
+    assert got.shape == (37, pk + 2 * (d - pk))
+    assert torch.equal(got[:, :pk], (x.cpu().view(torch.int32)[:, :pk] >> 16).to(torch.int16))
+    tail = x.cpu()[:, pk:]
+    hi = tail.to(torch.bfloat16)
+    lo = (tail - hi.float()).to(torch.bfloat16)
+    assert torch.equal(got[:, pk:d], hi.view(torch.int16)) and torch.equal(got[:, d:], lo.view(torch.int16))
+    assert float(((hi.float() + lo.float()) - tail).abs().max() / tail.abs().max()) < 2 ** -16
+
+
 @pytest.mark.parametrize("T,H,n_comp,k_sel,pos0,ratio", [
     (40, 64, 900, 512, 3000, 4),     # Flash: top-k rows, some not visible yet
     (9, 128, 700, 512, 2600, 4),     # Pro: four CTAs of 32 heads per query
@@ -380,6 +400,8 @@ def test_bf16_form_matches_the_float64_reference(T, H, n_comp, k_sel, pos0, rati
 
     K = Fused(gpu.load(), torch.device(DEV))
     q, win, comp, sel, sinks, n_nope = _fp8_case(T + 11 * H, T, H, n_comp, k_sel, pos0, ratio)
+    if sel is not None:  # invalid entries too: negative, past the rows, not yet visible
+        sel[0, :3] = torch.tensor([-1, n_comp, n_comp - 1], device=DEV)
     ref = reference(q, win, comp, sel, sinks, pos0, ratio)
     two = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, packed=True, form=2)
     three = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=3)
@@ -390,6 +412,9 @@ def test_bf16_form_matches_the_float64_reference(T, H, n_comp, k_sel, pos0, rati
     assert err3 < 1e-5, f"rel err {err3:.2e}"
     assert float((three - two).norm() / two.norm()) < 5e-6
     assert not torch.equal(three, two)
+    for mode in (0, 2):  # without the staged selection, and with prefetch 2 (as 1 in form 3): the same bits
+        assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=3,
+                                          prefetch=mode), three), mode
 
 
 def test_bf16_form_falls_back_to_form_2_where_it_does_not_take_the_shapes():

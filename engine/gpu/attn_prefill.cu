@@ -11,6 +11,8 @@
 // floats: conflict-free fragment reads). One CTA per SM (~200 KB for 64 heads of 512).
 #include <math.h>
 
+#include <cuda_bf16.h>
+
 #include <algorithm>
 
 #include "attn_prefill.cuh"
@@ -20,7 +22,9 @@ namespace ds4gpu {
 namespace {
 
 template <int MT, int NBUF, int MINB, bool PK>
-__global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(PrefillAttn a) {
+// a: __grid_constant__, so the device functions' references read the parameter space (v25: without it nvcc copied the
+// struct to local memory and every field read inside the tile loop was a local load)
+__global__ void __launch_bounds__(AP_THREADS, MINB) prefill_attn_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int HG = 16 * MT;          // heads of this CTA (rows past H are zeros)
   constexpr int CP = AP_WARPS / MT;    // column parts of the output per m-tile
   constexpr int KS = AP_WARPS / (2 * MT);  // head-dimension parts of each score job
@@ -222,13 +226,14 @@ int attn_prefetch_mode() {
   return v;
 }
 
-// $DS4_GPU_ATTN_FORM: 2 (default) the inner loops without per-step branches and with each step's dependent products
-// apart (ap_score_step, ap_pv_chunk); 1 the v13 loops (the same bits); 3 (v25) the bfloat16 products where the keys
-// are packed (attn_prefill_bf16.cu; not the same bits), form 2 elsewhere. Read once.
+// $DS4_GPU_ATTN_FORM: 3 (default since v25) the bfloat16 products where the keys are packed with a split tail
+// (attn_prefill_bf16.cu; not the TF32 forms' bits), form 2 elsewhere; 2 the inner loops without per-step branches and
+// with each step's dependent products apart (ap_score_step, ap_pv_chunk); 1 the v13 loops (form 2's bits). Read once.
+// (fused.prefill_attn passes its own reading of the variable, and packs the keys as form 3 wants them.)
 int attn_form() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_ATTN_FORM");
-    const int f = e && *e ? atoi(e) : 2;
+    const int f = e && *e ? atoi(e) : 3;
     return f == 1 || f == 3 ? f : 2;
   }();
   return v;
@@ -250,9 +255,10 @@ int heads_per_cta() {
 }  // namespace
 
 namespace {
-// One thread per 16 output bytes (8 bfloat16 values, or 4 floats) of a packed key row.
-__global__ void pack_keys_kernel(const float* x, int64_t rows, int d, int pk, uint16_t* out) {
-  const int per_row = pk / 8 + (d - pk) / 4;
+// One thread per 16 output bytes (8 bfloat16 values, or 4 floats) of a packed key row. split_tail: the columns from
+// pk on as bfloat16 hi (8 per thread), then lo = x - hi, both rounded to nearest.
+__global__ void pack_keys_kernel(const float* x, int64_t rows, int d, int pk, bool split_tail, uint16_t* out) {
+  const int per_row = pk / 8 + (d - pk) / 4, tail8 = (d - pk) / 8;
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= rows * per_row) return;
   const int64_t r = i / per_row;
@@ -263,6 +269,17 @@ __global__ void pack_keys_kernel(const float* x, int64_t rows, int d, int pk, ui
     const float4 a = ((const float4*)xr)[2 * u], b = ((const float4*)xr)[2 * u + 1];
     auto two = [](float lo, float hi) { return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u); };
     *dst = make_uint4(two(a.x, a.y), two(a.z, a.w), two(b.x, b.y), two(b.z, b.w));
+  } else if (split_tail) {
+    const int v = u - pk / 8, lo = v >= tail8, c = pk + 8 * (lo ? v - tail8 : v);
+    uint32_t w[4];
+    for (int j = 0; j < 4; ++j) {
+      const float2 y = make_float2(xr[c + 2 * j], xr[c + 2 * j + 1]);
+      const __nv_bfloat162 h = __float22bfloat162_rn(y);
+      const float2 hf = __bfloat1622float2(h);
+      const __nv_bfloat162 l = __float22bfloat162_rn(make_float2(y.x - hf.x, y.y - hf.y));
+      w[j] = lo ? *reinterpret_cast<const uint32_t*>(&l) : *reinterpret_cast<const uint32_t*>(&h);
+    }
+    *dst = make_uint4(w[0], w[1], w[2], w[3]);
   } else {
     const float4 v = ((const float4*)(xr + pk))[u - pk / 8];
     *dst = make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), __float_as_uint(v.z), __float_as_uint(v.w));
@@ -270,13 +287,14 @@ __global__ void pack_keys_kernel(const float* x, int64_t rows, int d, int pk, ui
 }
 }  // namespace
 
-void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s) {
-  if (pk_dims <= 0 || pk_dims >= d || pk_dims % 8 || d % 4)
-    throw std::invalid_argument("pack_keys: pk_dims must be a multiple of 8 in (0, d), d a multiple of 4");
+void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s,
+                      bool split_tail) {
+  if (pk_dims <= 0 || pk_dims >= d || pk_dims % 8 || d % 8)
+    throw std::invalid_argument("pack_keys: pk_dims must be a multiple of 8 in (0, d), d a multiple of 8");
   if ((uintptr_t)x % 16 || (uintptr_t)out % 16) throw std::invalid_argument("pack_keys: rows must be 16-byte aligned");
   if (rows <= 0) return;
   const int64_t n = rows * (pk_dims / 8 + (d - pk_dims) / 4);
-  pack_keys_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(x, rows, d, pk_dims, out);
+  pack_keys_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(x, rows, d, pk_dims, split_tail, out);
   DS4_CHECK_LAUNCH("pack_keys");
 }
 
@@ -309,6 +327,7 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
     if (launch_prefill_attn_bf16(a, s)) return;
     a.form = 2;  // not its shapes (or keys not packed): the TF32 form 2
   }
+  if (a.pk_split) throw std::invalid_argument("prefill_attn: keys packed with a split tail are form 3's, which declined");
   if (a.win_pk) {  // packed keys: two key buffers in every form (the half-size rows leave room for them)
     if (a.H <= 16 || heads_per_cta() == 16) launch_mt<1, 2, 2, true>(a, s);
     else if (a.H <= 32 || heads_per_cta() == 32) launch_mt<2, 2, 2, true>(a, s);

@@ -1,18 +1,18 @@
-// Prefill attention, form 3 ($DS4_GPU_ATTN_FORM=3, v25): the products of the FP8-simulated key columns on the
-// bfloat16 tensor cores. Those columns are exact in bfloat16 (e4m3 values; the packed key rows of pack_keys hold them
-// so), so a key needs no split there; the queries and the softmax weights are split once as hi + lo, both rounded to
-// bfloat16 (|x - hi - lo| <= 2^-18 |x|), and each product is lo.k then hi.k on m16n8k16: 16 columns per mma where
-// the TF32 forms (attn_prefill.cu) take 8 and split the queries again at every key tile. The RoPE columns (float32
-// keys) keep the TF32 forms' three products. Not the TF32 forms' bits (the split differs); within float32 rounding of
-// them (tests/test_gpu_prefill_attn.py).
+// Prefill attention, form 3 ($DS4_GPU_ATTN_FORM=3, v25): every product on the bfloat16 tensor cores. The
+// FP8-simulated key columns are exact in bfloat16 (e4m3 values; pack_keys truncates them so); the RoPE columns come
+// packed as bfloat16 hi + lo (PrefillAttn::pk_split); the queries and the softmax weights are split once as hi + lo.
+// Each split is |x - hi - lo| <= 2^-18 |x|; the products are lo.k then hi.k (and hi.k_lo on the RoPE columns), 16
+// columns per mma where the TF32 forms (attn_prefill.cu) take 8, split the queries again at every key tile and spend
+// three TF32 products on each RoPE column. Not the TF32 forms' bits; within float32 rounding of them
+// (tests/test_gpu_prefill_attn.py).
 //
 // Why (v15's profile of an 8192-token Flash prefill): the attention took ~0.43 s of 2.1, issue-bound on the TF32
 // splits (8 of ~17 instructions per score step) and on twice the mma count.
 //
 // One CTA per (query, 32 heads), 8 warps, two CTAs per SM, keys in tiles of 16 as in the TF32 forms (the same tile
-// loads, online softmax and epilogue: attn_prefill.cuh). Shared memory: the queries as bfloat16 hi and lo rows (their
-// FP8-simulated columns) and float32 rows (the RoPE columns), then a region that first stages 16 float32 query rows at
-// a time (read, post-processed, split) and then holds the two key buffers and the scores.
+// loads, online softmax and epilogue: attn_prefill.cuh). Shared memory: the queries as bfloat16 hi and lo rows, then a
+// region that first stages 16 float32 query rows at a time (read, post-processed, split) and then holds the two key
+// buffers and the scores.
 #include <cuda_bf16.h>
 
 #include "attn_prefill.cuh"
@@ -37,19 +37,17 @@ __device__ __forceinline__ void split_bf16_pair(float2 x, uint32_t& hi, uint32_t
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// Shared layout (bytes from the start): Qh, Ql [HG][pk + 8] bfloat16 (rows 912 bytes apart for pk = 448: ldmatrix's 8
-// rows hit distinct 16-byte bank groups), Qr [HG][d - pk + AP_PAD] float32, then the union region.
+// Shared layout (bytes from the start): Qh, Ql [HG][d + 8] bfloat16 (rows 1040 bytes apart for d = 512: ldmatrix's 8
+// rows hit distinct 16-byte bank groups), then the union region.
 struct A3Layout {
-  int qb, rs, dsb;
-  size_t qh, ql, qr, uni, kbuf_bytes, tail_bytes, stage_bytes, total;
+  int qb, dsb;
+  size_t qh, ql, uni, kbuf_bytes, tail_bytes, stage_bytes, total;
   __host__ __device__ A3Layout(int d, int pk, int n_sel_staged) {
-    qb = pk + 8;
-    rs = d - pk + AP_PAD;
+    qb = d + 8;
     dsb = ap_smem_row_bytes<true>(d, pk);
     qh = 0;
     ql = qh + 2 * (size_t)A3_HG * qb;
-    qr = ql + 2 * (size_t)A3_HG * qb;
-    uni = qr + 4 * (size_t)A3_HG * rs;
+    uni = ql + 2 * (size_t)A3_HG * qb;
     kbuf_bytes = 2 * (size_t)AP_KT * dsb;
     tail_bytes = 4 * ((size_t)A3_KS * A3_HG * AP_SP + 3 * A3_HG + 2 * AP_KT + n_sel_staged);
     stage_bytes = 4 * (size_t)16 * (d + AP_PAD);
@@ -58,10 +56,10 @@ struct A3Layout {
 };
 
 // The CTA's 32 query rows, 16 at a time: staged as float32 in `stage` (post-processed there as the TF32 forms do it),
-// then the FP8-simulated columns split into Qh + Ql and the RoPE columns copied to Qr.
+// then split into Qh + Ql.
 __device__ __forceinline__ void a3_stage_queries(const PrefillAttn& a, int t, int64_t p, int h_base, float* stage,
-                                                 __nv_bfloat16* Qh, __nv_bfloat16* Ql, float* Qr, int qb, int rs) {
-  const int d = a.d, pk = a.pk_dims, ds = d + AP_PAD, d4 = d / 4, d2 = d / 2, tid = threadIdx.x;
+                                                 __nv_bfloat16* Qh, __nv_bfloat16* Ql, int qb) {
+  const int d = a.d, ds = d + AP_PAD, d4 = d / 4, d2 = d / 2, tid = threadIdx.x;
   for (int half = 0; half < A3_MT; ++half) {
     const int hb = h_base + 16 * half;
     if (half) __syncthreads();  // the previous half's rows are split
@@ -78,30 +76,27 @@ __device__ __forceinline__ void a3_stage_queries(const PrefillAttn& a, int t, in
     __syncthreads();
     for (int i = tid; i < 16 * d2; i += AP_THREADS) {
       const int r = i / d2, c = 2 * (i - r * d2), row = 16 * half + r;
-      const float2 x = *(const float2*)(stage + r * ds + c);
-      if (c < pk) {
-        uint32_t hi, lo;
-        split_bf16_pair(x, hi, lo);
-        *(uint32_t*)(Qh + row * qb + c) = hi;
-        *(uint32_t*)(Ql + row * qb + c) = lo;
-      } else {
-        *(float2*)(Qr + row * rs + c - pk) = x;
-      }
+      uint32_t hi, lo;
+      split_bf16_pair(*(const float2*)(stage + r * ds + c), hi, lo);
+      *(uint32_t*)(Qh + row * qb + c) = hi;
+      *(uint32_t*)(Ql + row * qb + c) = lo;
     }
   }
   __syncthreads();  // the stage region is free for the key buffers
 }
 
-// NB bfloat16 output tiles (8 columns each) and NR float32 (RoPE) tiles per warp: warp part cp owns the bfloat16 tiles
-// NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work).
+// NB output tiles (8 columns each) of exact columns and NR of RoPE columns per warp: warp part cp owns the exact tiles
+// NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
+// bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
+// lo).
 template <int NB, int NR>
-__global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(PrefillAttn a) {
+__global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
-  static_assert(NB % 2 == 0, "bfloat16 tiles go in pairs (one transposed ldmatrix.x4)");
+  static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
   extern __shared__ __align__(16) float sh[];
   const int t = blockIdx.x, h_base = blockIdx.y * HG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
-  const int d = a.d, pk = a.pk_dims;
+  const int d = a.d, pk = a.pk_dims, lo_off = 2 * (d - pk);  // bytes from a RoPE column's hi to its lo
   const int64_t p = a.pos0 + t;
   const int n_cmp = a.comp ? (a.sel ? a.n_sel : a.n_comp) : 0;
   const int n_keys = a.Wn + n_cmp;
@@ -111,7 +106,6 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
   uint8_t* base = (uint8_t*)sh;
   __nv_bfloat16* Qh = (__nv_bfloat16*)(base + lay.qh);
   __nv_bfloat16* Ql = (__nv_bfloat16*)(base + lay.ql);
-  float* Qr = (float*)(base + lay.qr);
   uint8_t* Kbuf = base + lay.uni;  // [2][AP_KT] key rows of dsb bytes, after the queries are split
   float* Ss = (float*)(Kbuf + lay.kbuf_bytes);  // [KS][HG][AP_SP] partial scores; part 0 then the tile's weights
   float* m_s = Ss + KS * HG * AP_SP;
@@ -119,9 +113,9 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
   float* f_s = l_s + HG;
   int* ok_s = (int*)(f_s + HG);    // [2][AP_KT]
   int* sel_stage = ok_s + 2 * AP_KT;
-  const int qb = lay.qb, rs = lay.rs, dsb = lay.dsb;
+  const int qb = lay.qb, dsb = lay.dsb;
 
-  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, Qr, qb, rs);
+  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, qb);
   const int* sel_s = nullptr;
   if (stage_sel) {
     ap_stage_sel(a, t, n_vis, sel_stage);
@@ -134,14 +128,12 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
     l_s[tid] = 0.0f;
   }
   const int mt_o = warp % MT, cp = warp / MT;  // this warp's output: m-tile mt_o, column part cp
-  // scores: m-tile warp % MT, keys n0 .. n0 + 7 of the tile, head columns k_lo .. k_hi - 1 (bfloat16 below b_hi)
+  // scores: m-tile warp % MT, keys n0 .. n0 + 7 of the tile, head columns k_lo .. k_hi - 1 (exact below e_hi)
   const int mt = warp % MT, n0 = 8 * ((warp / MT) % 2);
   const int kpart = d / KS, k_lo = (warp / (2 * MT)) * kpart, k_hi = k_lo + kpart;
-  const int b_hi = min(max(pk, k_lo), k_hi);
+  const int e_hi = min(max(pk, k_lo), k_hi);
   const __nv_bfloat16* qh_row = Qh + (16 * mt + (lane & 15)) * qb + 8 * (lane >> 4);  // ldmatrix.x4: the A fragment
   const __nv_bfloat16* ql_row = Ql + (16 * mt + (lane & 15)) * qb + 8 * (lane >> 4);
-  const float* q0 = Qr + (16 * mt + g) * rs + 2 * i4 - pk;  // indexed by the absolute column (>= pk)
-  const float* q1 = q0 + 8 * rs;
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -165,7 +157,7 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
         cm[j][0] = cm[j][1] = cm[j][2] = cm[j][3] = cc[j][0] = cc[j][1] = cc[j][2] = cc[j][3] = 0.0f;
       // ldmatrix.x4 on 8 key rows: matrices at columns k, k + 8, k + 16, k + 24 = B fragments of two 16-column steps
       const uint8_t* kb_row = Ks + (n0 + (lane & 7)) * dsb + 16 * (lane >> 3);
-      for (int k = k_lo; k < b_hi; k += 16 * KC) {
+      for (int k = k_lo; k < e_hi; k += 16 * KC) {  // exact columns: lo.k, hi.k
 #pragma unroll
         for (int j = 0; j < KC; j += 2) {
           uint32_t b[4], ah[2][4], al[2][4];
@@ -180,8 +172,21 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
           mma_bf16(cm[j + 1], ah[1], b[2], b[3]);
         }
       }
-      const uint8_t* kr = Ks + (n0 + g) * dsb;  // the RoPE columns: the TF32 forms' three products
-      for (int k = b_hi; k < k_hi; k += 8 * KC) ap_score_steps<true, true, KC>(q0, q1, kr, k, i4, pk, cm, cc);
+      for (int k = e_hi; k < k_hi; k += 32) {  // RoPE columns: lo.k_hi, hi.k_lo, hi.k_hi (no lo.lo: below 2^-36)
+        uint32_t bh[4], bl[4], ah[2][4], al[2][4];
+        ldsm_x4(bh, kb_row + 2 * k);
+        ldsm_x4(bl, kb_row + 2 * k + lo_off);
+        ldsm_x4(al[0], ql_row + k);
+        ldsm_x4(al[1], ql_row + k + 16);
+        ldsm_x4(ah[0], qh_row + k);
+        ldsm_x4(ah[1], qh_row + k + 16);
+        mma_bf16(cc[0], al[0], bh[0], bh[1]);
+        mma_bf16(cc[1], al[1], bh[2], bh[3]);
+        mma_bf16(cc[2], ah[0], bl[0], bl[1]);
+        mma_bf16(cc[3], ah[1], bl[2], bl[3]);
+        mma_bf16(cm[0], ah[0], bh[0], bh[1]);
+        mma_bf16(cm[1], ah[1], bh[2], bh[3]);
+      }
       float c[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e)
@@ -196,40 +201,44 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(Prefil
     ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
     __syncthreads();
     const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
+    if (__any_sync(0xffffffffu, r0 != 1.0f || r1 != 1.0f)) {  // no new maximum in any of the warp's rows: x 1 skipped
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      acc[n][0] *= r0;
-      acc[n][1] *= r0;
-      acc[n][2] *= r1;
-      acc[n][3] *= r1;
+      for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= r0;
+        acc[n][1] *= r0;
+        acc[n][2] *= r1;
+        acc[n][3] *= r1;
+      }
     }
-    // P [16 heads x 16 keys] . V [16 keys x 8 columns]: the weights split once per tile, the values (the key rows'
-    // bfloat16 columns) as B fragments by a transposed ldmatrix.x4, two output tiles per load
+    // P [16 heads x 16 keys] . V [16 keys x 8 columns]: the weights split once per tile, the values as B fragments by
+    // a transposed ldmatrix.x4 on the key rows, two output tiles per load
     const float* p0 = Ss + (16 * mt_o + g) * AP_SP;
     uint32_t ph[4], pl[4];
     split_bf16_pair(*(const float2*)(p0 + 2 * i4), ph[0], pl[0]);
     split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 2 * i4), ph[1], pl[1]);
     split_bf16_pair(*(const float2*)(p0 + 8 + 2 * i4), ph[2], pl[2]);
     split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 8 + 2 * i4), ph[3], pl[3]);
-    const uint8_t* v_row = Ks + (lane & 15) * dsb + 16 * (lane >> 4) + 2 * (8 * NB * cp);
+    const uint8_t* v_lane = Ks + (lane & 15) * dsb + 16 * (lane >> 4);
 #pragma unroll
     for (int n = 0; n < NB; n += 2) {
       uint32_t v[4];
-      ldsm_x4_trans(v, v_row + 16 * n);
+      ldsm_x4_trans(v, v_lane + 2 * 8 * (NB * cp + n));
       mma_bf16(acc[n], pl, v[0], v[1]);
       mma_bf16(acc[n + 1], pl, v[2], v[3]);
       mma_bf16(acc[n], ph, v[0], v[1]);
       mma_bf16(acc[n + 1], ph, v[2], v[3]);
     }
-#pragma unroll
-    for (int ks = 0; ks < AP_KT; ks += 8) {  // the RoPE columns: TF32, 8 keys per step
-      const float* pp = p0 + ks;
-      uint32_t ah[4], al[4];
-      split_tf32(pp[i4], ah[0], al[0]);
-      split_tf32(pp[8 * AP_SP + i4], ah[1], al[1]);
-      split_tf32(pp[i4 + 4], ah[2], al[2]);
-      split_tf32(pp[8 * AP_SP + i4 + 4], ah[3], al[3]);
-      ap_pv_chunk<true, true, NR, NT>(Ks + (ks + i4) * dsb, dsb, pk + 8 * NR * cp, g, pk, ah, al, acc, NB);
+    {  // the RoPE tile pair: pl.v_hi, ph.v_lo, ph.v_hi
+      uint32_t vh[4], vl[4];
+      const uint8_t* vr = v_lane + 2 * (pk + 8 * NR * cp);
+      ldsm_x4_trans(vh, vr);
+      ldsm_x4_trans(vl, vr + lo_off);
+      mma_bf16(acc[NB], pl, vh[0], vh[1]);
+      mma_bf16(acc[NB + 1], pl, vh[2], vh[3]);
+      mma_bf16(acc[NB], ph, vl[0], vl[1]);
+      mma_bf16(acc[NB + 1], ph, vl[2], vl[3]);
+      mma_bf16(acc[NB], ph, vh[0], vh[1]);
+      mma_bf16(acc[NB + 1], ph, vh[2], vh[3]);
     }
   }
   ap_finish<NT, HG>(a, t, p, h_base, mt_o, NT,
@@ -250,15 +259,19 @@ void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
 
 }  // namespace
 
-// Form 3 where it takes the shapes (packed keys with 448 bfloat16 columns of 512: DeepSeek V4's head; the split
-// output's head groups within 32 heads): launched, true; else false (the caller runs a TF32 form).
+bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
+  return d == 512 && pk_dims == 448 && (out_hpg <= 0 || A3_HG % out_hpg == 0);
+}
+
+// Form 3 where it takes the shapes (keys packed with a split tail, 448 exact columns of 512: DeepSeek V4's head; the
+// split output's head groups within 32 heads): launched, true; else false (the caller runs a TF32 form).
 bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
-  if (!a.win_pk || a.d != 512 || a.pk_dims != 448 || a.exact_dims != a.pk_dims) return false;
-  if (a.out_hi && A3_HG % a.out_hpg) return false;
+  if (!a.win_pk || !a.pk_split || a.exact_dims != a.pk_dims) return false;
+  if (!prefill_attn_bf16_takes(a.d, a.pk_dims, a.out_hi ? a.out_hpg : 0)) return false;
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
   if (lay.total > 113 * 1024) return false;  // two CTAs per SM
-  launch_bf16<14, 2>(a, lay.total, s);  // per warp: 56 / 4 bfloat16 tiles and 8 / 4 RoPE tiles
+  launch_bf16<14, 2>(a, lay.total, s);  // per warp: 56 / 4 exact tiles and 8 / 4 RoPE tiles
   DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
   return true;
 }

@@ -98,13 +98,13 @@ def main(argv=None) -> int:
     n_nope = q.shape[2] - 64
     win, comp = fp8_kv_round(win, n_nope), fp8_kv_round(comp, n_nope)
     full = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4), args.reps)
-    exact = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope), args.reps)
-    packed = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True), args.reps)
-    same = torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True),
+    exact = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=2), args.reps)
+    packed = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True, form=2), args.reps)
+    same = torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True, form=2),
                        K.prefill_attn(q, win, comp, sel, sinks, pos0, 4))
-    print(f"top-k, FP8-rounded keys: fused {full:.2f} ms, exact keys {exact:.2f} ms, packed keys {packed:.2f} ms "
-          f"(packed == full: {same})")
-    # form 3 (v25): the FP8-rounded columns' products on the bfloat16 tensor cores (packed keys; not form 2's bits)
+    print(f"top-k, FP8-rounded keys: fused {full:.2f} ms, form 2 exact keys {exact:.2f} ms, packed keys {packed:.2f} "
+          f"ms (packed == full: {same})")
+    # form 3 (v25 default): every product on the bfloat16 tensor cores (keys packed, RoPE tail split; not form 2's bits)
     bf16 = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=3), args.reps)
     two = K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, packed=True, form=2)
     diff = float((K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=3) - two).norm() / two.norm())

@@ -115,7 +115,7 @@ void bind_fused_ops(py::module_& m) {
                            int exact_dims, uintptr_t out_freq, int out_rope_dim, int prefetch, uintptr_t win_pk,
                            uintptr_t comp_pk, int pk_dims, int form, bool q_norm, float q_eps, uintptr_t q_freq,
                            int q_rope_dim, uintptr_t q_in_scale, uintptr_t out_hi, uintptr_t out_lo, uintptr_t out_s,
-                           int out_hpg) {
+                           int out_hpg, bool pk_split) {
     PrefillAttn a;
     a.q = ptr<const float>(q);
     a.win = ptr<const float>(win);
@@ -132,6 +132,7 @@ void bind_fused_ops(py::module_& m) {
     a.win_pk = ptr<const uint16_t>(win_pk);
     a.comp_pk = ptr<const uint16_t>(comp_pk);
     a.pk_dims = pk_dims;
+    a.pk_split = pk_split;
     a.form = form;
     a.q_post_on = q_norm || q_freq || q_in_scale;
     a.q_post.norm = q_norm;
@@ -154,19 +155,23 @@ void bind_fused_ops(py::module_& m) {
      "q_rope_dim, q_in_scale ([T] or 0): q holds raw rows that the kernel stages as norm_rope(q, norm=q_norm, "
      "freq=q_freq, rope_dim=q_rope_dim, in_scale=q_in_scale) at the query positions writes them (the same bits); "
      "out_hi, out_lo ([T, H, d] float16), out_s ([T, H / out_hpg] float32): the output written as to_half's split "
-     "per group of out_hpg heads instead of out",
+     "per group of out_hpg heads instead of out; pk_split: the packed rows' tail as bfloat16 hi and lo (pack_keys' "
+     "split_tail; form 3 only, an error where it declines)",
      py::arg("q"), py::arg("win"), py::arg("comp"), py::arg("sel"), py::arg("sinks"), py::arg("out"), py::arg("T"),
      py::arg("H"), py::arg("d"), py::arg("Wn"), py::arg("n_comp"), py::arg("n_sel"), py::arg("ratio"), py::arg("pos0"),
      py::arg("scale"), py::arg("exact_dims") = 0, py::arg("out_freq") = 0, py::arg("out_rope_dim") = 0,
      py::arg("prefetch") = -1, py::arg("win_pk") = 0, py::arg("comp_pk") = 0, py::arg("pk_dims") = 0,
      py::arg("form") = -1, py::arg("q_norm") = false, py::arg("q_eps") = 1e-6f, py::arg("q_freq") = 0,
      py::arg("q_rope_dim") = 0, py::arg("q_in_scale") = 0, py::arg("out_hi") = 0, py::arg("out_lo") = 0,
-     py::arg("out_s") = 0, py::arg("out_hpg") = 0);
-  m.def("pack_keys", [](uintptr_t x, int64_t rows, int d, int pk_dims, uintptr_t out) {
-    launch_pack_keys(ptr<const float>(x), rows, d, pk_dims, ptr<uint16_t>(out), stream());
+     py::arg("out_s") = 0, py::arg("out_hpg") = 0, py::arg("pk_split") = false);
+  m.def("pack_keys", [](uintptr_t x, int64_t rows, int d, int pk_dims, uintptr_t out, bool split_tail) {
+    launch_pack_keys(ptr<const float>(x), rows, d, pk_dims, ptr<uint16_t>(out), stream(), split_tail);
   }, "float32 key rows [rows, d] as packed rows at out: pk_dims bfloat16 values (by truncation: exact for FP8-simulated "
-     "values), then d - pk_dims float32 (2 pk_dims + 4 (d - pk_dims) bytes per row)",
-     py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("pk_dims"), py::arg("out"));
+     "values), then d - pk_dims float32 (2 pk_dims + 4 (d - pk_dims) bytes per row); split_tail: those d - pk_dims "
+     "columns as bfloat16 hi, then bfloat16 lo (both rounded; prefill attention form 3's rows)",
+     py::arg("x"), py::arg("rows"), py::arg("d"), py::arg("pk_dims"), py::arg("out"), py::arg("split_tail") = false);
+  m.def("prefill_attn_bf16_takes", &prefill_attn_bf16_takes, py::arg("d"), py::arg("pk_dims"), py::arg("out_hpg"),
+        "whether prefill attention form 3 takes these shapes (out_hpg: the split output's heads per group, 0: none)");
   m.def("prefill_attn_takes", &prefill_attn_takes, py::arg("H"), py::arg("d"));
   m.def("argmax", [](uintptr_t x, int64_t n, uintptr_t out) { launch_argmax(ptr<const float>(x), n, ptr<int64_t>(out), stream()); },
         py::arg("x"), py::arg("n"), py::arg("out"));

@@ -330,6 +330,9 @@ struct PrefillAttn {
   const uint16_t* win_pk = nullptr;
   const uint16_t* comp_pk = nullptr;
   int pk_dims = 0;
+  // pk_split (form 3 only, attn_prefill_bf16.cu): the packed rows' other d - pk_dims columns as bfloat16 hi, then
+  // bfloat16 lo (x = hi + lo, both rounded: |x - hi - lo| <= 2^-18 |x|) instead of float32; the same row size
+  bool pk_split = false;
   // q_post_on: q holds the q_b product's raw rows; the kernel stages each head row as norm_rope_warp_kernel would
   // write it (times q_in_scale[t] when given, then q_post: norm, RoPE at the query's position), so the session skips
   // that pass over [T, H, d] (the same bits)
@@ -344,9 +347,14 @@ struct PrefillAttn {
   float* out_s = nullptr;
   int out_hpg = 0;
 };
-// attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk) at out
-void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s);
+// attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk; split_tail: the
+// PrefillAttn::pk_split form) at out
+void launch_pack_keys(const float* x, int64_t rows, int d, int pk_dims, uint16_t* out, cudaStream_t s,
+                      bool split_tail = false);
 bool prefill_attn_takes(int H, int d);
+// attn_prefill_bf16.cu: whether form 3 takes keys of d columns, pk_dims of them exact, and the split output's head
+// groups of out_hpg (0: float32 output)
+bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
 // tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of

@@ -37,9 +37,10 @@ EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
 # summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
 # rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs); 1, the v15 kernel and a norm_rope launch;
 # 3 (default since v17) the v16 kernel after the norm_rope launch: v17 trace, 2k, 80-90 us per token faster than 1
-# prefill attention form (attn_prefill.cu reads the same variable): 3 (v25) takes the keys packed, so prefill_attn
-# packs them whenever that form is asked for and the keys are exact
-ATTN_FORM = os.environ.get("DS4_GPU_ATTN_FORM", "2").strip()
+# $DS4_GPU_ATTN_FORM, the prefill attention's form (attn_prefill.cu reads the same variable): 3 (default since v25:
+# every product on the bfloat16 tensor cores, keys packed with their RoPE tail split; 8192-token Flash prefill
+# 3847 -> 4029 t/s) where the FP8 KV simulation leaves the keys exact, else the TF32 form 2; 2; 1
+ATTN_FORM = os.environ.get("DS4_GPU_ATTN_FORM", "3").strip()
 INDEX_KEYS_MODE = os.environ.get("DS4_GPU_INDEX_KEYS", "3")
 INDEX_KEYS_V2 = INDEX_KEYS_MODE in ("2", "3")
 INDEX_KEYS_FOLD = INDEX_KEYS_MODE == "2"
@@ -295,8 +296,9 @@ class Fused:
         read from packed copies (their exact_dims columns as bfloat16, the rest float32: half the bytes, two key
         buffers per CTA); the same bits where those columns are exact in bfloat16 (the FP8 KV simulation's values).
         form: 2 (the inner loops without per-step branches), 1 (the v13 loops; the same bits), 3 (the bfloat16
-        products, attn_prefill_bf16.cu: with exact_dims = 448 of d = 512 the keys are then packed; within float32
-        rounding of form 2, not its bits; form 2 where it does not take the shapes), -1 ($DS4_GPU_ATTN_FORM).
+        products, attn_prefill_bf16.cu: with exact_dims = 448 of d = 512 the keys are packed, their RoPE tail as
+        bfloat16 hi + lo; within float32 rounding of form 2, not its bits; form 2 where it does not take the shapes),
+        -1 ($DS4_GPU_ATTN_FORM).
         q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
         norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). split_heads
         > 0: the output as (hi, lo, s), weights.to_half's float16 split with one scale per query and group of
@@ -321,11 +323,14 @@ class Fused:
         win_pk = comp_pk = None
         if form == -1 and ATTN_FORM in ("1", "2", "3"):
             form = int(ATTN_FORM)
-        if form == 3:
-            packed = True  # form 3 reads packed keys only
-        if packed and exact_dims > 0:
-            win_pk, comp_pk = self.pack_keys(win, int(exact_dims)), None if comp is None else self.pack_keys(
-                comp, int(exact_dims))
+        # form 3 reads keys packed with their RoPE tail split as bfloat16 hi + lo; where it does not take the
+        # shapes, the TF32 form 2
+        split = form == 3 and exact_dims > 0 and self.ext.prefill_attn_bf16_takes(d, int(exact_dims), split_heads)
+        if form == 3 and not split:
+            form = 2
+        if (packed or split) and exact_dims > 0:
+            win_pk, comp_pk = self.pack_keys(win, int(exact_dims), split), None if comp is None else self.pack_keys(
+                comp, int(exact_dims), split)
         qp = dict(q_post or {})
         q_freq, q_scale = qp.get("freq"), qp.get("in_scale")
         q_freq = None if q_freq is None else q_freq.contiguous()
@@ -336,16 +341,18 @@ class Fused:
                               int(exact_dims), _p(freq), 0 if inverse_rope is None else int(inverse_rope[1]),
                               int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0,
                               int(form), bool(qp.get("norm", False)), float(qp.get("eps", 1e-6)), _p(q_freq),
-                              int(qp.get("rope_dim", 0)), _p(q_scale), _p(hi), _p(lo), _p(s_out), int(split_heads))
+                              int(qp.get("rope_dim", 0)), _p(q_scale), _p(hi), _p(lo), _p(s_out), int(split_heads),
+                              bool(split))
         return (hi, lo, s_out) if split_heads > 0 else out
 
-    def pack_keys(self, x: torch.Tensor, pk_dims: int) -> torch.Tensor:
+    def pack_keys(self, x: torch.Tensor, pk_dims: int, split_tail: bool = False) -> torch.Tensor:
         """Key rows x [n, d] float32 as packed rows (int16 [n, pk_dims + 2 (d - pk_dims)]: pk_dims bfloat16 values by
-        truncation, then the float32 bits of the rest), the form prefill_attn(packed=True) reads."""
+        truncation, then the float32 bits of the rest), the form prefill_attn(packed=True) reads; split_tail: the rest
+        as bfloat16 hi (rounded), then bfloat16 lo = rest - hi (rounded), the form 3 rows."""
         n, d = x.shape
         out = torch.empty((n, pk_dims + 2 * (d - pk_dims)), dtype=torch.int16, device=x.device)
         self._stream()
-        self.ext.pack_keys(_p(x.contiguous()), n, d, int(pk_dims), _p(out))
+        self.ext.pack_keys(_p(x.contiguous()), n, d, int(pk_dims), _p(out), bool(split_tail))
         return out
 
     def index_keys(self, q: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, ratio: int,
