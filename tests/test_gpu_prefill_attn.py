@@ -415,6 +415,11 @@ def test_bf16_form_matches_the_float64_reference(T, H, n_comp, k_sel, pos0, rati
     for mode in (0, 2):  # without the staged selection, and with prefetch 2 (as 1 in form 3): the same bits
         assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=3,
                                           prefetch=mode), three), mode
+    K.ext.set_attn_tma(0)  # the key tiles by cp.async pieces instead of bulk copies (DS4_GPU_ATTN_TMA=0): the same bits
+    try:
+        assert torch.equal(K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, exact_dims=n_nope, form=3), three)
+    finally:
+        K.ext.set_attn_tma(-1)
 
 
 def test_bf16_form_falls_back_to_form_2_where_it_does_not_take_the_shapes():

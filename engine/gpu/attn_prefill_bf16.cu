@@ -16,6 +16,7 @@
 #include <cuda_bf16.h>
 
 #include "attn_prefill.cuh"
+#include "mbarrier.cuh"
 #include "mma_ops.cuh"
 
 namespace ds4gpu {
@@ -37,15 +38,15 @@ __device__ __forceinline__ void split_bf16_pair(float2 x, uint32_t& hi, uint32_t
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// Shared layout (bytes from the start): Qh, Ql [HG][d + 8] bfloat16 (rows 1040 bytes apart for d = 512: ldmatrix's 8
-// rows hit distinct 16-byte bank groups), then the union region.
+// Shared layout (bytes from the start): the two key buffers' mbarriers (TMA form), Qh, Ql [HG][d + 8] bfloat16 (rows
+// 1040 bytes apart for d = 512: ldmatrix's 8 rows hit distinct 16-byte bank groups), then the union region.
 struct A3Layout {
   int qb, dsb;
   size_t qh, ql, uni, kbuf_bytes, tail_bytes, stage_bytes, total;
   __host__ __device__ A3Layout(int d, int pk, int n_sel_staged) {
     qb = d + 8;
     dsb = ap_smem_row_bytes<true>(d, pk);
-    qh = 0;
+    qh = 16;
     ql = qh + 2 * (size_t)A3_HG * qb;
     uni = ql + 2 * (size_t)A3_HG * qb;
     kbuf_bytes = 2 * (size_t)AP_KT * dsb;
@@ -85,11 +86,29 @@ __device__ __forceinline__ void a3_stage_queries(const PrefillAttn& a, int t, in
   __syncthreads();  // the stage region is free for the key buffers
 }
 
+// TMA form ($DS4_GPU_ATTN_TMA, v25): key tile k0 into Kb by bulk copies, one per key row (1152 bytes for Flash)
+// issued by lane r < AP_KT of warp 0 for row r, counted on bar; rows that are not keys are not copied (the buffer keeps
+// finite values there: zeros or an earlier tile's keys, which the zero weights of the softmax cancel). v25's profile
+// of the cp.async loads (ap_load_tile: 16-byte pieces over the warps, an address per piece): ~30% of the kernel's
+// instructions. Called by warp 0 only.
+__device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, int64_t p, int64_t n_vis, int n_keys,
+                                                 int k0, uint8_t* Kb, int* ok, int dsb, const int* sel_s,
+                                                 uint64_t* bar) {
+  const int lane = threadIdx.x & 31;
+  const uint8_t* src = lane < AP_KT ? ap_key_src<true>(a, t, p, n_vis, n_keys, k0 + lane, sel_s) : nullptr;
+  const uint32_t rb = (uint32_t)ap_row_bytes<true>(a);
+  const int n = __popc(__ballot_sync(0xffffffffu, src != nullptr));
+  if (lane == 0) mbar_arrive_expect_tx(bar, (uint32_t)n * rb);
+  __syncwarp();
+  if (src) bulk_copy_g2s(Kb + lane * dsb, src, rb, bar);
+  if (lane < AP_KT) ok[lane] = src != nullptr;
+}
+
 // NB output tiles (8 columns each) of exact columns and NR of RoPE columns per warp: warp part cp owns the exact tiles
 // NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
 // bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
 // lo).
-template <int NB, int NR>
+template <int NB, int NR, bool TMA>
 __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
   static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
@@ -104,6 +123,7 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(d, pk, stage_sel ? a.n_sel : 0);
   uint8_t* base = (uint8_t*)sh;
+  uint64_t* kbar = (uint64_t*)base;  // TMA: one mbarrier per key buffer
   __nv_bfloat16* Qh = (__nv_bfloat16*)(base + lay.qh);
   __nv_bfloat16* Ql = (__nv_bfloat16*)(base + lay.ql);
   uint8_t* Kbuf = base + lay.uni;  // [2][AP_KT] key rows of dsb bytes, after the queries are split
@@ -115,14 +135,24 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   int* sel_stage = ok_s + 2 * AP_KT;
   const int qb = lay.qb, dsb = lay.dsb;
 
-  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, qb);
-  const int* sel_s = nullptr;
-  if (stage_sel) {
-    ap_stage_sel(a, t, n_vis, sel_stage);
-    __syncthreads();
-    sel_s = sel_stage;
+  if (TMA && tid == 0) {
+    mbar_init(&kbar[0], 1);
+    mbar_init(&kbar[1], 1);
+    mbar_init_fence();
   }
-  ap_load_tile<true>(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s);
+  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, qb);
+  if (TMA) {  // finite values where a tile has no key row (the stage left floats in part of it, the rest is unset)
+    for (int i = tid; i < (int)(lay.kbuf_bytes / 16); i += AP_THREADS) ((uint4*)Kbuf)[i] = make_uint4(0, 0, 0, 0);
+    fence_async_smem();  // these stores and the stage's accesses before the bulk copies into the same bytes
+  }
+  const int* sel_s = nullptr;
+  if (TMA || stage_sel) {
+    if (stage_sel) ap_stage_sel(a, t, n_vis, sel_stage);
+    __syncthreads();
+    if (stage_sel) sel_s = sel_stage;
+  }
+  if (!TMA) ap_load_tile<true>(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s);
+  else if (warp == 0) a3_load_tile_tma(a, t, p, n_vis, n_keys, 0, Kbuf, ok_s, dsb, sel_s, &kbar[0]);
   if (tid < HG) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -139,6 +169,14 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
   for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
+    if (TMA) {
+      fence_async_smem();  // this thread's reads of the buffer the next copies refill, before them
+      __syncthreads();     // the previous tile's reads of its buffer, Ss and f_s are done
+      if (warp == 0 && k0 + AP_KT < n_keys)
+        a3_load_tile_tma(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * dsb, ok_s + (buf ^ 1) * AP_KT,
+                         dsb, sel_s, &kbar[buf ^ 1]);
+      mbar_wait(&kbar[buf], (k0 / AP_KT >> 1) & 1);  // this tile's rows (its ok flags: the barrier above)
+    } else {
     __syncthreads();  // the previous tile's reads of its buffer, Ss and f_s are done
     if (k0 + AP_KT < n_keys) {
       ap_load_tile<true>(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * dsb, ok_s + (buf ^ 1) * AP_KT,
@@ -148,6 +186,7 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();  // this tile is in shared memory for every thread
+    }
     const uint8_t* Ks = Kbuf + buf * AP_KT * dsb;
     const int* ok = ok_s + buf * AP_KT;
     {
@@ -246,16 +285,21 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
                     f_s, Ss);
 }
 
-template <int NB, int NR>
+template <int NB, int NR, bool TMA>
 void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)shm));
     shm_set = shm;
   }
-  prefill_attn_bf16_kernel<NB, NR><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_bf16_kernel<NB, NR, TMA><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
 }
+
+// $DS4_GPU_ATTN_TMA (v25, default 1): form 3's key tiles by bulk copies (a3_load_tile_tma); 0: cp.async pieces
+// (ap_load_tile). The same bits. set_attn_tma overrides it (0, 1; -1 the environment).
+static EnvSwitch attn_tma_switch{"DS4_GPU_ATTN_TMA", 1, 1};
+void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
 
 }  // namespace
 
@@ -271,7 +315,8 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
   if (lay.total > 113 * 1024) return false;  // two CTAs per SM
-  launch_bf16<14, 2>(a, lay.total, s);  // per warp: 56 / 4 exact tiles and 8 / 4 RoPE tiles
+  if (attn_tma_switch.get()) launch_bf16<14, 2, true>(a, lay.total, s);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
+  else launch_bf16<14, 2, false>(a, lay.total, s);
   DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
   return true;
 }

@@ -355,6 +355,8 @@ bool prefill_attn_takes(int H, int d);
 // attn_prefill_bf16.cu: whether form 3 takes keys of d columns, pk_dims of them exact, and the split output's head
 // groups of out_hpg (0: float32 output)
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg);
+// $DS4_GPU_ATTN_TMA (form 3's key tiles by bulk copies: 1 on, 0 cp.async, -1 env)
+void set_attn_tma(int mode);
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
 // tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of
