@@ -104,59 +104,11 @@ __device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, in
   if (lane < AP_KT) ok[lane] = src != nullptr;
 }
 
-// The online softmax of the warp's 16 rows (row0 ..) for one key tile, in the P fragment's layout ($DS4_GPU_ATTN_WS, v25):
-// lane (g, i) holds rows g and g + 8 at keys 2i, 2i + 1, 2i + 8, 2i + 9, so the weights e are the A fragment as they
-// stand, and a row's max and sum meet over the 4 lanes of a g by two shuffles. The 4 warps of an m-tile compute the
-// same rows with the same operations (the same values), which saves the softmax phase's barrier and its shared
-// round trip (v25's source profile: ~9% of the samples waited at that barrier). m, l: the rows' running max and sum in
-// registers; alpha: the factor that rescales the rows' accumulators.
-template <int HG, int KS>
-__device__ __forceinline__ void a3_warp_softmax(const PrefillAttn& a, int k0, int n_keys, const int* ok, const float* Ss,
-                                                int row0, float (&m)[2], float (&l)[2], float (&e)[2][4],
-                                                float (&alpha)[2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, i4 = lane & 3;
-  const int kj[4] = {2 * i4, 2 * i4 + 1, 2 * i4 + 8, 2 * i4 + 9};
-  bool key[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) key[j] = k0 + kj[j] < n_keys && ok[kj[j]];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float* srow = Ss + (row0 + g + 8 * r) * AP_SP;
-    float2 x0 = *(const float2*)(srow + 2 * i4), x1 = *(const float2*)(srow + 8 + 2 * i4);
-#pragma unroll
-    for (int q = 1; q < KS; ++q) {  // the head-dimension parts in ap_softmax's order
-      const float2 y0 = *(const float2*)(srow + q * HG * AP_SP + 2 * i4);
-      const float2 y1 = *(const float2*)(srow + q * HG * AP_SP + 8 + 2 * i4);
-      x0.x += y0.x, x0.y += y0.y, x1.x += y1.x, x1.y += y1.y;
-    }
-    float v[4] = {x0.x, x0.y, x1.x, x1.y}, mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[j] = key[j] ? v[j] * a.scale : -INFINITY;
-      mx = fmaxf(mx, v[j]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    mx = fmaxf(mx, m[r]);
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      e[r][j] = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
-      sum += e[r][j];
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    alpha[r] = mx == -INFINITY ? 1.0f : expf(m[r] - mx);
-    l[r] = l[r] * alpha[r] + sum;
-    m[r] = mx;
-  }
-}
-
 // NB output tiles (8 columns each) of exact columns and NR of RoPE columns per warp: warp part cp owns the exact tiles
 // NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
 // bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
 // lo).
-template <int NB, int NR, bool TMA, bool WS>
+template <int NB, int NR, bool TMA>
 __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
   static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
@@ -215,7 +167,6 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   float acc[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};  // WS: rows 16 mt_o + g and + 8
 
   for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
     if (TMA) {
@@ -286,15 +237,9 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
       sp[8 * AP_SP + 1] = c[3];
     }
     __syncthreads();
-    float e[2][4], alpha[2];
-    if (WS) {
-      a3_warp_softmax<HG, KS>(a, k0, n_keys, ok, Ss, 16 * mt_o, m_r, l_r, e, alpha);
-    } else {
-      ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
-      __syncthreads();
-      alpha[0] = f_s[16 * mt_o + g], alpha[1] = f_s[16 * mt_o + g + 8];
-    }
-    const float r0 = alpha[0], r1 = alpha[1];
+    ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
+    __syncthreads();
+    const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
     if (__any_sync(0xffffffffu, r0 != 1.0f || r1 != 1.0f)) {  // no new maximum in any of the warp's rows: x 1 skipped
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
@@ -306,19 +251,12 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
     }
     // P [16 heads x 16 keys] . V [16 keys x 8 columns]: the weights split once per tile, the values as B fragments by
     // a transposed ldmatrix.x4 on the key rows, two output tiles per load
+    const float* p0 = Ss + (16 * mt_o + g) * AP_SP;
     uint32_t ph[4], pl[4];
-    if (WS) {
-      split_bf16_pair(make_float2(e[0][0], e[0][1]), ph[0], pl[0]);
-      split_bf16_pair(make_float2(e[1][0], e[1][1]), ph[1], pl[1]);
-      split_bf16_pair(make_float2(e[0][2], e[0][3]), ph[2], pl[2]);
-      split_bf16_pair(make_float2(e[1][2], e[1][3]), ph[3], pl[3]);
-    } else {
-      const float* p0 = Ss + (16 * mt_o + g) * AP_SP;
-      split_bf16_pair(*(const float2*)(p0 + 2 * i4), ph[0], pl[0]);
-      split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 2 * i4), ph[1], pl[1]);
-      split_bf16_pair(*(const float2*)(p0 + 8 + 2 * i4), ph[2], pl[2]);
-      split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 8 + 2 * i4), ph[3], pl[3]);
-    }
+    split_bf16_pair(*(const float2*)(p0 + 2 * i4), ph[0], pl[0]);
+    split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 2 * i4), ph[1], pl[1]);
+    split_bf16_pair(*(const float2*)(p0 + 8 + 2 * i4), ph[2], pl[2]);
+    split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 8 + 2 * i4), ph[3], pl[3]);
     const uint8_t* v_lane = Ks + (lane & 15) * dsb + 16 * (lane >> 4);
 #pragma unroll
     for (int n = 0; n < NB; n += 2) {
@@ -342,24 +280,20 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
       mma_bf16(acc[NB + 1], ph, vh[2], vh[3]);
     }
   }
-  if (WS && cp == 0 && i4 == 0) {  // the rows' max and sum for the epilogue (it begins with a barrier)
-    m_s[16 * mt_o + g] = m_r[0], l_s[16 * mt_o + g] = l_r[0];
-    m_s[16 * mt_o + g + 8] = m_r[1], l_s[16 * mt_o + g + 8] = l_r[1];
-  }
   ap_finish<NT, HG>(a, t, p, h_base, mt_o, NT,
                     [&](int n) { return n < NB ? 8 * (NB * cp + n) : pk + 8 * (NR * cp + n - NB); }, acc, m_s, l_s,
                     f_s, Ss);
 }
 
-template <int NB, int NR, bool TMA, bool WS>
+template <int NB, int NR, bool TMA>
 void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, WS>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)shm));
     shm_set = shm;
   }
-  prefill_attn_bf16_kernel<NB, NR, TMA, WS><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_bf16_kernel<NB, NR, TMA><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
 }
 
 
@@ -369,10 +303,6 @@ void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
 // (ap_load_tile). The same bits. set_attn_tma overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_tma_switch{"DS4_GPU_ATTN_TMA", 1, 1};
 void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
-// $DS4_GPU_ATTN_WS (v25, default 1): form 3's softmax in each warp's registers (a3_warp_softmax); 0: ap_softmax between
-// two barriers. Other bits (another summation order). set_attn_ws overrides it (0, 1; -1 the environment).
-static EnvSwitch attn_ws_switch{"DS4_GPU_ATTN_WS", 1, 1};
-void set_attn_ws(int mode) { attn_ws_switch.set(mode); }
 
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
   return d == 512 && pk_dims == 448 && (out_hpg <= 0 || A3_HG % out_hpg == 0);
@@ -386,11 +316,8 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
   if (lay.total > 113 * 1024) return false;  // two CTAs per SM
-  const bool tma = attn_tma_switch.get(), ws = attn_ws_switch.get();  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
-  if (tma && ws) launch_bf16<14, 2, true, true>(a, lay.total, s);
-  else if (tma) launch_bf16<14, 2, true, false>(a, lay.total, s);
-  else if (ws) launch_bf16<14, 2, false, true>(a, lay.total, s);
-  else launch_bf16<14, 2, false, false>(a, lay.total, s);
+  if (attn_tma_switch.get()) launch_bf16<14, 2, true>(a, lay.total, s);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
+  else launch_bf16<14, 2, false>(a, lay.total, s);
   DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
   return true;
 }

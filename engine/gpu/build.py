@@ -72,6 +72,16 @@ def run(cmd: list[str], verbose: bool) -> None:
         print(out)
 
 
+def undefined_own_symbols(lib: Path) -> list[str]:
+    """The module's undefined symbols of namespace ds4gpu (nm -D; [] where nm is missing): the dynamic linker would
+    only report them when Python imports the module."""
+    try:
+        res = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True)
+    except OSError:
+        return []
+    return [ln.split()[-1] for ln in res.stdout.splitlines() if "_ZN6ds4gpu" in ln]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default=os.environ.get("CUDA_ARCH", "sm_90a"), help="CUDA_ARCH, e.g. sm_90a or sm_80,sm_90a")
@@ -120,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     link = [nvcc, "-shared", "-cudart=shared", "-o", str(target) + ".tmp",
             *[str(BUILD / (s + ".o")) for s in CU_SOURCES], *map(str, bobjs), f"-Xlinker=-rpath,{libdir}"]
     run(link, args.verbose)
+    missing = undefined_own_symbols(Path(str(target) + ".tmp"))
+    if missing:  # a function the bindings call but no object defines (e.g. left in an anonymous namespace)
+        os.unlink(str(target) + ".tmp")
+        raise SystemExit(f"build.py: undefined ds4gpu symbols in the module: {', '.join(missing[:5])}")
     os.replace(str(target) + ".tmp", target)
     print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}")
     return 0
