@@ -115,6 +115,18 @@ def main(argv=None) -> int:
         K.ext.set_attn_tma(-1)
     print(f"top-k, FP8-rounded keys: form 3 (bfloat16) {bf16:.2f} ms against packed form 2 {packed:.2f} ms: "
           f"{packed / bf16:.2f}x (rel diff {diff:.1e}); its tiles by cp.async pieces {pieces:.2f} ms")
+    # form 3 as the session calls it: raw q_b rows post-processed in the staging, the output's RoPE tail undone and the
+    # output as the o_a GEMM's float16 split per 8 heads (the per-CTA prologue and epilogue the plain rows skip)
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).cuda()
+    kw = dict(inverse_rope=(freq, 64), q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64), split_heads=8)
+    rows = []
+    for name, ratio, n_comp, k_sel in (("top-k (ratio 4)", 4, 2048, 512), ("ratio 128", 128, 64, 0)):
+        q, win, comp, sel, sinks = _inputs(T, n_comp, k_sel, pos0)
+        win, comp = fp8_kv_round(win, n_nope), fp8_kv_round(comp, n_nope)
+        plain = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3), args.reps)
+        full = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3, **kw), args.reps)
+        rows.append(f"{name} {plain:.2f} -> {full:.2f} ms")
+    print(f"form 3, plain rows -> with the session's q_post, inverse RoPE and split output: {'; '.join(rows)}")
     return 0
 
 
