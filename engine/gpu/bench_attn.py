@@ -119,14 +119,14 @@ def main(argv=None) -> int:
     # output as the o_a GEMM's float16 split per 8 heads (the per-CTA prologue and epilogue the plain rows skip)
     freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).cuda()
     kw = dict(inverse_rope=(freq, 64), q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64), split_heads=8)
-    rows = []
     for name, ratio, n_comp, k_sel in (("top-k (ratio 4)", 4, 2048, 512), ("ratio 128", 128, 64, 0)):
         q, win, comp, sel, sinks = _inputs(T, n_comp, k_sel, pos0)
         win, comp = fp8_kv_round(win, n_nope), fp8_kv_round(comp, n_nope)
-        plain = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3), args.reps)
-        full = time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3, **kw), args.reps)
-        rows.append(f"{name} {plain:.2f} -> {full:.2f} ms")
-    print(f"form 3, plain rows -> with the session's q_post, inverse RoPE and split output: {'; '.join(rows)}")
+        parts = {"plain": {}, "q_post": {"q_post": kw["q_post"]}, "inverse RoPE": {"inverse_rope": kw["inverse_rope"]},
+                 "inverse RoPE + split output": {"inverse_rope": kw["inverse_rope"], "split_heads": 8}, "all (the session)": kw}
+        ms = {k: time_ms(lambda: K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3, **o), args.reps)
+              for k, o in parts.items()}
+        print(f"form 3, {name}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
     return 0
 
 
