@@ -25,7 +25,6 @@ namespace {
 
 constexpr int A3_MT = 2;                     // m-tiles of 16 heads per CTA
 constexpr int A3_HG = 16 * A3_MT;            // heads per CTA
-constexpr int A3_CP = AP_WARPS / A3_MT;      // output column parts per m-tile
 constexpr int A3_KS = AP_WARPS / (2 * A3_MT);  // head-dimension parts of each score job
 constexpr int A3_KC = 4;                     // independent score chains
 
