@@ -15,6 +15,7 @@ gpu.capture_begin() / gpu.capture_end() -> Graph with .launch(n) and .time_ms(it
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,13 +75,9 @@ def load() -> Any:
 def __getattr__(name: str) -> Any:  # gpu.matvec, gpu.Array, ... forward to the extension
     if name.startswith("__"):
         raise AttributeError(name)
-    if name in _SUBMODULES:  # `from ds4.engine.gpu import ops` must not need the extension
+    if (Path(__file__).parent / f"{name}.py").is_file():  # `from ds4.engine.gpu import ops`: no extension needed
         return importlib.import_module(f"{__name__}.{name}")
     return getattr(load(), name)
-
-
-_SUBMODULES = {"branches", "moe_gemm", "ops", "prefill", "session", "bench_session", "smoke", "bench", "routing",
-               "fused", "tc", "trace_gaps", "weights", "bench_attn", "bench_mmq", "bench_barrier"}
 
 
 def upload(name: str, qtype: int, ne: tuple[int, ...], raw: np.ndarray) -> Any:

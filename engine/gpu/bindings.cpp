@@ -622,6 +622,15 @@ PYBIND11_MODULE(_ext, m) {
     launch_split_half((const float*)x, rows, n, (__half*)hi, (__half*)lo, (float*)s, stream());
   }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),
         "rows of float32 x as f16 hi (+ lo when lo != 0) parts of x / s, s = the row's largest magnitude");
+  m.def("pack_fp8", [](uintptr_t a, uintptr_t b, int64_t batch, int64_t rows, int64_t n, int64_t ld, int64_t sbt,
+                       float sa, float sb, uintptr_t kp, uintptr_t out) {
+    launch_pack_fp8((const __half*)a, (const __half*)b, batch, rows, n, ld, sbt, sa, sb, (const float*)kp,
+                    (uint8_t*)out, stream());
+  }, py::arg("a"), py::arg("b"), py::arg("batch"), py::arg("rows"), py::arg("n"), py::arg("ld"), py::arg("sbt"),
+        py::arg("sa"), py::arg("sb"), py::arg("kp"), py::arg("out"),
+        "out [batch, rows, 2n] float8 e4m3 = [a * sa * k | b * sb * k] from float16 planes a, b (element (bt, r, c) "
+        "at bt * sbt + r * ld + c), k = the float32 at kp or 1 (kp = 0); device addresses; rounded to nearest even, "
+        "saturating (fp8_split's operands)");
   m.def("matvec_multi", &matvec_multi, py::arg("ws"), py::arg("x"), py::arg("ys"), py::arg("swiglu") = false,
         py::arg("clamp") = 0.0f, py::arg("norm_w") = 0, py::arg("eps") = 0.0f,
         "ys[i] = ws[i] . x (batch 1, device pointers) in one launch; swiglu: x = [g | u] -> swiglu(g, u); norm_w: "

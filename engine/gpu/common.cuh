@@ -187,6 +187,10 @@ void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, _
                     cudaStream_t stream, const int32_t* block_map = nullptr, int64_t block_rows = 0);
 // x [rows, n] f32 -> s[row] = max |x| (>= 1e-30), hi = f16(x / s), lo (if not null) = f16(x / s - hi).
 void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream);
+// [batch, rows, 2n] e4m3 = [a * sa * k | b * sb * k] of two f16 planes (element (bt, r, c) at bt * sbt + r * ld + c),
+// k = *kp (device) or 1 (kp null).
+void launch_pack_fp8(const __half* a, const __half* b, int64_t batch, int64_t rows, int64_t n, int64_t ld, int64_t sbt,
+                     float sa, float sb, const float* kp, uint8_t* out, cudaStream_t stream);
 // matvec.cu: y[b, r] = W[r] . x[b, g(r)], x is [B, groups, ncols], row r in group r / (nrows / groups).
 // quantize = false: xq already holds x quantized (shared by several matrices reading the same x).
 void launch_matvec(const Packed& w, const float* x, const XQ& xq, int batch, int groups, float* y,

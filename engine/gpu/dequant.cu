@@ -7,6 +7,8 @@
 // A quantized weight needs up to ~22 significant bits (an f16 scale times a small integer), f16 has 11:
 // with `lo`, the value times `scale` is written as hi + lo (two f16s, ~22 bits), so a GEMM split in
 // hi/lo parts reproduces the float32 product; `scale` (a power of two) keeps lo out of f16 subnormals.
+#include <cuda_fp8.h>
+
 #include <cstdlib>
 
 #include "mv_core.cuh"
@@ -232,6 +234,54 @@ void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __ha
   else if (v4) split_half_kernel<true><<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
   else split_half_kernel<false><<<(unsigned)rows, SPLIT_THREADS, 0, stream>>>(x, n, hi, lo, s);
   DS4_CHECK_LAUNCH("split_half_kernel");
+}
+
+// fp8_split.py's operands in one pass (DS4_GPU_PREFILL_GEMM=fp8): rows of two float16 planes a, b (batch bt of
+// rows, element (bt, r, c) at bt * sbt + r * ld + c) -> out [batch, rows, 2n] e4m3 = [a * sa * k | b * sb * k] with
+// k = *kp (a device scalar: the weight's scale, computed on the device) or 1, rounded to nearest even with saturation
+// (the scales keep every value below 448, so torch's non-saturating cast agrees). Eight elements per thread: 16-byte
+// loads, 8-byte stores.
+__device__ __forceinline__ uint2 fp8x8(uint4 h, float scale) {
+  const __half2* h2 = reinterpret_cast<const __half2*>(&h);
+  uint32_t w[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float2 e01 = __half22float2(h2[2 * j]), e23 = __half22float2(h2[2 * j + 1]);
+    const uint32_t p0 = __nv_cvt_float2_to_fp8x2(make_float2(e01.x * scale, e01.y * scale), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t p1 = __nv_cvt_float2_to_fp8x2(make_float2(e23.x * scale, e23.y * scale), __NV_SATFINITE, __NV_E4M3);
+    w[j] = p0 | (p1 << 16);
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+__global__ void pack_fp8_kernel(const __half* a, const __half* b, int64_t rows, int64_t n, int64_t ld, int64_t sbt,
+                                float sa, float sb, const float* kp, uint8_t* out) {
+  const int64_t n8 = n / 8, i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= rows * n8) return;
+  if (kp) {
+    const float k = *kp;
+    sa *= k, sb *= k;
+  }
+  const int64_t bt = blockIdx.y, r = i / n8, c = 8 * (i % n8);
+  const int64_t src = bt * sbt + r * ld + c;
+  uint8_t* o = out + (bt * rows + r) * 2 * n + c;
+  *reinterpret_cast<uint2*>(o) = fp8x8(*reinterpret_cast<const uint4*>(a + src), sa);
+  *reinterpret_cast<uint2*>(o + n) = fp8x8(*reinterpret_cast<const uint4*>(b + src), sb);
+}
+
+void launch_pack_fp8(const __half* a, const __half* b, int64_t batch, int64_t rows, int64_t n, int64_t ld, int64_t sbt,
+                     float sa, float sb, const float* kp, uint8_t* out, cudaStream_t stream) {
+  if (n % 8 || ld % 8 || sbt % 8 || (uintptr_t)a % 16 || (uintptr_t)b % 16 || (uintptr_t)out % 8)
+    throw std::invalid_argument("pack_fp8: n, ld and the batch stride must be multiples of 8, the planes 16-byte "
+                                "aligned");
+  if (batch <= 0 || rows <= 0 || batch > 65535) {
+    if (batch == 0 || rows == 0) return;
+    throw std::invalid_argument("pack_fp8: batch must be 1..65535");
+  }
+  const int64_t threads = rows * (n / 8);
+  pack_fp8_kernel<<<dim3((unsigned)((threads + 255) / 256), (unsigned)batch), 256, 0, stream>>>(a, b, rows, n, ld, sbt,
+                                                                                               sa, sb, kp, out);
+  DS4_CHECK_LAUNCH("pack_fp8_kernel");
 }
 
 }  // namespace ds4gpu

@@ -16,7 +16,7 @@ import torch
 
 from ds4.gguf_tools import constants as C
 
-from . import moe_gemm, ops
+from . import fp8_split, moe_gemm, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -33,6 +33,9 @@ EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
 # quantization and exact block sums, no dequant pass, two int8 products instead of three f16 ones); F16 weights as in
 # exact mode. v10: written without a device, not yet run.
 MMQ_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "mmq"
+# DS4_GPU_PREFILL_GEMM=fp8: the hi/lo products' two correction terms in one float8 GEMM (fp8_split.py): two
+# float16-pass equivalents instead of three, ~2^-18 per product (v26: written without a device)
+FP8_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "fp8"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -513,7 +516,15 @@ def to_half(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | 
 
 def split_product(xh, xl, wh, wl) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) in float32 without the lo·lo term (below float32 rounding); lo parts may be None.
-    The lo products accumulate into the result inside the GEMM (beta = 1): no extra pass over it."""
+    The lo products accumulate into the result inside the GEMM (beta = 1): no extra pass over it.
+    DS4_GPU_PREFILL_GEMM=fp8: both lo products in one float8 GEMM where the operands allow (fp8_split)."""
+    if FP8_GEMM and xl is not None and wl is not None and xh.is_cuda and fp8_split.available(xh) \
+            and fp8_split.takes(xh, wh):
+        try:
+            return fp8_split.product(xh, xl, wh, wl, acc_mm)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            fp8_split.refuse()
+            print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here", flush=True)
     y = mm_f32(xh, wh)
     if xl is not None:
         acc_mm(y, xl, wh)
