@@ -90,13 +90,15 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
     return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
 
 
-def product(xh: torch.Tensor, xl: torch.Tensor, wh: torch.Tensor, wl: torch.Tensor, acc_mm) -> torch.Tensor:
+def product(xh: torch.Tensor, xl: torch.Tensor, wh: torch.Tensor, wl: torch.Tensor, acc_mm,
+            sigma: torch.Tensor | None = None) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) as float32 (2-D [T, K] @ [K, N], or batched 3-D), the corrections on FP8.
-    acc_mm(y, a, b): y += a @ b for float16 operands (weights.acc_mm). Raises RuntimeError where _scaled_mm
-    refuses the operands (weights.split_product then takes the float16 path)."""
+    acc_mm(y, a, b): y += a @ b for float16 operands (weights.acc_mm); sigma: weight_scale(wh) if known. Raises
+    RuntimeError where _scaled_mm refuses the operands (the caller then takes the float16 path)."""
     batched = xh.dim() == 3
     wh_rows, wl_rows = wh.transpose(-1, -2), wl.transpose(-1, -2)  # [.., N, K]: views of the weights' rows
-    sigma = weight_scale(wh)
+    if sigma is None:
+        sigma = weight_scale(wh)
     a8, b8 = pack_x(xh, xl), pack_w(wh_rows, wl_rows, sigma)
     if not batched:
         y = correction(a8, b8, sigma)
@@ -109,9 +111,10 @@ def product(xh: torch.Tensor, xl: torch.Tensor, wh: torch.Tensor, wl: torch.Tens
     return y
 
 
-def takes(xh: torch.Tensor, wh: torch.Tensor) -> bool:
-    """Shapes cuBLASLt's FP8 GEMM takes: depth and width multiples of 16."""
-    return xh.shape[-1] % 16 == 0 and wh.shape[-1] % 16 == 0
+def usable(xh: torch.Tensor, wh: torch.Tensor) -> bool:
+    """Whether product() runs on cuBLASLt's float8 GEMM for these operands: on a CUDA device that has it (compute
+    capability 8.9+, torch took the operands so far), depth and width multiples of 16."""
+    return xh.is_cuda and available(xh) and xh.shape[-1] % 16 == 0 and wh.shape[-1] % 16 == 0
 
 
 def refuse() -> None:

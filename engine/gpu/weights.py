@@ -27,15 +27,21 @@ MOE_PIECE = 64  # tokens per routed-MoE launch in prefill (bounds the extension'
 # routed experts from MOE_GEMM_MIN tokens, since that path dequantizes every expert of the layer.
 GEMM_MIN = int(os.environ.get("DS4_GPU_GEMM_MIN", "16"))
 MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
-EXACT_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") != "f16"
+# DS4_GPU_PREFILL_GEMM: the dense prefill products. fp8 (default, v26): float16 hi.hi plus both correction terms in
+# one float8 GEMM (fp8_split.py); exact: three float16 GEMMs hi.hi + lo.hi + hi.lo; f16: hi.hi alone; mmq: below
+PREFILL_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "fp8")
+EXACT_GEMM = PREFILL_GEMM != "f16"
 # DS4_GPU_PREFILL_GEMM=mmq: quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS: in Flash q2 the attention projections and the
 # shared expert) on the int8 tensor cores straight from their codes (mmq.cu: the decode kernels' activation
 # quantization and exact block sums, no dequant pass, two int8 products instead of three f16 ones); F16 weights as in
 # exact mode. v10: written without a device, not yet run.
-MMQ_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "mmq"
-# DS4_GPU_PREFILL_GEMM=fp8: the hi/lo products' two correction terms in one float8 GEMM (fp8_split.py): two
-# float16-pass equivalents instead of three, ~2^-18 per product (v26: written without a device)
-FP8_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "exact") == "fp8"
+MMQ_GEMM = PREFILL_GEMM == "mmq"
+# fp8: two float16-pass equivalents instead of three, ~2^-18 of sum |w x| per product where exact gives ~2^-22 (v26
+# call 1: 8192-token prefill 4160 -> 4354 t/s; the session suite passes)
+FP8_GEMM = PREFILL_GEMM == "fp8"
+# ... for weights of at least this many elements (v26 call 1, 8192 rows: the Flash q_a and kv products, 4M and 2M, lost
+# 0.56 against 0.31 and 0.50 against 0.17 ms to the packing; the 33M ones won 1.2-1.4x)
+FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -83,6 +89,7 @@ class Weights:
         # q_a, kv, the compressors and the indexer's projection; the FFN input by the router and the shared expert)
         self._splits: list[tuple[tuple, torch.Tensor, tuple]] = []
         self.split_hits = 0
+        self._fp8_scales: dict[int, torch.Tensor] = {}  # DS4_GPU_PREFILL_GEMM=fp8: each weight's scale (fp8_split)
 
     # ---- storage ---------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor:
@@ -183,7 +190,7 @@ class Weights:
             return self.mm(name, x), None
         hi, lo, scale = self.half(w, EXACT_GEMM)
         xh, xl, s = self.to_half(x)
-        return split_product(xh, xl, hi.T, None if lo is None else lo.T), s / scale
+        return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T), s / scale
 
     def takes_split(self, name: str, T: int) -> bool:
         """Whether mm(name, x) of T rows multiplies to_half's exact split of x by the weight's hi/lo GEMMs, so a
@@ -205,7 +212,7 @@ class Weights:
         n_in, n_out = w.ncols, w.nrows // groups
         xg = lambda t: t.view(T, groups, n_in).transpose(0, 1)  # noqa: E731
         wg = lambda t: None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)  # noqa: E731
-        y = split_product(xg(xh), xg(xl), wg(hi), wg(lo))  # [groups, T, n_out]
+        y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo))  # [groups, T, n_out]
         return (y.transpose(0, 1) * (s / scale)[:, :, None]).reshape(T, groups * n_out)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -412,7 +419,7 @@ class Weights:
         hi, lo, scale = self.half(w, EXACT_GEMM)
         xh, xl, s = self.to_half(x)
         if groups == 1:
-            return split_product(xh, xl, hi.T, None if lo is None else lo.T) * (s / scale)
+            return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T) * (s / scale)
         n_in, n_out = w.ncols, w.nrows // groups
 
         def wg(t):
@@ -421,8 +428,24 @@ class Weights:
         def xg(t):
             return None if t is None else t.view(T, groups, n_in).transpose(0, 1)
 
-        y = split_product(xg(xh), xg(xl), wg(hi), wg(lo))
+        y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo))
         return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
+
+    def _dense_product(self, w, xh, xl, wh, wl) -> torch.Tensor:
+        """split_product of a dense weight's parts; DS4_GPU_PREFILL_GEMM=fp8: the correction terms in one float8
+        GEMM (fp8_split) where the weight is large enough to repay the packing, with the weight's scale computed once
+        (weights do not change) and kept."""
+        if FP8_GEMM and xl is not None and wl is not None and w.nrows * w.ncols >= FP8_MIN and fp8_split.usable(xh, wh):
+            sigma = self._fp8_scales.get(id(w))
+            if sigma is None:
+                sigma = self._fp8_scales[id(w)] = fp8_split.weight_scale(wh)
+            try:
+                return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma)
+            except (RuntimeError, TypeError, NotImplementedError) as e:
+                fp8_split.refuse()
+                print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here",
+                      flush=True)
+        return split_product(xh, xl, wh, wl)
 
     def _moe_gemm(self, gate, up, down, b, ids, wts, limit: float) -> torch.Tensor:
         """Routed experts for many tokens. Assignments sorted by expert; each expert's first `cap` of them go
@@ -516,15 +539,7 @@ def to_half(x: torch.Tensor, split: bool) -> tuple[torch.Tensor, torch.Tensor | 
 
 def split_product(xh, xl, wh, wl) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) in float32 without the lo·lo term (below float32 rounding); lo parts may be None.
-    The lo products accumulate into the result inside the GEMM (beta = 1): no extra pass over it.
-    DS4_GPU_PREFILL_GEMM=fp8: both lo products in one float8 GEMM where the operands allow (fp8_split)."""
-    if FP8_GEMM and xl is not None and wl is not None and xh.is_cuda and fp8_split.available(xh) \
-            and fp8_split.takes(xh, wh):
-        try:
-            return fp8_split.product(xh, xl, wh, wl, acc_mm)
-        except (RuntimeError, TypeError, NotImplementedError) as e:
-            fp8_split.refuse()
-            print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here", flush=True)
+    The lo products accumulate into the result inside the GEMM (beta = 1): no extra pass over it."""
     y = mm_f32(xh, wh)
     if xl is not None:
         acc_mm(y, xl, wh)
