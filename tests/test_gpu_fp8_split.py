@@ -161,3 +161,33 @@ def test_extension_packing_equals_torch_casts() -> None:
         ka, kb = (sa, sb) if k is None else (sa * k, sb * k)
         want = torch.cat(((a.float() * ka).to(fp8_split.E4M3), (b.float() * kb).to(fp8_split.E4M3)), dim=-1)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (a.shape, a.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs a CUDA device of compute capability 8.9 or newer")
+def test_small_session_with_every_dense_product_on_float8(monkeypatch, tmp_path):
+    """`small` (q2 layout, simulations off) with DS4_GPU_FP8_MIN=0, so every dense product of 16+ rows takes the
+    float8 corrections and the attention hands o_a its float8 operand: within test_gpu_session_cuda's bar (1e-3)
+    of the CPU engine."""
+    from conftest import quantize_cli
+
+    from ds4.engine import gpu
+    from ds4.engine.gpu.session import Session as GpuSession
+    from ds4.engine.model import Model
+    from ds4.engine.session import Session as CpuSession
+
+    if not gpu.available():
+        pytest.skip(str(gpu.unavailable_reason()))
+    monkeypatch.setattr(W, "FP8_GEMM", True)
+    monkeypatch.setattr(W, "FP8_MIN", 0)
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(5).integers(2, m.config.vocab_size, 600).tolist()
+    g = GpuSession(m, ctx=1024, prefill_chunk=256)
+    got = g.sync(toks)
+    want = CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
+    err = float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
+    print(f"\nsmall, every dense product on float8: prefill rel {err:.2e}")
+    assert g.W._fp8_scales, "no product took the float8 path"
+    assert g.W.takes_fp8("blk.0.attn_output_a.weight", 256, m.config.o_groups)
+    assert err <= 1e-3

@@ -481,3 +481,33 @@ def test_bf16_form_in_the_session(monkeypatch, tmp_path):
     per = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
     print(f"\nform 3 against form 2 in the session: median position rel {np.median(per):.2e}, worst {per.max():.2e}")
     assert 0 < np.median(per) < 2e-2, f"median rel err {np.median(per):.2e}"
+
+
+@pytest.mark.parametrize("form", [2, 3])
+def test_split_output_as_the_float8_operand(form):
+    """split_fp8: the kernel writes fp8_split's float8 operand [groups, T, 2 K] in place of lo: bit for bit
+    fp8_split.pack_x of each head group's (hi, lo) from the same launch with lo, and the same hi and s (form 2 on
+    d = 128 heads, form 3 on the model's d = 512 with FP8-rounded keys)."""
+    from ds4.engine.gpu import fp8_split
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    hpg, pos0, ratio = 8, 2000, 4
+    if form == 2:
+        T, H, d = 24, 32, 128
+        q, win, comp, sel, sinks = _case(90, T, H, d, 128, 60, 16, pos0, ratio)
+        kw = {}
+    else:
+        T, H, d = 20, 64, 512
+        q, win, comp, sel, sinks, n_nope = _fp8_case(91, T, H, 300, 64, pos0, ratio)
+        kw = dict(exact_dims=n_nope)
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    kw.update(inverse_rope=(freq, 64), form=form, split_heads=hpg)
+    hi, lo, s = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, **kw)
+    hi8, none, s8, a8 = K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, split_fp8=True, **kw)
+    G = H // hpg
+    assert none is None and a8.shape == (G, T, 2 * hpg * d) and a8.dtype == torch.float8_e4m3fn
+    assert torch.equal(hi8, hi) and torch.equal(s8, s)
+    grouped = lambda t: t.view(T, G, hpg * d).transpose(0, 1)  # noqa: E731
+    want = fp8_split.pack_x(grouped(hi), grouped(lo))
+    assert torch.equal(a8.view(torch.uint8), want.view(torch.uint8))

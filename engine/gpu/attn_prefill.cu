@@ -320,8 +320,12 @@ void launch_prefill_attn(const PrefillAttn& args, cudaStream_t s) {
     for (const void* ptr : {(const void*)a.win_pk, (const void*)a.comp_pk})
       if ((uintptr_t)ptr % 16) throw std::invalid_argument("prefill_attn: packed rows must be 16-byte aligned");
   }
-  if (a.out_hi && (!a.out_lo || !a.out_s || a.out_hpg < 1 || a.H % a.out_hpg || 16 % a.out_hpg != 0 && a.out_hpg % 16))
-    throw std::invalid_argument("prefill_attn: the split output needs hi, lo, s and head groups that tile 16-head blocks");
+  if (a.out_hi && (!(a.out_lo || a.out_a8) || !a.out_s || a.out_hpg < 1 || a.H % a.out_hpg ||
+                   16 % a.out_hpg != 0 && a.out_hpg % 16))
+    throw std::invalid_argument("prefill_attn: the split output needs hi, lo (or the float8 operand), s and head groups "
+                                "that tile 16-head blocks");
+  if (a.out_a8 && (!a.out_hi || (a.out_hpg * a.d) % 2))
+    throw std::invalid_argument("prefill_attn: the float8 operand comes with the split output (hi, s)");
   if (a.T == 0) return;
   if (a.form == 3) {
     if (launch_prefill_attn_bf16(a, s)) return;

@@ -3,6 +3,7 @@
 // online softmax and the epilogue. Included by those two translation units only.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <math.h>
 
 #include <algorithm>
@@ -269,6 +270,22 @@ __device__ __forceinline__ void ap_q_post(const PrefillAttn& a, int t, float p, 
   }
 }
 
+// out_a8: columns (col, col + 1) of head h's split as the float8 operand of fp8_split's correction GEMM, [G, T, 2 K]
+// with K = out_hpg d: hi * 2^8 at column c of (group h / out_hpg, query t), lo * 2^19 at K + c (pack_x's values; the
+// scales are exact, the conversion rounds to nearest even as torch's cast does, saturating only past e4m3's range,
+// which |hi| <= 1 and |lo| <= 2^-12 never reach).
+__device__ __forceinline__ void ap_store_a8(const PrefillAttn& a, int t, int h, int col, __half h0, __half h1,
+                                            __half l0, __half l1) {
+  const int hpg = a.out_hpg, K = hpg * a.d, g = h / hpg;
+  uint8_t* row = a.out_a8 + ((int64_t)g * a.T + t) * 2 * K + (h - g * hpg) * a.d + col;
+  const __nv_fp8x2_storage_t hi8 = __nv_cvt_float2_to_fp8x2(
+      make_float2(__half2float(h0) * 256.0f, __half2float(h1) * 256.0f), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t lo8 = __nv_cvt_float2_to_fp8x2(
+      make_float2(__half2float(l0) * 524288.0f, __half2float(l1) * 524288.0f), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<__nv_fp8x2_storage_t*>(row) = hi8;
+  *reinterpret_cast<__nv_fp8x2_storage_t*>(row + K) = lo8;
+}
+
 // out_hi: the output (tile n at columns col_of(n) ..) as the o_a GEMM's float16 split, one scale per (query, group of out_hpg heads): s = the group's
 // largest |y| (at least 1e-30), hi = half(y / s), lo = half(y / s - hi): weights.to_half's operations on each group's
 // columns, so the GEMM needs no split pass over [T, H d]. The group maxima meet in shared memory (atomicMax on the
@@ -311,12 +328,14 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
     if (h0 < a.H) {
       const int64_t o = ((int64_t)t * a.H + h0) * d + col;
       *(__half2*)(a.out_hi + o) = __halves2half2(h[0], h[1]);
-      *(__half2*)(a.out_lo + o) = __halves2half2(l[0], l[1]);
+      if (a.out_a8) ap_store_a8(a, t, h0, col, h[0], h[1], l[0], l[1]);
+      else *(__half2*)(a.out_lo + o) = __halves2half2(l[0], l[1]);
     }
     if (h1 < a.H) {
       const int64_t o = ((int64_t)t * a.H + h1) * d + col;
       *(__half2*)(a.out_hi + o) = __halves2half2(h[2], h[3]);
-      *(__half2*)(a.out_lo + o) = __halves2half2(l[2], l[3]);
+      if (a.out_a8) ap_store_a8(a, t, h1, col, h[2], h[3], l[2], l[3]);
+      else *(__half2*)(a.out_lo + o) = __halves2half2(l[2], l[3]);
     }
   }
   const int tid = threadIdx.x;

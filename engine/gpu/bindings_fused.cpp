@@ -115,7 +115,7 @@ void bind_fused_ops(py::module_& m) {
                            int exact_dims, uintptr_t out_freq, int out_rope_dim, int prefetch, uintptr_t win_pk,
                            uintptr_t comp_pk, int pk_dims, int form, bool q_norm, float q_eps, uintptr_t q_freq,
                            int q_rope_dim, uintptr_t q_in_scale, uintptr_t out_hi, uintptr_t out_lo, uintptr_t out_s,
-                           int out_hpg, bool pk_split) {
+                           int out_hpg, bool pk_split, uintptr_t out_a8) {
     PrefillAttn a;
     a.q = ptr<const float>(q);
     a.win = ptr<const float>(win);
@@ -144,6 +144,7 @@ void bind_fused_ops(py::module_& m) {
     a.out_lo = ptr<__half>(out_lo);
     a.out_s = ptr<float>(out_s);
     a.out_hpg = out_hpg;
+    a.out_a8 = ptr<uint8_t>(out_a8);
     launch_prefill_attn(a, stream());
   }, "prefill attention of T queries (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d], comp [n_comp, d] or 0, "
      "sel [T, n_sel] int64 or 0 (all comp rows), sinks [H], out [T, H, d]; exact_dims: key columns [0, exact_dims) "
@@ -156,14 +157,15 @@ void bind_fused_ops(py::module_& m) {
      "freq=q_freq, rope_dim=q_rope_dim, in_scale=q_in_scale) at the query positions writes them (the same bits); "
      "out_hi, out_lo ([T, H, d] float16), out_s ([T, H / out_hpg] float32): the output written as to_half's split "
      "per group of out_hpg heads instead of out; pk_split: the packed rows' tail as bfloat16 hi and lo (pack_keys' "
-     "split_tail; form 3 only, an error where it declines)",
+     "split_tail; form 3 only, an error where it declines); out_a8 (instead of out_lo): the split as fp8_split's float8 "
+     "operand [H / out_hpg, T, 2 out_hpg d] e4m3, [hi 2^8 | lo 2^19] per group and query",
      py::arg("q"), py::arg("win"), py::arg("comp"), py::arg("sel"), py::arg("sinks"), py::arg("out"), py::arg("T"),
      py::arg("H"), py::arg("d"), py::arg("Wn"), py::arg("n_comp"), py::arg("n_sel"), py::arg("ratio"), py::arg("pos0"),
      py::arg("scale"), py::arg("exact_dims") = 0, py::arg("out_freq") = 0, py::arg("out_rope_dim") = 0,
      py::arg("prefetch") = -1, py::arg("win_pk") = 0, py::arg("comp_pk") = 0, py::arg("pk_dims") = 0,
      py::arg("form") = -1, py::arg("q_norm") = false, py::arg("q_eps") = 1e-6f, py::arg("q_freq") = 0,
      py::arg("q_rope_dim") = 0, py::arg("q_in_scale") = 0, py::arg("out_hi") = 0, py::arg("out_lo") = 0,
-     py::arg("out_s") = 0, py::arg("out_hpg") = 0, py::arg("pk_split") = false);
+     py::arg("out_s") = 0, py::arg("out_hpg") = 0, py::arg("pk_split") = false, py::arg("out_a8") = 0);
   m.def("pack_keys", [](uintptr_t x, int64_t rows, int d, int pk_dims, uintptr_t out, bool split_tail) {
     launch_pack_keys(ptr<const float>(x), rows, d, pk_dims, ptr<uint16_t>(out), stream(), split_tail);
   }, "float32 key rows [rows, d] as packed rows at out: pk_dims bfloat16 values (by truncation: exact for FP8-simulated "

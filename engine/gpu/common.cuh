@@ -350,6 +350,9 @@ struct PrefillAttn {
   __half* out_lo = nullptr;
   float* out_s = nullptr;
   int out_hpg = 0;
+  // out_a8 != null (instead of out_lo): the float8 operand of fp8_split's correction GEMM, [H / out_hpg, T, 2 K] e4m3
+  // with K = out_hpg d: per head group and query [hi * 2^8 | lo * 2^19] (fp8_split.pack_x's values of this split)
+  uint8_t* out_a8 = nullptr;
 };
 // attn_prefill.cu: rows of float32 x [rows, d] as packed key rows (see PrefillAttn::win_pk; split_tail: the
 // PrefillAttn::pk_split form) at out

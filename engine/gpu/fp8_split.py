@@ -31,9 +31,9 @@ W_TOP = 8  # log2 of the largest scaled weight
 _SCALED_MM = [True]  # torch._scaled_mm takes these operands (cleared at the first refusal)
 
 
-def available(xh: torch.Tensor) -> bool:
-    """Whether the FP8 correction GEMM can run for operands on xh's device."""
-    return _SCALED_MM[0] and (xh.device.type == "cpu" or torch.cuda.get_device_capability(xh.device) >= (8, 9))
+def available(device: torch.device) -> bool:
+    """Whether the FP8 correction GEMM can run on this device (the CPU emulates it)."""
+    return _SCALED_MM[0] and (device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def weight_scale(wh: torch.Tensor) -> torch.Tensor:
@@ -90,16 +90,19 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
     return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
 
 
-def product(xh: torch.Tensor, xl: torch.Tensor, wh: torch.Tensor, wl: torch.Tensor, acc_mm,
-            sigma: torch.Tensor | None = None) -> torch.Tensor:
+def product(xh: torch.Tensor, xl: torch.Tensor | None, wh: torch.Tensor, wl: torch.Tensor, acc_mm,
+            sigma: torch.Tensor | None = None, a8: torch.Tensor | None = None) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) as float32 (2-D [T, K] @ [K, N], or batched 3-D), the corrections on FP8.
-    acc_mm(y, a, b): y += a @ b for float16 operands (weights.acc_mm); sigma: weight_scale(wh) if known. Raises
-    RuntimeError where _scaled_mm refuses the operands (the caller then takes the float16 path)."""
+    acc_mm(y, a, b): y += a @ b for float16 operands (weights.acc_mm); sigma: weight_scale(wh) if known; a8:
+    pack_x(xh, xl) if the activations' producer wrote it (xl unused then). Raises RuntimeError where _scaled_mm
+    refuses the operands (the caller then takes the float16 path)."""
     batched = xh.dim() == 3
     wh_rows, wl_rows = wh.transpose(-1, -2), wl.transpose(-1, -2)  # [.., N, K]: views of the weights' rows
     if sigma is None:
         sigma = weight_scale(wh)
-    a8, b8 = pack_x(xh, xl), pack_w(wh_rows, wl_rows, sigma)
+    if a8 is None:
+        a8 = pack_x(xh, xl)
+    b8 = pack_w(wh_rows, wl_rows, sigma)
     if not batched:
         y = correction(a8, b8, sigma)
     else:
@@ -114,7 +117,7 @@ def product(xh: torch.Tensor, xl: torch.Tensor, wh: torch.Tensor, wl: torch.Tens
 def usable(xh: torch.Tensor, wh: torch.Tensor) -> bool:
     """Whether product() runs on cuBLASLt's float8 GEMM for these operands: on a CUDA device that has it (compute
     capability 8.9+, torch took the operands so far), depth and width multiples of 16."""
-    return xh.is_cuda and available(xh) and xh.shape[-1] % 16 == 0 and wh.shape[-1] % 16 == 0
+    return xh.is_cuda and available(xh.device) and xh.shape[-1] % 16 == 0 and wh.shape[-1] % 16 == 0
 
 
 def refuse() -> None:

@@ -285,7 +285,7 @@ class Fused:
                      sinks: torch.Tensor, pos0: int, ratio: int, exact_dims: int = 0,
                      inverse_rope: tuple[torch.Tensor, int] | None = None, prefetch: int = -1,
                      packed: bool = False, form: int = -1, q_post: dict | None = None,
-                     split_heads: int = 0):
+                     split_heads: int = 0, split_fp8: bool = False):
         """Prefill attention of T queries in one launch (attn_prefill.cu): q [T, H, d], win [T + Wn - 1, d] (query
         t's window is rows t .. t + Wn - 1), comp [n, d] rows visible below (pos + 1) / ratio, sel [T, k] int64 rows
         of comp per query (None: all of them). exact_dims: the keys' columns [0, exact_dims) are exact in TF32 (the
@@ -302,7 +302,9 @@ class Fused:
         q_post (norm, eps, freq, rope_dim, in_scale; as norm_rope's keywords): q holds raw rows, staged as
         norm_rope(q, d, H, positions, **q_post) would write them (the same bits, one pass over q less). split_heads
         > 0: the output as (hi, lo, s), weights.to_half's float16 split with one scale per query and group of
-        split_heads heads (hi, lo [T, H d], s [T, H / split_heads]), for the grouped o_a GEMM. None where the kernel
+        split_heads heads (hi, lo [T, H d], s [T, H / split_heads]), for the grouped o_a GEMM; with split_fp8
+        (hi, None, s, a8) instead, a8 [H / split_heads, T, 2 split_heads d] float8 e4m3 = fp8_split.pack_x of each
+        group's hi and lo (the float8 GEMM's operand, written by the kernel in place of lo). None where the kernel
         does not take the shapes."""
         T, H, d = q.shape
         if not self.ext.prefill_attn_takes(H, d):
@@ -311,11 +313,15 @@ class Fused:
         comp = None if comp is None else comp.contiguous()
         sel = None if sel is None else sel.to(torch.int64).contiguous()
         freq = None if inverse_rope is None else inverse_rope[0].contiguous()  # held until the launch
-        hi = lo = s_out = None
+        hi = lo = s_out = a8 = None
         if split_heads > 0:
             out = None
             hi = torch.empty((T, H * d), dtype=torch.float16, device=self.device)
-            lo = torch.empty_like(hi)
+            if split_fp8:
+                a8 = torch.empty((H // split_heads, T, 2 * split_heads * d), dtype=torch.float8_e4m3fn,
+                                 device=self.device)
+            else:
+                lo = torch.empty_like(hi)
             s_out = torch.empty((T, H // split_heads), dtype=F32, device=self.device)
         else:
             out = torch.empty_like(q)
@@ -342,8 +348,10 @@ class Fused:
                               int(prefetch), _p(win_pk), _p(comp_pk), int(exact_dims) if win_pk is not None else 0,
                               int(form), bool(qp.get("norm", False)), float(qp.get("eps", 1e-6)), _p(q_freq),
                               int(qp.get("rope_dim", 0)), _p(q_scale), _p(hi), _p(lo), _p(s_out), int(split_heads),
-                              bool(split))
-        return (hi, lo, s_out) if split_heads > 0 else out
+                              bool(split), _p(a8))
+        if split_heads > 0:
+            return (hi, None, s_out, a8) if split_fp8 else (hi, lo, s_out)
+        return out
 
     def pack_keys(self, x: torch.Tensor, pk_dims: int, split_tail: bool = False) -> torch.Tensor:
         """Key rows x [n, d] float32 as packed rows (int16 [n, pk_dims + 2 (d - pk_dims)]: pk_dims bfloat16 values by

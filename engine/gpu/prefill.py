@@ -48,6 +48,9 @@ ATTN_Q_POST = os.environ.get("DS4_GPU_ATTN_Q_POST", "1") != "0"
 # fused prefill attention (with the output's inverse RoPE in its epilogue): the output written as the o_a GEMM's
 # float16 split, one scale per query and output group (v15), so no split pass over [T, H, d]; 0: float32 output
 ATTN_OUT_SPLIT = os.environ.get("DS4_GPU_ATTN_OUT_SPLIT", "1") != "0"
+# v26: where o_a's product runs the float8 corrections, the attention writes their float8 operand in place of the
+# split's lo part (one pack pass over [T, H d] less per layer); 0: lo, packed by the product (A/B)
+ATTN_OUT_FP8 = os.environ.get("DS4_GPU_ATTN_OUT_FP8", "1") != "0"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -109,8 +112,9 @@ def attn_chunk(ses, li, a, c, pos0, kv_lin):
             hpg = cfg.n_head // cfg.o_groups
             split = hpg if (ATTN_OUT_SPLIT and inv is not None and 16 % hpg == 0
                             and ses.W.takes_split(C.blk(li, L.ATTN_OUTPUT_A), T)) else 0
+            split_fp8 = split > 0 and ATTN_OUT_FP8 and ses.W.takes_fp8(C.blk(li, L.ATTN_OUTPUT_A), T, cfg.o_groups)
             o = ses.K.prefill_attn(q, win_keys, comp, sel, ses.W.vec(C.blk(li, L.ATTN_SINKS)), pos0, r, exact, inv,
-                                   packed=ATTN_PACKED, q_post=q_post, split_heads=split)
+                                   packed=ATTN_PACKED, q_post=q_post, split_heads=split, split_fp8=split_fp8)
         if o is not None:
             with section("attn_out"):
                 return ses._attn_out(li, o, cos, sin, pos, rope_done=inv is not None)

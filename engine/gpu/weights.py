@@ -199,11 +199,20 @@ class Weights:
         return self.ext is not None and not isinstance(w, torch.Tensor) and T >= GEMM_MIN and EXACT_GEMM \
             and not MMQ_GEMM
 
-    def mm_split(self, name: str, split: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: int) -> torch.Tensor:
-        """mm(name, x, groups) from x's split made by its producer: hi, lo [T, groups·in] float16 with
-        hi + lo = x / s per group, s [T, groups] (to_half's operations with one scale per row and group)."""
+    def takes_fp8(self, name: str, T: int, groups: int = 1) -> bool:
+        """Whether mm_split(name, ..., groups) of T rows runs the float8 correction GEMM (fp8_split), so the split's
+        producer may hand over the float8 operand instead of lo."""
         w = self.mat(name)
-        xh, xl, s = split
+        return self.takes_split(name, T) and FP8_GEMM and w.qtype != 1 and w.nrows * w.ncols >= FP8_MIN \
+            and fp8_split.available(self.device) and w.ncols % 16 == 0 and (w.nrows // groups) % 16 == 0
+
+    def mm_split(self, name: str, split: tuple, groups: int) -> torch.Tensor:
+        """mm(name, x, groups) from x's split made by its producer: hi, lo [T, groups·in] float16 with
+        hi + lo = x / s per group, s [T, groups] (to_half's operations with one scale per row and group); or
+        (hi, None, s, a8) with a8 [groups, T, 2 in] the float8 operand of fp8_split (takes_fp8)."""
+        w = self.mat(name)
+        xh, xl, s = split[:3]
+        a8 = split[3] if len(split) > 3 else None
         T = xh.shape[0]
         if tuple(s.shape) != (T, groups) or xh.shape[1] != groups * w.ncols:
             raise ValueError(f"mm_split '{name}': split of {tuple(xh.shape)} with scales {tuple(s.shape)} for "
@@ -212,7 +221,7 @@ class Weights:
         n_in, n_out = w.ncols, w.nrows // groups
         xg = lambda t: t.view(T, groups, n_in).transpose(0, 1)  # noqa: E731
         wg = lambda t: None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)  # noqa: E731
-        y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo))  # [groups, T, n_out]
+        y = self._dense_product(w, xg(xh), None if xl is None else xg(xl), wg(hi), wg(lo), a8)  # [groups, T, n_out]
         return (y.transpose(0, 1) * (s / scale)[:, :, None]).reshape(T, groups * n_out)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -431,16 +440,20 @@ class Weights:
         y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo))
         return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
 
-    def _dense_product(self, w, xh, xl, wh, wl) -> torch.Tensor:
+    def _dense_product(self, w, xh, xl, wh, wl, a8=None) -> torch.Tensor:
         """split_product of a dense weight's parts; DS4_GPU_PREFILL_GEMM=fp8: the correction terms in one float8
         GEMM (fp8_split) where the weight is large enough to repay the packing, with the weight's scale computed once
-        (weights do not change) and kept."""
-        if FP8_GEMM and xl is not None and wl is not None and w.nrows * w.ncols >= FP8_MIN and fp8_split.usable(xh, wh):
+        (weights do not change) and kept. a8: the activations' float8 operand, packed by their producer (then xl is
+        None)."""
+        if a8 is not None and (wl is None or not fp8_split.usable(xh, wh)):
+            raise ValueError("a float8 activation operand needs the float8 path (Weights.takes_fp8)")
+        if FP8_GEMM and (xl is not None or a8 is not None) and wl is not None and w.nrows * w.ncols >= FP8_MIN \
+                and fp8_split.usable(xh, wh):
             sigma = self._fp8_scales.get(id(w))
             if sigma is None:
                 sigma = self._fp8_scales[id(w)] = fp8_split.weight_scale(wh)
             try:
-                return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma)
+                return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma, a8)
             except (RuntimeError, TypeError, NotImplementedError) as e:
                 fp8_split.refuse()
                 print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here",
