@@ -57,16 +57,21 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   if (up && (up->shape != x.shape || rows || w2))
     throw std::invalid_argument("mmq_experts '" + w.name + "': up must have x's shape, without rows or w2");
   if (R < 1 || ntiles < 1) return true;
-  g_scratch.reserve(xq_bytes(R, n));
-  g_scratch.begin();
-  XQ xq = take_xq(R, n);
   // S256 (Q2_K alone: one quantization serves both products of a pair only when both take it)
   const bool big = (s256 < 0 ? mmq_s256_default() : s256 != 0) && w.p.qtype == QT_Q2_K && !w2 && !up && n % 256 == 0;
+  // with rows: x's T token rows quantized once and read through rows by the kernel (v26), not a quantized copy of
+  // the R = k T gathered rows ($DS4_GPU_MMQ_XROWS=0: the copy)
+  const bool direct = rows && !big && mmq_xrows_default();
+  const int64_t Rq = direct ? x.shape[0] : R;
+  g_scratch.reserve(xq_bytes(Rq, n));
+  g_scratch.begin();
+  XQ xq = take_xq(Rq, n);
   XSwiglu sw;
   if (up) sw = XSwiglu{up->f(), limit, (const float*)row_w, (const int64_t*)row_of};
-  launch_quantize_x(x.f(), (int)R, (int)n, xq, stream(), (const int64_t*)rows, big ? 256 : 32, sw);
-  launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream(), big);
-  if (w2) launch_mmq_experts(w2->p, n_expert, xq, (const int4*)tiles, ntiles, y2->f(), stream());
+  launch_quantize_x(x.f(), (int)Rq, (int)n, xq, stream(), direct ? nullptr : (const int64_t*)rows, big ? 256 : 32, sw);
+  const int64_t* x_rows = direct ? (const int64_t*)rows : nullptr;
+  launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream(), big, x_rows);
+  if (w2) launch_mmq_experts(w2->p, n_expert, xq, (const int4*)tiles, ntiles, y2->f(), stream(), false, x_rows);
   return true;
 }
 

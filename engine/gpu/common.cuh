@@ -378,9 +378,11 @@ void set_mmq_straight(int v);  // 1/0: full fragments without per-fragment tests
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).
+// x_rows (int64 [rows of y]): activation row i is x's row x_rows[i] (x quantized once per token, read in expert order).
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
-                        cudaStream_t stream, bool s256 = false);
+                        cudaStream_t stream, bool s256 = false, const int64_t* x_rows = nullptr);
 bool mmq_s256_default();  // $DS4_GPU_MMQ_S256 (default 0), read once
+bool mmq_xrows_default();  // $DS4_GPU_MMQ_XROWS (default 1): gathered expert rows quantized once per token, read once
 // mmf.cu: the routed experts' prefill products on the float16 tensor cores, the codes as exact float16 integers
 // (IQ2_XXS, Q2_K, Q4_K; columns a multiple of 256). Activation rows sorted by expert, split as split_half splits them
 // (x / scale = hi + lo, [R, cols]); K-quants also the group sums of x / scale per 256 columns, split alike

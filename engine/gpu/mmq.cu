@@ -52,6 +52,7 @@ struct MmqArgs {
   const int4* tiles;  // experts: (first activation row, rows, expert, 0) per grid.y; null: dense
   int skip_rows;      // warps skip the n8 fragments past a partial tile's rows (mmq_skip_rows())
   int straight;       // full fragments without a test between them (mmq_straight())
+  const int64_t* x_rows;  // experts: activation row i is x's row x_rows[i] (x quantized once per token); null: row i
 };
 
 // S256 (Q2_K, x quantized per 256 columns): the hi and lo products accumulate in the mma's int32 registers over the
@@ -117,13 +118,14 @@ __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, 
   for (int i = tid; i < NT * (MQ_KS / 16); i += mq_threads<NT>()) {
     const int t = i >> 3, c = (i & 7) * 16;
     const bool ok = t < tl.an;
-    const int64_t off = (tl.a0 + (ok ? t : 0)) * a.x.n + col + c;
+    const int64_t r = tl.a0 + (ok ? t : 0);
+    const int64_t off = (a.x_rows ? __ldg(a.x_rows + r) : r) * a.x.n + col + c;
     cp16(&st.hi[t][c], a.x.hi + off, ok);
     if constexpr (!X8) cp16(&st.lo[t][c], a.x.lo + off, ok);
   }
   if (tid < NT) {
     const bool ok = tid < tl.an;
-    const int64_t row = tl.a0 + (ok ? tid : 0);
+    const int64_t r = tl.a0 + (ok ? tid : 0), row = a.x_rows ? __ldg(a.x_rows + r) : r;
     cp16(&st.xs[tid][0], a.x.scale + row * (a.x.n / 32) + col / 32, ok);
     if constexpr (has_mins<QT>()) {
       cp16(&st.s16[tid][0], a.x.sum16 + row * (a.x.n / 16) + col / 16, ok);
@@ -394,6 +396,7 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
   a.T = T;
   a.rows_g = rows_g;
   a.tiles = nullptr;
+  a.x_rows = nullptr;
   a.skip_rows = mmq_skip_rows() ? 1 : 0;
   a.straight = mmq_straight() ? 1 : 0;
   return a;
@@ -427,6 +430,14 @@ void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaS
   const MmqArgs a = make_args(w, x, y, w.nrows, T, rows_g);
   const int nt = mmq_tile_rows();
   launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, (T + nt - 1) / nt, groups), stream);
+}
+
+bool mmq_xrows_default() {
+  static const bool v = [] {
+    const char* e = std::getenv("DS4_GPU_MMQ_XROWS");
+    return !(e && *e && std::atoi(e) == 0);
+  }();
+  return v;
 }
 
 bool mmq_s256_default() {
@@ -479,7 +490,7 @@ void launch_expert_tiles(const int64_t* counts, int E, int nt, int4* tiles, int 
 }
 
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
-                        cudaStream_t stream, bool s256) {
+                        cudaStream_t stream, bool s256, const int64_t* x_rows) {
   if (n_expert < 1 || !mmq_takes(w, n_expert)) throw std::invalid_argument("mmq_experts: unsupported expert tensor");
   if (x.n != w.ncols) throw std::invalid_argument("mmq_experts: activation width is not the experts' columns");
   if (ntiles <= 0) return;
@@ -487,6 +498,7 @@ void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* 
   const int rows_g = (int)(w.nrows / n_expert);
   MmqArgs a = make_args(w, x, y, rows_g, 0, rows_g);
   a.tiles = tiles;
+  a.x_rows = x_rows;
   if (s256 && w.ncols % 256) throw std::invalid_argument("mmq_experts: S256 needs columns in whole 256-column blocks");
   launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream, s256, moe_x8());
 }
