@@ -109,6 +109,55 @@ def test_mm_split_per_group_matches_the_gemm() -> None:
         W.mm_split("o_a", (hi.reshape(T, -1), lo, s.reshape(T, groups)[:, :4]), groups)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mm_split_then_in_one_split_launch_gives_the_same_bits(monkeypatch, fp8: bool) -> None:
+    """mm_split_then with DS4_GPU_SPLIT_GROUPS (split_groups: the grouped product's rescale and the next product's
+    split in one launch, the float8 operand in place of lo where the second product takes it) against the two-step
+    form, bit for bit; and the kernel's own planes against to_half / pack_x of the rescaled rows."""
+    from ds4.engine.gpu import fp8_split
+    from ds4.engine.gpu import weights as Wm
+
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9")
+    monkeypatch.setattr(Wm, "FP8_GEMM", fp8)
+    monkeypatch.setattr(Wm, "FP8_MIN", 0)
+    rows_a, cols_a, groups, T = 1024, 512, 4, 48  # o_a-like: 4 groups of 512 -> 256; o_b-like: 1024 -> 384
+    rng = np.random.default_rng(83 + fp8)
+    W = _weights()
+    raw_a, raw_b = random_blocks(Q.Q8_0, rows_a, cols_a, rng), random_blocks(Q.Q8_0, 384, rows_a, rng)
+    W._mats["a"] = gpu.upload(f"split_then.a.{fp8}", Q.Q8_0, (cols_a, rows_a), raw_a)
+    W._mats["b"] = gpu.upload(f"split_then.b.{fp8}", Q.Q8_0, (rows_a, 384), raw_b)
+    x = torch.from_numpy(rng.standard_normal((T, groups * cols_a)).astype(np.float32)).cuda()
+    hi, lo, s = Wm.to_half(x.view(T, groups, cols_a), True)
+    split = (hi.reshape(T, -1), lo.reshape(T, -1), s.reshape(T, groups))
+    monkeypatch.setattr(Wm, "SPLIT_GROUPS", False)
+    want = W.mm_split_then("a", split, groups, "b")
+    monkeypatch.setattr(Wm, "SPLIT_GROUPS", True)
+    got = W.mm_split_then("a", split, groups, "b")
+    assert torch.equal(got, want)
+    # the kernel's planes
+    y, r = W._mm_split_groups("a", split, groups)
+    G, _, n = y.shape
+    rows = (y.transpose(0, 1) * r[:, :, None]).reshape(T, G * n)
+    want_hi, want_lo, want_s = Wm.to_half(rows, True)
+    ext = gpu.load()
+    xh = torch.empty_like(want_hi)
+    xl = torch.empty_like(want_hi)
+    a8 = torch.empty((T, 2 * G * n), dtype=fp8_split.E4M3, device="cuda")
+    s2 = torch.empty_like(want_s)
+    W._sync_stream()
+    ext.split_groups(y.contiguous().data_ptr(), r.contiguous().data_ptr(), G, T, n, xh.data_ptr(), xl.data_ptr(), 0,
+                     s2.data_ptr())
+    torch.cuda.synchronize()
+    assert torch.equal(xh, want_hi) and torch.equal(xl, want_lo) and torch.equal(s2, want_s)
+    ext.split_groups(y.contiguous().data_ptr(), r.contiguous().data_ptr(), G, T, n, xh.data_ptr(), 0, a8.data_ptr(),
+                     s2.data_ptr())
+    torch.cuda.synchronize()
+    assert torch.equal(a8.view(torch.uint8), fp8_split.pack_x(want_hi, want_lo).view(torch.uint8))
+    with pytest.raises(ValueError, match="split_groups"):
+        ext.split_groups(y.data_ptr(), r.data_ptr(), G, T, n, xh.data_ptr(), xl.data_ptr(), a8.data_ptr(), s2.data_ptr())
+
+
 N_EXPERT = 16
 
 

@@ -622,6 +622,14 @@ PYBIND11_MODULE(_ext, m) {
     launch_split_half((const float*)x, rows, n, (__half*)hi, (__half*)lo, (float*)s, stream());
   }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),
         "rows of float32 x as f16 hi (+ lo when lo != 0) parts of x / s, s = the row's largest magnitude");
+  m.def("split_groups", [](uintptr_t y, uintptr_t r, int G, int64_t T, int n, uintptr_t hi, uintptr_t lo, uintptr_t a8,
+                           uintptr_t s) {
+    launch_split_groups((const float*)y, (const float*)r, G, T, n, (__half*)hi, (__half*)lo, (uint8_t*)a8, (float*)s,
+                        stream());
+  }, py::arg("y"), py::arg("r"), py::arg("G"), py::arg("T"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("a8"),
+        py::arg("s"),
+        "a grouped product's y [G, T, n] float32 times r [T, G] as rows [T, G n], split as split_half splits rows: "
+        "hi (+ lo, or a8 [T, 2 G n] float8 e4m3 = [hi 2^8 | lo 2^19] instead), s [T]; device addresses, G n <= 8192");
   m.def("pack_fp8", [](uintptr_t a, uintptr_t b, int64_t batch, int64_t rows, int64_t n, int64_t ld, int64_t sbt,
                        float sa, float sb, uintptr_t kp, uintptr_t out) {
     launch_pack_fp8((const __half*)a, (const __half*)b, batch, rows, n, ld, sbt, sa, sb, (const float*)kp,

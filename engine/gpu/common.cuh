@@ -187,6 +187,10 @@ void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, _
                     cudaStream_t stream, const int32_t* block_map = nullptr, int64_t block_rows = 0);
 // x [rows, n] f32 -> s[row] = max |x| (>= 1e-30), hi = f16(x / s), lo (if not null) = f16(x / s - hi).
 void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream);
+// y [G, T, n] times r [T, G] per (row, group) as rows [T, G n], split like launch_split_half (lo, or a8 [T, 2 G n] e4m3 =
+// [hi 2^8 | lo 2^19] instead), s [T] the rows' scales; G n <= 8192.
+void launch_split_groups(const float* y, const float* r, int G, int64_t T, int n, __half* hi, __half* lo, uint8_t* a8,
+                         float* s, cudaStream_t stream);
 // [batch, rows, 2n] e4m3 = [a * sa * k | b * sb * k] of two f16 planes (element (bt, r, c) at bt * sbt + r * ld + c),
 // k = *kp (device) or 1 (kp null).
 void launch_pack_fp8(const __half* a, const __half* b, int64_t batch, int64_t rows, int64_t n, int64_t ld, int64_t sbt,

@@ -152,16 +152,21 @@ __device__ __forceinline__ float abs_max4(float m, const float4 v) {
   return fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
 }
 
-// float4 i of the row: hi = f16(x / m), lo = f16(x / m - hi), stored as 8-byte half quads (lo: when not null).
-__device__ __forceinline__ void split_store4(const float4 x4, float m, __half* hi, __half* lo, int64_t i) {
+// hi = f16(x / m), lo = f16(x / m - hi) of four values.
+__device__ __forceinline__ void split4(const float4 x4, float m, __half (&h)[4], __half (&l)[4]) {
   const float v[4] = {x4.x / m, x4.y / m, x4.z / m, x4.w / m};
-  __align__(8) __half h[4];
-  __align__(8) __half l[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     h[j] = __float2half_rn(v[j]);
     l[j] = __float2half_rn(v[j] - __half2float(h[j]));
   }
+}
+
+// float4 i of the row: split4, stored as 8-byte half quads (lo: when not null).
+__device__ __forceinline__ void split_store4(const float4 x4, float m, __half* hi, __half* lo, int64_t i) {
+  __align__(8) __half h[4];
+  __align__(8) __half l[4];
+  split4(x4, m, h, l);
   reinterpret_cast<uint2*>(hi)[i] = *reinterpret_cast<const uint2*>(h);
   if (lo) reinterpret_cast<uint2*>(lo)[i] = *reinterpret_cast<const uint2*>(l);
 }
@@ -236,22 +241,82 @@ void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __ha
   DS4_CHECK_LAUNCH("split_half_kernel");
 }
 
+// Four float16 values times scale as e4m3 bytes in order (pack_fp8's conversion).
+__device__ __forceinline__ uint32_t fp8x4(const __half (&h)[4], float scale) {
+  const uint32_t p0 = __nv_cvt_float2_to_fp8x2(make_float2(__half2float(h[0]) * scale, __half2float(h[1]) * scale),
+                                               __NV_SATFINITE, __NV_E4M3);
+  const uint32_t p1 = __nv_cvt_float2_to_fp8x2(make_float2(__half2float(h[2]) * scale, __half2float(h[3]) * scale),
+                                               __NV_SATFINITE, __NV_E4M3);
+  return p0 | (p1 << 16);
+}
+
+// A grouped product's output y [G, T, n] (float32, row t of group g at (g T + t) n) rescaled per (row, group) by
+// r [T, G] and split for the next product in one pass (v26, Weights.mm_split_then): row t of x = [y[0, t] r[t, 0] |
+// .. | y[G-1, t] r[t, G-1]] (n G values, the torch product's bits), then s[t] = max |x| (floored at 1e-30), hi =
+// f16(x / s) and lo = f16(x / s - hi) as split_half_cached_kernel computes them (the same bits as to_half of the
+// rescaled rows); a8 != null instead of lo: [hi 2^8 | lo 2^19] e4m3 (pack_fp8's values) at a8 + t 2 G n. One CTA per
+// row; up to SPLIT_CACHE float4s per thread (G n <= 8192).
+__global__ void __launch_bounds__(SPLIT_THREADS) split_groups_kernel(const float* y, const float* r, int G, int64_t T,
+                                                                    int n, __half* hi, __half* lo, uint8_t* a8,
+                                                                    float* s) {
+  __shared__ float red[SPLIT_THREADS / 32];
+  const int64_t t = blockIdx.x;
+  const int n4 = n / 4, w4 = G * n4;
+  float4 v[SPLIT_CACHE];
+#pragma unroll
+  for (int c = 0; c < SPLIT_CACHE; ++c) {
+    const int i = threadIdx.x + c * SPLIT_THREADS;
+    v[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < w4) {
+      const int g = i / n4, j = i - g * n4;
+      const float4 a = reinterpret_cast<const float4*>(y + ((int64_t)g * T + t) * n)[j];
+      const float k = r[t * G + g];
+      v[c] = make_float4(__fmul_rn(a.x, k), __fmul_rn(a.y, k), __fmul_rn(a.z, k), __fmul_rn(a.w, k));
+    }
+  }
+  float m = 0.0f;
+#pragma unroll
+  for (int c = 0; c < SPLIT_CACHE; ++c) m = abs_max4(m, v[c]);
+  m = split_row_scale(m, red);
+  const int64_t row = t * (int64_t)G * n;
+#pragma unroll
+  for (int c = 0; c < SPLIT_CACHE; ++c) {
+    const int i = threadIdx.x + c * SPLIT_THREADS;
+    if (i >= w4) break;
+    if (!a8) {
+      split_store4(v[c], m, hi + row, lo + row, i);
+      continue;
+    }
+    __align__(8) __half h[4];
+    __align__(8) __half l[4];
+    split4(v[c], m, h, l);
+    reinterpret_cast<uint2*>(hi + row)[i] = *reinterpret_cast<const uint2*>(h);
+    uint8_t* o = a8 + 2 * row + 4 * (int64_t)i;  // then both parts as pack_fp8 converts them
+    *reinterpret_cast<uint32_t*>(o) = fp8x4(h, 256.0f);
+    *reinterpret_cast<uint32_t*>(o + (int64_t)G * n) = fp8x4(l, 524288.0f);
+  }
+  if (threadIdx.x == 0) s[t] = m;
+}
+
+void launch_split_groups(const float* y, const float* r, int G, int64_t T, int n, __half* hi, __half* lo, uint8_t* a8,
+                         float* s, cudaStream_t stream) {
+  if (G < 1 || n % 4 || (int64_t)G * n > 4 * SPLIT_CACHE * SPLIT_THREADS || (!lo == !a8) || (uintptr_t)y % 16 ||
+      (uintptr_t)hi % 8 || (uintptr_t)lo % 8 || (uintptr_t)a8 % 4)
+    throw std::invalid_argument("split_groups: n a multiple of 4, G n <= 8192, one of lo and a8, aligned planes");
+  if (T <= 0) return;
+  split_groups_kernel<<<(unsigned)T, SPLIT_THREADS, 0, stream>>>(y, r, G, T, n, hi, lo, a8, s);
+  DS4_CHECK_LAUNCH("split_groups_kernel");
+}
+
 // fp8_split.py's operands in one pass (DS4_GPU_PREFILL_GEMM=fp8): rows of two float16 planes a, b (batch bt of
 // rows, element (bt, r, c) at bt * sbt + r * ld + c) -> out [batch, rows, 2n] e4m3 = [a * sa * k | b * sb * k] with
 // k = *kp (a device scalar: the weight's scale, computed on the device) or 1, rounded to nearest even with saturation
 // (the scales keep every value below 448, so torch's non-saturating cast agrees). Eight elements per thread: 16-byte
 // loads, 8-byte stores.
 __device__ __forceinline__ uint2 fp8x8(uint4 h, float scale) {
-  const __half2* h2 = reinterpret_cast<const __half2*>(&h);
-  uint32_t w[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const float2 e01 = __half22float2(h2[2 * j]), e23 = __half22float2(h2[2 * j + 1]);
-    const uint32_t p0 = __nv_cvt_float2_to_fp8x2(make_float2(e01.x * scale, e01.y * scale), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t p1 = __nv_cvt_float2_to_fp8x2(make_float2(e23.x * scale, e23.y * scale), __NV_SATFINITE, __NV_E4M3);
-    w[j] = p0 | (p1 << 16);
-  }
-  return make_uint2(w[0], w[1]);
+  __half v[2][4];
+  memcpy(v, &h, sizeof(h));
+  return make_uint2(fp8x4(v[0], scale), fp8x4(v[1], scale));
 }
 
 __global__ void pack_fp8_kernel(const __half* a, const __half* b, int64_t rows, int64_t n, int64_t ld, int64_t sbt,

@@ -630,8 +630,7 @@ class Session(Timeline):
         attention kernel undid it already."""
         cfg, W = self.cfg, self.W
         if isinstance(o, tuple):  # the fused prefill attention's output, already split per head group (mm_split)
-            low = W.mm_split(C.blk(li, L.ATTN_OUTPUT_A), o, cfg.o_groups)
-            return W.mm(C.blk(li, L.ATTN_OUTPUT_B), low)
+            return W.mm_split_then(C.blk(li, L.ATTN_OUTPUT_A), o, cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
         T, H, d = o.shape
         if rope_done:
             pass

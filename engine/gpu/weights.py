@@ -42,6 +42,9 @@ FP8_GEMM = PREFILL_GEMM == "fp8"
 # ... for weights of at least this many elements (v26 call 1, 8192 rows: the Flash q_a and kv products, 4M and 2M, lost
 # 0.56 against 0.31 and 0.50 against 0.17 ms to the packing; the 33M ones won 1.2-1.4x)
 FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
+# mm_split_then: the grouped product's rescale and the next product's split in one launch (v26, prepared; off until
+# run on a GPU: tests/test_gpu_fp8_split.py holds it to the two-step bits)
+SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "0") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -206,10 +209,8 @@ class Weights:
         return self.takes_split(name, T) and FP8_GEMM and w.qtype != 1 and w.nrows * w.ncols >= FP8_MIN \
             and fp8_split.available(self.device) and w.ncols % 16 == 0 and (w.nrows // groups) % 16 == 0
 
-    def mm_split(self, name: str, split: tuple, groups: int) -> torch.Tensor:
-        """mm(name, x, groups) from x's split made by its producer: hi, lo [T, groups·in] float16 with
-        hi + lo = x / s per group, s [T, groups] (to_half's operations with one scale per row and group); or
-        (hi, None, s, a8) with a8 [groups, T, 2 in] the float8 operand of fp8_split (takes_fp8)."""
+    def _mm_split_groups(self, name: str, split: tuple, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """mm_split's product before its per-(row, group) rescale: (y [groups, T, out / groups], r [T, groups])."""
         w = self.mat(name)
         xh, xl, s = split[:3]
         a8 = split[3] if len(split) > 3 else None
@@ -222,7 +223,37 @@ class Weights:
         xg = lambda t: t.view(T, groups, n_in).transpose(0, 1)  # noqa: E731
         wg = lambda t: None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)  # noqa: E731
         y = self._dense_product(w, xg(xh), None if xl is None else xg(xl), wg(hi), wg(lo), a8)  # [groups, T, n_out]
-        return (y.transpose(0, 1) * (s / scale)[:, :, None]).reshape(T, groups * n_out)
+        return y, s / scale
+
+    def mm_split(self, name: str, split: tuple, groups: int) -> torch.Tensor:
+        """mm(name, x, groups) from x's split made by its producer: hi, lo [T, groups·in] float16 with
+        hi + lo = x / s per group, s [T, groups] (to_half's operations with one scale per row and group); or
+        (hi, None, s, a8) with a8 [groups, T, 2 in] the float8 operand of fp8_split (takes_fp8)."""
+        y, r = self._mm_split_groups(name, split, groups)
+        G, T, n_out = y.shape
+        return (y.transpose(0, 1) * r[:, :, None]).reshape(T, G * n_out)
+
+    def mm_split_then(self, first: str, split: tuple, groups: int, second: str) -> torch.Tensor:
+        """mm(second, mm_split(first, split, groups)), the same bits. DS4_GPU_SPLIT_GROUPS=1 (v26, prepared: not yet
+        run on a GPU): first's grouped output is rescaled and split for second in one launch (dequant.cu
+        split_groups; with second's float8 operand in place of lo where it takes the float8 path), not a strided
+        torch multiply, then split_half and the float8 pack."""
+        wb = self.mat(second)
+        y, r = self._mm_split_groups(first, split, groups)
+        G, T, n = y.shape
+        if not (SPLIT_GROUPS and self.takes_split(second, T) and G * n == wb.ncols and G * n <= 8192 and n % 4 == 0):
+            return self.mm(second, (y.transpose(0, 1) * r[:, :, None]).reshape(T, G * n))
+        fp8 = self.takes_fp8(second, T)
+        xh = torch.empty((T, G * n), dtype=torch.float16, device=self.device)
+        xl = None if fp8 else torch.empty_like(xh)
+        a8 = torch.empty((T, 2 * G * n), dtype=fp8_split.E4M3, device=self.device) if fp8 else None
+        s = torch.empty((T, 1), dtype=F32, device=self.device)
+        y, r = y.contiguous(), r.contiguous()
+        self._sync_stream()
+        self.ext.split_groups(y.data_ptr(), r.data_ptr(), G, T, n, xh.data_ptr(), 0 if xl is None else xl.data_ptr(),
+                              0 if a8 is None else a8.data_ptr(), s.data_ptr())
+        hi, lo, scale = self.half(wb, EXACT_GEMM)
+        return self._dense_product(wb, xh, xl, hi.T, None if lo is None else lo.T, a8) * (s / scale)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
