@@ -191,3 +191,12 @@ def test_small_session_with_every_dense_product_on_float8(monkeypatch, tmp_path)
     assert g.W._fp8_scales, "no product took the float8 path"
     assert g.W.takes_fp8("blk.0.attn_output_a.weight", 256, m.config.o_groups)
     assert err <= 1e-3
+
+
+def test_unpack_lo_returns_the_packed_lo_part() -> None:
+    """unpack_lo (the refusal fallback) gives back lo to e4m3's precision: within 2^-4 of |lo| plus the subnormal step."""
+    gen = torch.Generator().manual_seed(17)
+    xh, xl, _ = W.to_half(torch.randn(12, 256, generator=gen), True)
+    got = fp8_split.unpack_lo(fp8_split.pack_x(xh, xl), xh)
+    assert got.shape == xl.shape and got.dtype == torch.float16
+    assert ((got.float() - xl.float()).abs() <= xl.float().abs() * 2.0 ** -4 + 2.0 ** -28).all()

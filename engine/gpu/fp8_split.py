@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-E4M3 = torch.float8_e4m3fn
+E4M3 = getattr(torch, "float8_e4m3fn", None)  # torch >= 2.1; available() says False without it
 X_HI_SCALE = 2.0 ** 8
 X_LO_SCALE = 2.0 ** 19  # 2^8 for the row scale, 2^11 for the lo part's size
 W_TOP = 8  # log2 of the largest scaled weight
@@ -33,7 +33,9 @@ _SCALED_MM = [True]  # torch._scaled_mm takes these operands (cleared at the fir
 
 def available(device: torch.device) -> bool:
     """Whether the FP8 correction GEMM can run on this device (the CPU emulates it)."""
-    return _SCALED_MM[0] and (device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9))
+    if not (_SCALED_MM[0] and hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")):
+        return False
+    return device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def weight_scale(wh: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,14 @@ def _ext():
     from ds4.engine import gpu
 
     return gpu.load() if gpu.available() and hasattr(gpu.load(), "pack_fp8") else None
+
+
+def unpack_lo(a8: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
+    """The lo part as pack_x stored it (e4m3 of lo * 2^19: 4 significant bits), as float16 in xh's shape and layout
+    (a fallback for a producer that wrote the float8 operand in place of lo)."""
+    K = a8.shape[-1] // 2
+    lo = (a8[..., K:].float() * (1.0 / X_LO_SCALE)).to(torch.float16)
+    return lo if lo.shape == xh.shape else lo.reshape(xh.shape)
 
 
 def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out: torch.Tensor | None = None):

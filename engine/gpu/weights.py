@@ -485,10 +485,12 @@ class Weights:
                 sigma = self._fp8_scales[id(w)] = fp8_split.weight_scale(wh)
             try:
                 return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma, a8)
-            except (RuntimeError, TypeError, NotImplementedError) as e:
+            except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
                 fp8_split.refuse()
                 print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here",
                       flush=True)
+                if a8 is not None:  # its producer wrote no lo: take it back from the operand (4 bits of it)
+                    xl = fp8_split.unpack_lo(a8, xh)
         return split_product(xh, xl, wh, wl)
 
     def _moe_gemm(self, gate, up, down, b, ids, wts, limit: float) -> torch.Tensor:
