@@ -240,3 +240,11 @@ def test_prefill_attention_modes_are_checked():
     assert tc.parse_attn_mode("") == "fused" and tc.parse_attn_mode(" TF32 ") == "tf32"
     with pytest.raises(ValueError, match="unknown mode.*f32, tf32, tc, fused"):
         tc.parse_attn_mode("fp16")
+
+
+def test_prefill_gemm_modes_are_checked():
+    from ds4.engine.gpu import weights
+
+    assert weights.parse_prefill_gemm("") == "fp8" and weights.parse_prefill_gemm(" Exact ") == "exact"
+    with pytest.raises(ValueError, match="unknown mode.*fp8, exact, f16, mmq"):
+        weights.parse_prefill_gemm("fp16")

@@ -29,7 +29,17 @@ GEMM_MIN = int(os.environ.get("DS4_GPU_GEMM_MIN", "16"))
 MOE_GEMM_MIN = int(os.environ.get("DS4_GPU_MOE_GEMM_MIN", "256"))
 # DS4_GPU_PREFILL_GEMM: the dense prefill products. fp8 (default, v26): float16 hi.hi plus both correction terms in
 # one float8 GEMM (fp8_split.py); exact: three float16 GEMMs hi.hi + lo.hi + hi.lo; f16: hi.hi alone; mmq: below
-PREFILL_GEMM = os.environ.get("DS4_GPU_PREFILL_GEMM", "fp8")
+PREFILL_GEMM_MODES = ("fp8", "exact", "f16", "mmq")
+
+
+def parse_prefill_gemm(value: str) -> str:
+    mode = value.strip().lower() or "fp8"
+    if mode not in PREFILL_GEMM_MODES:
+        raise ValueError(f"DS4_GPU_PREFILL_GEMM={value!r}: unknown mode (known: {', '.join(PREFILL_GEMM_MODES)})")
+    return mode
+
+
+PREFILL_GEMM = parse_prefill_gemm(os.environ.get("DS4_GPU_PREFILL_GEMM", ""))
 EXACT_GEMM = PREFILL_GEMM != "f16"
 # DS4_GPU_PREFILL_GEMM=mmq: quantized weights (Q8_0, Q2_K, Q4_K, IQ2_XXS: in Flash q2 the attention projections and the
 # shared expert) on the int8 tensor cores straight from their codes (mmq.cu: the decode kernels' activation
@@ -43,7 +53,7 @@ FP8_GEMM = PREFILL_GEMM == "fp8"
 # 0.56 against 0.31 and 0.50 against 0.17 ms to the packing; the 33M ones won 1.2-1.4x)
 FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
 # mm_split_then: the grouped product's rescale and the next product's split in one launch (v26, prepared; off until
-# run on a GPU: tests/test_gpu_fp8_split.py holds it to the two-step bits)
+# run on a GPU: tests/test_gpu_prefill.py -k split_then holds it to the two-step bits)
 SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "0") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
