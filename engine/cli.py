@@ -174,6 +174,8 @@ def _gpu_session_class():
         return Session, None
     except ImportError:
         return None, "this build has CUDA kernels but no CUDA engine session yet"
+    except ValueError as e:  # a DS4_GPU_* switch with an unknown value: say which, do not fall back silently
+        raise CliError(str(e)) from None
 
 
 def open_session(model, ctx: int, backend: str | None, hooks=None):

@@ -248,3 +248,23 @@ def test_prefill_gemm_modes_are_checked():
     assert weights.parse_prefill_gemm("") == "fp8" and weights.parse_prefill_gemm(" Exact ") == "exact"
     with pytest.raises(ValueError, match="unknown mode.*fp8, exact, f16, mmq"):
         weights.parse_prefill_gemm("fp16")
+
+
+def test_an_unknown_gpu_switch_value_is_a_cli_error_not_a_fallback():
+    """With a CUDA device the ds4 CLI imports the CUDA session, whose switches are read then: an unknown
+    DS4_GPU_PREFILL_GEMM is a one-line CLI error naming the known modes, not a traceback or a silent CPU fallback
+    (a fresh interpreter: the switch is read at import; the device check is stubbed, nothing runs on it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from ds4.engine import cli, gpu\n"
+            "gpu.available = lambda: True\n"
+            "try:\n"
+            "    cli._gpu_session_class()\n"
+            "except cli.CliError as e:\n"
+            "    print('CliError:', e)\n")
+    env = dict(os.environ, DS4_GPU_PREFILL_GEMM="fp16")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CliError: DS4_GPU_PREFILL_GEMM='fp16': unknown mode (known: fp8, exact, f16, mmq)" in out.stdout
