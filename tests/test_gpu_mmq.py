@@ -377,6 +377,47 @@ def test_mmq_straight_fragments_give_the_same_bits(qtype):
         assert np.array_equal(new_dense, old_dense)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K])
+def test_mmq_min_terms_on_the_tensor_cores(qtype):
+    """DS4_GPU_MMQ_MINMMA=1: the K-quants' min terms as TF32 products once per 128-column stage, against the per-block
+    FFMAs (another order of the same sums, and ~21-bit operands: within 1e-6), against the batch-1..8 matvec kernel
+    (1e-6, as the default form) and the reference (1e-4); expert tiles full and partial (1, 20, 65 rows) and the dense
+    form."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(27)
+    n_embd, n_ff, n_expert = 1024, 136, 6
+    counts = [64, 1, 20, 65, 128, 33]
+    raw = random_blocks(qtype, n_ff * n_expert, n_embd, rng)
+    w = gpu.upload(f"blk.0.ffn_down_exps.minmma{qtype.name}", qtype, (n_embd, n_ff, n_expert), raw)
+    x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
+    x[:, :64] += 3.0  # blocks whose 16-column sums are large: the min terms weigh there
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
+
+    def product(mode: int):
+        ext.set_mmq_min_mma(mode)
+        try:
+            y = ext.Array.empty([sum(counts), n_ff])
+            y.fill(float("nan"))
+            assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
+            return y.numpy(), run_mmq(w, x[:100]), run_mmq(w, x[:8])
+        finally:
+            ext.set_mmq_min_mma(-1)
+
+    (old, old_dense, _), (new, new_dense, new8) = product(0), product(1)
+    assert np.isfinite(new).all() and np.isfinite(new_dense).all()
+    assert not np.array_equal(new, old)  # the switch took effect
+    assert rel_err(new, old) <= 1e-6 and rel_err(new_dense, old_dense) <= 1e-6
+    assert rel_err(new8, run_matvec(w, x[:8])) <= 1e-6
+    wd = dequant(qtype, raw, n_embd).reshape(n_expert, n_ff, n_embd)
+    ref = np.einsum("rc,roc->ro", quantized(x), wd[np.repeat(np.arange(n_expert), counts)])
+    assert rel_err(new, ref) <= 1e-4
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)
@@ -405,11 +446,13 @@ def small_reference(tmp_path_factory):
     return m, toks, CpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
 
 
-@pytest.mark.parametrize("dense,experts,s256", [(True, False, False), (False, True, False), (True, True, False),
-                                               (False, True, True)])
-def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts, s256):
+@pytest.mark.parametrize("dense,experts,s256,min_mma", [(True, False, False, 0), (False, True, False, 0),
+                                                       (True, True, False, 0), (False, True, True, 0),
+                                                       (False, True, False, 1)])
+def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts, s256, min_mma):
     """small, 600 tokens in chunks of 256: the prefill with the products on mmq against the CPU engine (its 1e-3);
-    s256: the routed experts' Q2_K down product in the S256 form (DS4_GPU_MMQ_S256)."""
+    s256: the routed experts' Q2_K down product in the S256 form (DS4_GPU_MMQ_S256); min_mma: the K-quants' min terms
+    on the tensor cores (DS4_GPU_MMQ_MINMMA; 0 here is the v26 form, whatever the environment says)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
@@ -423,10 +466,15 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
     monkeypatch.setattr(moe_gemm, "MMQ_S256", s256)
     g = GpuSession(m, ctx=1024, prefill_chunk=256)
     g.W.ext = _Counting(g.W.ext, calls)
-    got = g.sync(toks)
+    gpu.load().set_mmq_min_mma(min_mma)
+    try:
+        got = g.sync(toks)
+    finally:
+        gpu.load().set_mmq_min_mma(-1)
     assert any(calls), "no product went through mmq"
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    print(f"\nmmq prefill (dense {dense}, experts {experts}, s256 {s256}) against the CPU engine: rel {err:.2e} "
+    print(f"\nmmq prefill (dense {dense}, experts {experts}, s256 {s256}, min_mma {min_mma}) against the CPU engine: "
+          f"rel {err:.2e} "
           f"({len(calls)} mmq calls)")
     assert err <= 1e-3
 

@@ -10,6 +10,7 @@
 
 #include "block_ops.cuh"
 #include "common.cuh"
+#include "mma_ops.cuh"
 
 namespace ds4gpu {
 namespace {
@@ -19,21 +20,6 @@ constexpr int AP_KT = 16;            // keys per tile
 constexpr int AP_PAD = 8;            // floats of padding per shared row (d + 8 = 8 mod 32 for d % 32 == 0)
 constexpr int AP_SP = AP_KT + 4;     // score row stride
 constexpr int AP_PVC = 4;            // form 2: output tiles per P.V chunk (independent accumulators in flight)
-
-// x = hi + lo: hi is x truncated to TF32 (one AND), lo = x - hi exactly (one FADD), passed as float32 bits: the
-// tensor core reads a .tf32 operand's top 19 bits, so lo is truncated there (~21 bits in all). v1 rounded both
-// parts with cvt.rna (several instructions each): ncu counted ~46k instructions per 16-key tile, half the issue slots.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = __float_as_uint(x) & 0xffffe000u;
-  lo = __float_as_uint(x - __uint_as_float(hi));
-}
-
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // Bytes of one key row: float32, or packed (pk_dims bfloat16 values, then float32).
 template <bool PK>

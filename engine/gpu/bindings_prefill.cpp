@@ -188,6 +188,9 @@ void bind_prefill_products(py::module_& m) {
   m.def("set_mmq_straight", &set_mmq_straight, py::arg("v"),
         "1: a warp whose fragments all hold tile rows runs them without a test between them (v14, default), 0: the "
         "test before each (v13); the same bits. -1: $DS4_GPU_MMQ_STRAIGHT again.");
+  m.def("set_mmq_min_mma", &set_mmq_min_mma, py::arg("mode"),
+        "1: mmq's Q2_K / Q4_K min terms as TF32 tensor-core products once per 128-column stage (v27), 0: two FFMAs "
+        "per element and 32-column block (v26); -1: $DS4_GPU_MMQ_MINMMA again.");
 }
 
 }  // namespace ds4ext

@@ -1,5 +1,5 @@
-// Tensor-core building blocks shared by the prefill kernels (mmq.cu, mmf.cu, indexer.cu, attn_prefill_bf16.cu):
-// cp.async with zero fill, ldmatrix, and the mma.sync forms they use.
+// Tensor-core building blocks shared by the prefill kernels (mmq.cu, mmf.cu, indexer.cu, the attention forms):
+// cp.async with zero fill, ldmatrix, the mma.sync forms they use and the TF32 hi + lo split.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -68,6 +68,21 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
                "{%0, %1, %2, %3};\n"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x = hi + lo: hi is x truncated to TF32 (one AND), lo = x - hi exactly (one FADD), passed as float32 bits: the
+// tensor core reads a .tf32 operand's top 19 bits, so lo is truncated there (~21 bits in all). cvt.rna would
+// round both parts, at several instructions each (the prefill attention's v1 spent half its issue slots there).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace ds4gpu

@@ -172,6 +172,40 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
   }
 }
 
+// MMIN (mmq_min_mma()): the K-quants' min terms of a whole stage as TF32 tensor-core products, acc -= mn . s16 over
+// the stage's 8 sub-blocks of 16 columns (A = -mn [weight rows, 8], B = s16 [8, activation rows]), each operand split
+// hi + lo (split_tf32, ~21 bits; three m16n8k8 products per fragment: lo.hi, hi.lo, hi.hi). In place of two FFMAs
+// per output element and 32-column block and the shared loads of both operands per block: the Q2_K down product's
+// epilogue was 6 of its ~7 instructions per element and block. Not the bits of the per-block FFMAs (another order).
+template <int NT, int NN>
+__device__ __forceinline__ void mmq_min_products(const MmqStage<NT>& S, int wm, int wn, int lane, int an_mma,
+                                                 float (&acc)[2][NN][4]) {
+  const int g = lane >> 2, q = lane & 3;
+  uint32_t ah[2][4], al[2][4];  // A fragments (m16 x k8, tf32): (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const int r = wm + 16 * m + g;
+    split_tf32(-S.mn[r][q], ah[m][0], al[m][0]);
+    split_tf32(-S.mn[r + 8][q], ah[m][1], al[m][1]);
+    split_tf32(-S.mn[r][q + 4], ah[m][2], al[m][2]);
+    split_tf32(-S.mn[r + 8][q + 4], ah[m][3], al[m][3]);
+  }
+#pragma unroll
+  for (int n = 0; n < NN; ++n) {
+    if (wn + 8 * n >= an_mma) break;  // as the main products: fragments past the tile's rows are never stored
+    const int t = wn + 8 * n + g;
+    uint32_t bh[2], bl[2];  // B fragment (k8 x n8): (k = q, n = g), (k = q + 4, n = g)
+    split_tf32(S.s16[t][q], bh[0], bl[0]);
+    split_tf32(S.s16[t][q + 4], bh[1], bl[1]);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      mma_tf32(acc[m][n], al[m], bh);
+      mma_tf32(acc[m][n], ah[m], bl);
+      mma_tf32(acc[m][n], ah[m], bh);
+    }
+  }
+}
+
 // CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers.
 template <int QT, int NT>
 __host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
@@ -180,9 +214,11 @@ __host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<Q
 // fragment instead of two, and the 254 is folded into the activation scale (I2FP of the hi sum, which is exact: |sum|
 // <= 32 x 127 x 45 < 2^24), so the per-element epilogue is FMUL, I2FP, FFMA. Within float rounding of the full form on
 // planes whose lo is zero (not bitwise: 254 hi is rounded to float there before the scale multiplies).
-template <int QT, int NT, bool S256 = false, bool X8 = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
+  static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
+  constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
   MmqStage<NT>* st = reinterpret_cast<MmqStage<NT>*>(mq_smem);
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage<NT>));
@@ -233,7 +269,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           wd[m][h] = S.ds[r + 8 * h][b];
-          if constexpr (has_mins<QT>()) {
+          if constexpr (BLOCK_MINS) {
             m0[m][h] = S.mn[r + 8 * h][2 * b];
             m1[m][h] = S.mn[r + 8 * h][2 * b + 1];
           }
@@ -256,7 +292,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           xs[j] = X8 && !S256 ? 254.0f * S.xs[tc + j][b] : S.xs[tc + j][b];
-          if constexpr (has_mins<QT>()) {
+          if constexpr (BLOCK_MINS) {
             s0[j] = S.s16[tc + j][2 * b];
             s1[j] = S.s16[tc + j][2 * b + 1];
           }
@@ -293,7 +329,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
               float& y = acc[m][n][e];
               if constexpr (X8) y = fmaf(wd[m][h] * xs[j], (float)ch[e], y);  // xs[j] holds 254 xs here
               else y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
-              if constexpr (has_mins<QT>()) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
+              if constexpr (BLOCK_MINS) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
             }
           }
         }
@@ -313,6 +349,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         }
       }
     }
+    if constexpr (MMIN) mmq_min_products<NT, NN>(S, wm, wn, lane, tl.an_mma, acc);
     if (next) mmq_decode_w<QT, NT>(a, tl, raw, grid, st[(s + 1) & 1]);  // its last reader was stage s - 1
   }
 #pragma unroll
@@ -326,26 +363,36 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
       }
 }
 
-template <int QT, int NT, bool S256 = false, bool X8 = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = 2 * sizeof(MmqStage<NT>) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
+
+// $DS4_GPU_MMQ_MINMMA (v27): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 0 the per-block FFMAs.
+// set_mmq_min_mma overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 1, 0};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
+  const bool mmin = mmq_min_mma_switch.get() != 0;
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
       if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      else if (mmin) launch_as<QT_Q2_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
-    case QT_Q4_K: launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream); break;
+    case QT_Q4_K:
+      if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
+      else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
+      break;
     case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream); break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
   }
@@ -405,6 +452,7 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
 }  // namespace
 
 void set_mmq_straight(int v) { mmq_straight_override() = v < 0 ? -1 : (v != 0); }
+void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
 
 int mmq_tile_rows() {
   static const int rows = [] {
