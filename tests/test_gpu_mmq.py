@@ -378,11 +378,12 @@ def test_mmq_straight_fragments_give_the_same_bits(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q4_K])
-def test_mmq_min_terms_on_the_tensor_cores(qtype):
+@pytest.mark.parametrize("mode", [1, 2])
+def test_mmq_min_terms_on_the_tensor_cores(qtype, mode):
     """DS4_GPU_MMQ_MINMMA=1: the K-quants' min terms as TF32 products once per 128-column stage, against the per-block
     FFMAs (another order of the same sums, and ~21-bit operands: within 1e-6), against the batch-1..8 matvec kernel
     (1e-6, as the default form) and the reference (1e-4); expert tiles full and partial (1, 20, 65 rows) and the dense
-    form."""
+    form. Mode 2: the same with one buffer for the decoded weights (four CTAs per SM)."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
@@ -408,7 +409,7 @@ def test_mmq_min_terms_on_the_tensor_cores(qtype):
         finally:
             ext.set_mmq_min_mma(-1)
 
-    (old, old_dense, _), (new, new_dense, new8) = product(0), product(1)
+    (old, old_dense, _), (new, new_dense, new8) = product(0), product(mode)
     assert np.isfinite(new).all() and np.isfinite(new_dense).all()
     assert not np.array_equal(new, old)  # the switch took effect
     assert rel_err(new, old) <= 1e-6 and rel_err(new_dense, old_dense) <= 1e-6
@@ -448,7 +449,7 @@ def small_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("dense,experts,s256,min_mma", [(True, False, False, 0), (False, True, False, 0),
                                                        (True, True, False, 0), (False, True, True, 0),
-                                                       (False, True, False, 1)])
+                                                       (False, True, False, 1), (False, True, False, 2)])
 def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts, s256, min_mma):
     """small, 600 tokens in chunks of 256: the prefill with the products on mmq against the CPU engine (its 1e-3);
     s256: the routed experts' Q2_K down product in the S256 form (DS4_GPU_MMQ_S256); min_mma: the K-quants' min terms

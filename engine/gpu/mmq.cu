@@ -62,16 +62,22 @@ struct MmqArgs {
 // where the per-32 form pays I2FP, FMUL and FFMA for every block. Prefill then rounds the routed experts' down-projection
 // input per 256 columns instead of decode's 32 (DS4_GPU_MMQ_S256, prepared in v13).
 
-template <int NT>
-struct MmqStage {
+// A stage in shared memory: the weights' decoded part and the activations' part (both 16-byte multiples). Two of
+// each (double-buffered), or with ONEW one weights' part (mmq_kernel: decoded after a barrier).
+struct MmqWStage {
   int8_t w[MQ_M][MQ_LD];
-  int8_t hi[NT][MQ_LD];
-  int8_t lo[NT][MQ_LD];
   float ds[MQ_M][MQ_NB];      // dscale per (weight row, block)
   float mn[MQ_M][2 * MQ_NB];  // min0, min1 per (weight row, block): K-quants
+};
+template <int NT>
+struct MmqXStage {
+  int8_t hi[NT][MQ_LD];
+  int8_t lo[NT][MQ_LD];
   float xs[NT][MQ_NB];        // activation scale per (row, block)
   float s16[NT][2 * MQ_NB];   // activation sums per 16 columns: K-quants
 };
+template <int NT, bool ONEW>
+__host__ __device__ constexpr size_t mq_stage_bytes() { return (ONEW ? 1 : 2) * sizeof(MmqWStage) + 2 * sizeof(MmqXStage<NT>); }
 
 template <int QT>
 __host__ __device__ constexpr bool has_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
@@ -112,7 +118,7 @@ __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
 
 // Activation planes of stage k0 into st (cp.async; rows past the tile are zero-filled, so they add nothing); X8: hi only.
 template <int QT, int NT, bool X8 = false>
-__device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqStage<NT>& st) {
+__device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, int k0, MmqXStage<NT>& st) {
   const int tid = threadIdx.x;
   const int64_t col = tl.xcol0 + k0;
   for (int i = tid; i < NT * (MQ_KS / 16); i += mq_threads<NT>()) {
@@ -148,7 +154,7 @@ __device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, 
 
 template <int QT, int NT>
 __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
-                                             const unsigned long long* grid, MmqStage<NT>& st) {
+                                             const unsigned long long* grid, MmqWStage& st) {
 #pragma unroll
   for (int i = 0; i < mq_pairs<NT>(); ++i) {
     const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
@@ -178,17 +184,17 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
 // per output element and 32-column block and the shared loads of both operands per block: the Q2_K down product's
 // epilogue was 6 of its ~7 instructions per element and block. Not the bits of the per-block FFMAs (another order).
 template <int NT, int NN>
-__device__ __forceinline__ void mmq_min_products(const MmqStage<NT>& S, int wm, int wn, int lane, int an_mma,
-                                                 float (&acc)[2][NN][4]) {
+__device__ __forceinline__ void mmq_min_products(const MmqWStage& W, const MmqXStage<NT>& S, int wm, int wn, int lane,
+                                                 int an_mma, float (&acc)[2][NN][4]) {
   const int g = lane >> 2, q = lane & 3;
   uint32_t ah[2][4], al[2][4];  // A fragments (m16 x k8, tf32): (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     const int r = wm + 16 * m + g;
-    split_tf32(-S.mn[r][q], ah[m][0], al[m][0]);
-    split_tf32(-S.mn[r + 8][q], ah[m][1], al[m][1]);
-    split_tf32(-S.mn[r][q + 4], ah[m][2], al[m][2]);
-    split_tf32(-S.mn[r + 8][q + 4], ah[m][3], al[m][3]);
+    split_tf32(-W.mn[r][q], ah[m][0], al[m][0]);
+    split_tf32(-W.mn[r + 8][q], ah[m][1], al[m][1]);
+    split_tf32(-W.mn[r][q + 4], ah[m][2], al[m][2]);
+    split_tf32(-W.mn[r + 8][q + 4], ah[m][3], al[m][3]);
   }
 #pragma unroll
   for (int n = 0; n < NN; ++n) {
@@ -206,22 +212,28 @@ __device__ __forceinline__ void mmq_min_products(const MmqStage<NT>& S, int wm, 
   }
 }
 
-// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers.
-template <int QT, int NT>
-__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 || has_mins<QT>() ? 2 : 3; }
+// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers. ONEW (the MMIN form's 118
+// registers, one weights' buffer: 55 KB of shared memory at NT = 64): 4.
+template <int QT, int NT, bool ONEW = false>
+__host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 || has_mins<QT>() ? 2 : 3; }
 
 // X8 (moe_x8(): the routed experts' 8-bit activations): the lo plane is neither loaded nor multiplied, one mma per
 // fragment instead of two, and the 254 is folded into the activation scale (I2FP of the hi sum, which is exact: |sum|
 // <= 32 x 127 x 45 < 2^24), so the per-element epilogue is FMUL, I2FP, FFMA. Within float rounding of the full form on
 // planes whose lo is zero (not bitwise: 254 hi is rounded to float there before the scale multiplies).
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false>
-__global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_kernel(MmqArgs a) {
+//
+// ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
+// barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false>
+__global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
-  MmqStage<NT>* st = reinterpret_cast<MmqStage<NT>*>(mq_smem);
-  unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + 2 * sizeof(MmqStage<NT>));
+  static_assert(!ONEW || MMIN, "ONEW: with the MMIN form (its registers allow four CTAs per SM)");
+  MmqWStage* stw = reinterpret_cast<MmqWStage*>(mq_smem);
+  MmqXStage<NT>* stx = reinterpret_cast<MmqXStage<NT>*>(mq_smem + (ONEW ? 1 : 2) * sizeof(MmqWStage));
+  unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + mq_stage_bytes<NT, ONEW>());
   const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -245,19 +257,20 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
   // 8192-token layer that way, v14 call 3)
   const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
-  mmq_load_x<QT, NT, X8>(a, tl, 0, st[0]);
+  mmq_load_x<QT, NT, X8>(a, tl, 0, stx[0]);
   mmq_load_w<QT, NT>(a, tl, 0, raw);
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
-  mmq_decode_w<QT, NT>(a, tl, raw, grid, st[0]);
+  mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
   for (int s = 0; s < nstages; ++s) {
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
     const bool next = s + 1 < nstages;
     if (next) {
-      mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, st[(s + 1) & 1]);
+      mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
       mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
     }
-    const MmqStage<NT>& S = st[s & 1];
+    const MmqXStage<NT>& S = stx[s & 1];
+    const MmqWStage& W = stw[ONEW ? 0 : s & 1];
 #pragma unroll
     for (int b = 0; b < MQ_NB; ++b) {
       uint32_t af[2][4];
@@ -265,13 +278,13 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int r = wm + 16 * m + g;
-        ldsm_x4(af[m], &S.w[wm + 16 * m + (lane & 15)][32 * b + 16 * (lane >> 4)]);
+        ldsm_x4(af[m], &W.w[wm + 16 * m + (lane & 15)][32 * b + 16 * (lane >> 4)]);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          wd[m][h] = S.ds[r + 8 * h][b];
+          wd[m][h] = W.ds[r + 8 * h][b];
           if constexpr (BLOCK_MINS) {
-            m0[m][h] = S.mn[r + 8 * h][2 * b];
-            m1[m][h] = S.mn[r + 8 * h][2 * b + 1];
+            m0[m][h] = W.mn[r + 8 * h][2 * b];
+            m1[m][h] = W.mn[r + 8 * h][2 * b + 1];
           }
         }
       }
@@ -349,8 +362,15 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
         }
       }
     }
-    if constexpr (MMIN) mmq_min_products<NT, NN>(S, wm, wn, lane, tl.an_mma, acc);
-    if (next) mmq_decode_w<QT, NT>(a, tl, raw, grid, st[(s + 1) & 1]);  // its last reader was stage s - 1
+    if constexpr (MMIN) mmq_min_products<NT, NN>(W, S, wm, wn, lane, tl.an_mma, acc);
+    if constexpr (ONEW) {
+      if (next) {
+        __syncthreads();  // every warp is done with this stage's weights
+        mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
+      }
+    } else if (next) {
+      mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[(s + 1) & 1]);  // its last reader was stage s - 1
+    }
   }
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -363,34 +383,37 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT>()) mmq_k
       }
 }
 
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
-  const size_t shm = 2 * sizeof(MmqStage<NT>) + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
+  const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
-// $DS4_GPU_MMQ_MINMMA (v27): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 0 the per-block FFMAs.
-// set_mmq_min_mma overrides it (0, 1; -1 the environment).
-static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 1, 0};
+// $DS4_GPU_MMQ_MINMMA (v27): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one weights' buffer
+// and four CTAs per SM (ONEW, at 64-row tiles); 0 the per-block FFMAs. set_mmq_min_mma overrides it (0-2; -1 the
+// environment).
+static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 0};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
-  const bool mmin = mmq_min_mma_switch.get() != 0;
+  const int mmin = mmq_min_mma_switch.get();
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
       if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      else if (mmin == 2 && NT == 64) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q2_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_Q4_K:
-      if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
+      if (mmin == 2 && NT == 64) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
+      else if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream); break;
