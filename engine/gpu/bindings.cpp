@@ -202,6 +202,15 @@ std::shared_ptr<Array> make_array(std::vector<int64_t> shape, bool is_int) {
   return a;
 }
 
+// Host -> device on the extension's stream, complete on return. Not cudaMemcpy: from pageable memory it may return
+// before its DMA has landed, and it runs on the legacy stream, which a non-blocking stream (torch's, once set_stream
+// has handed it over) does not wait for: a kernel launched next could read the rows not yet copied (v27: the last
+// rows of a test's activations, seen once in a run of the mmq tests).
+void copy_in(void* dst, const void* src, size_t nbytes) {
+  DS4_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, stream()));
+  DS4_CHECK(cudaStreamSynchronize(stream()));
+}
+
 void array_copy_from(Array& a, py::array arr) {
   bool is_int = py::isinstance<py::array_t<int32_t>>(arr);
   bool is_f32 = py::isinstance<py::array_t<float>>(arr);
@@ -209,8 +218,7 @@ void array_copy_from(Array& a, py::array arr) {
     throw std::invalid_argument(std::string("array dtype must be ") + (a.is_int ? "int32" : "float32"));
   if ((size_t)arr.nbytes() != a.nbytes) throw std::invalid_argument("array size mismatch");
   if (!(arr.flags() & py::array::c_style)) throw std::invalid_argument("array must be C-contiguous");
-  DS4_CHECK(cudaStreamSynchronize(stream()));
-  DS4_CHECK(cudaMemcpy(a.ptr, arr.data(), a.nbytes, cudaMemcpyHostToDevice));
+  copy_in(a.ptr, arr.data(), a.nbytes);
 }
 
 // A view of device memory owned by someone else (e.g. torch.Tensor.data_ptr()); never freed here.
@@ -244,8 +252,7 @@ py::array array_to_numpy(const Array& a) {
 
 void array_fill(Array& a, float value) {
   std::vector<float> host((size_t)a.size(), value);
-  DS4_CHECK(cudaStreamSynchronize(stream()));
-  DS4_CHECK(cudaMemcpy(a.ptr, host.data(), a.nbytes, cudaMemcpyHostToDevice));
+  copy_in(a.ptr, host.data(), a.nbytes);
 }
 
 // norm_w != 0: y = W . (rms_norm(x) * norm_w) (eps; batch 1, groups 1), the norm applied by the streaming kernel

@@ -395,10 +395,10 @@ void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   mmq_kernel<QT, NT, S256, X8, MMIN, ONEW><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
-// $DS4_GPU_MMQ_MINMMA (v27): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one weights' buffer
-// and four CTAs per SM (ONEW, at 64-row tiles); 0 the per-block FFMAs. set_mmq_min_mma overrides it (0-2; -1 the
-// environment).
-static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 0};
+// $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
+// weights' buffer and four CTAs per SM (ONEW, at 64-row tiles); 0 the per-block FFMAs (v26). set_mmq_min_mma
+// overrides it (0-2; -1 the environment).
+static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {

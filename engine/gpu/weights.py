@@ -54,7 +54,7 @@ FP8_GEMM = PREFILL_GEMM == "fp8"
 FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
 # mm_split_then: the grouped product's rescale and the next product's split in one launch (v26, prepared; off until
 # run on a GPU: tests/test_gpu_prefill.py -k split_then holds it to the two-step bits)
-SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "0") == "1"
+SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "1") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -244,10 +244,10 @@ class Weights:
         return (y.transpose(0, 1) * r[:, :, None]).reshape(T, G * n_out)
 
     def mm_split_then(self, first: str, split: tuple, groups: int, second: str) -> torch.Tensor:
-        """mm(second, mm_split(first, split, groups)), the same bits. DS4_GPU_SPLIT_GROUPS=1 (v26, prepared: not yet
-        run on a GPU): first's grouped output is rescaled and split for second in one launch (dequant.cu
-        split_groups; with second's float8 operand in place of lo where it takes the float8 path), not a strided
-        torch multiply, then split_half and the float8 pack."""
+        """mm(second, mm_split(first, split, groups)), the same bits. DS4_GPU_SPLIT_GROUPS=1 (v27 default; 0: the v26
+        form): first's grouped output is rescaled and split for second in one launch (dequant.cu split_groups; with
+        second's float8 operand in place of lo where it takes the float8 path), not a strided torch multiply, then
+        split_half and the float8 pack."""
         wb = self.mat(second)
         y, r = self._mm_split_groups(first, split, groups)
         G, T, n = y.shape
