@@ -419,6 +419,41 @@ def test_mmq_min_terms_on_the_tensor_cores(qtype, mode):
     assert rel_err(new, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q2_K, Q.Q4_K])
+def test_mmq_one_weights_buffer_gives_the_same_bits(qtype):
+    """Four CTAs per SM with one buffer for the decoded weights (ONEW: DS4_GPU_MMQ_FOUR=1 for IQ2_XXS,
+    DS4_GPU_MMQ_MINMMA=2 for the K-quants) against the double-buffered form (three CTAs; MINMMA=1): every output bit,
+    expert tiles full and partial and the dense form."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(28)
+    n_embd, n_ff, n_expert = 1024, 136, 6
+    counts = [64, 1, 20, 65, 128, 33]
+    w = gpu.upload(f"blk.0.ffn_gate_exps.onew{qtype.name}", qtype, (n_embd, n_ff, n_expert),
+                   random_blocks(qtype, n_ff * n_expert, n_embd, rng))
+    x = rng.standard_normal((sum(counts), n_embd)).astype(np.float32)
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()  # torch's copy runs on its stream; the extension's own stream does not wait for it
+    switch, modes = (ext.set_mmq_four, (0, 1)) if qtype == Q.IQ2_XXS else (ext.set_mmq_min_mma, (1, 2))
+
+    def product(mode: int):
+        switch(mode)
+        try:
+            y = ext.Array.empty([sum(counts), n_ff])
+            y.fill(float("nan"))
+            assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
+            return y.numpy(), run_mmq(w, x[:100])
+        finally:
+            switch(-1)
+
+    (old, old_dense), (new, new_dense) = product(modes[0]), product(modes[1])
+    assert np.isfinite(new).all() and np.isfinite(new_dense).all()
+    assert np.array_equal(new, old) and np.array_equal(new_dense, old_dense)
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)

@@ -190,7 +190,11 @@ void bind_prefill_products(py::module_& m) {
         "test before each (v13); the same bits. -1: $DS4_GPU_MMQ_STRAIGHT again.");
   m.def("set_mmq_min_mma", &set_mmq_min_mma, py::arg("mode"),
         "1: mmq's Q2_K / Q4_K min terms as TF32 tensor-core products once per 128-column stage (v27), 0: two FFMAs "
-        "per element and 32-column block (v26); -1: $DS4_GPU_MMQ_MINMMA again.");
+        "per element and 32-column block (v26); 2: the first with one decoded-weights buffer and four CTAs per SM; -1: "
+        "$DS4_GPU_MMQ_MINMMA again.");
+  m.def("set_mmq_four", &set_mmq_four, py::arg("mode"),
+        "1: mmq's IQ2_XXS products with one decoded-weights buffer and four CTAs per SM, 0: three CTAs (the same "
+        "bits); -1: $DS4_GPU_MMQ_FOUR again.");
 }
 
 }  // namespace ds4ext

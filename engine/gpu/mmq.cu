@@ -212,8 +212,9 @@ __device__ __forceinline__ void mmq_min_products(const MmqWStage& W, const MmqXS
   }
 }
 
-// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers. ONEW (the MMIN form's 118
-// registers, one weights' buffer: 55 KB of shared memory at NT = 64): 4.
+// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers. ONEW (one weights' buffer: 54
+// KB of shared memory at NT = 64, 56 with IQ2_XXS's grid table): 4, which caps registers at 128 (the MMIN form needs
+// 120; IQ2_XXS's straight form 168, so 20 bytes spill there).
 template <int QT, int NT, bool ONEW = false>
 __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 || has_mins<QT>() ? 2 : 3; }
 
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
-  static_assert(!ONEW || MMIN, "ONEW: with the MMIN form (its registers allow four CTAs per SM)");
+  static_assert(!ONEW || MMIN || QT == QT_IQ2_XXS, "ONEW: the MMIN form (118 registers) or IQ2_XXS (128, spills)");
   MmqWStage* stw = reinterpret_cast<MmqWStage*>(mq_smem);
   MmqXStage<NT>* stx = reinterpret_cast<MmqXStage<NT>*>(mq_smem + (ONEW ? 1 : 2) * sizeof(MmqWStage));
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + mq_stage_bytes<NT, ONEW>());
@@ -399,6 +400,10 @@ void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
 // weights' buffer and four CTAs per SM (ONEW, at 64-row tiles); 0 the per-block FFMAs (v26). set_mmq_min_mma
 // overrides it (0-2; -1 the environment).
 static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
+// $DS4_GPU_MMQ_FOUR (v27): 1 the IQ2_XXS products (the routed gate and up) with one weights' buffer and four CTAs per SM
+// at 64-row tiles (ONEW; 128 registers, 20 bytes of spills); 0 three CTAs, double-buffered weights. The same bits.
+// set_mmq_four overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 0};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
@@ -416,7 +421,10 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
-    case QT_IQ2_XXS: launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream); break;
+    case QT_IQ2_XXS:
+      if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
+      else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
+      break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
   }
 }
@@ -476,6 +484,7 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
 
 void set_mmq_straight(int v) { mmq_straight_override() = v < 0 ? -1 : (v != 0); }
 void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
+void set_mmq_four(int mode) { mmq_four_switch.set(mode); }
 
 int mmq_tile_rows() {
   static const int rows = [] {
