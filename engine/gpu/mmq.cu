@@ -400,10 +400,10 @@ void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
 // weights' buffer and four CTAs per SM (ONEW, at 64-row tiles); 0 the per-block FFMAs (v26). set_mmq_min_mma
 // overrides it (0-2; -1 the environment).
 static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
-// $DS4_GPU_MMQ_FOUR (v27): 1 the IQ2_XXS products (the routed gate and up) with one weights' buffer and four CTAs per SM
-// at 64-row tiles (ONEW; 128 registers, 20 bytes of spills); 0 three CTAs, double-buffered weights. The same bits.
-// set_mmq_four overrides it (0, 1; -1 the environment).
-static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 0};
+// $DS4_GPU_MMQ_FOUR (v27, default 1): 1 the IQ2_XXS products (the routed gate and up) with one weights' buffer and four
+// CTAs per SM at 64-row tiles (ONEW; 128 registers, 20 bytes of spills); 0 three CTAs, double-buffered weights (v26).
+// The same bits. set_mmq_four overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
