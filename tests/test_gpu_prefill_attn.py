@@ -459,6 +459,39 @@ def test_bf16_form_with_query_post_inverse_rope_and_split_output():
     assert torch.equal(hi, want_hi.reshape(T, H * 512)) and torch.equal(lo, want_lo.reshape(T, H * 512))
 
 
+@pytest.mark.parametrize("T,H,post", [(33, 64, True), (9, 20, True), (12, 64, False)])
+def test_bf16_form_query_rows_in_registers_give_the_same_bits(T, H, post):
+    """DS4_GPU_ATTN_QREGS=1: form 3's query rows staged by whole rows per warp in registers, q_post applied there,
+    against the float32 stage in shared memory: every output bit (with the session's options; 20 heads: rows past H in
+    the CTA's 32; without q_post: the plain staging)."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    pos0, ratio = 2000, 4
+    z, win, comp, sel, sinks, n_nope = _fp8_case(31 + T, T, H, 700, 64, pos0, ratio)
+    z = z * 7.0
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    rs = (torch.rand(T, generator=torch.Generator().manual_seed(T)) + 0.5).to(DEV)
+    kw = dict(exact_dims=n_nope, form=3)
+    if post:
+        kw.update(inverse_rope=(freq, 64), q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64, in_scale=rs))
+
+    def run(mode: int):
+        K.ext.set_attn_qregs(mode)
+        try:
+            out = K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, **kw)
+            split = K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, split_heads=4, **kw) if post else ()
+            return out, split
+        finally:
+            K.ext.set_attn_qregs(-1)
+
+    (old, old_split), (new, new_split) = run(0), run(1)
+    assert torch.isfinite(new).all()
+    assert torch.equal(new, old)
+    for a, b in zip(new_split, old_split):
+        assert torch.equal(a, b)
+
+
 def test_bf16_form_in_the_session(monkeypatch, tmp_path):
     """`small` (FP8 KV on), 600 tokens in chunks of 256 (the window, the top-k and the ratio-128 rows): every
     position's logits with form 3 against form 2. The FP8 KV simulation amplifies last-bit differences (a key near an

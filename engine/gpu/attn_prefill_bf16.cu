@@ -85,6 +85,75 @@ __device__ __forceinline__ void a3_stage_queries(const PrefillAttn& a, int t, in
   __syncthreads();  // the stage region is free for the key buffers
 }
 
+// QREGS form ($DS4_GPU_ATTN_QREGS, v27): each warp takes whole query rows (rows warp, warp + 8, ..; lane holds columns
+// lane + 32 k) from global memory into registers, applies q_post there and writes the rows' bfloat16 split: no float32
+// stage in shared memory, no barrier between the passes. ap_q_post's arithmetic in its order (the per-lane sums of
+// squares over k, the same butterfly, the products in the same association, one cosf/sinf per (lane, k)), and
+// split_bf16_pair on the same column pairs: the same bits as a3_stage_queries. d = 32 NK; a RoPE tail of at most
+// 32 RK columns (a3_qregs_takes).
+constexpr int A3_QREGS_RK = 2;
+template <int NK>
+__device__ __forceinline__ void a3_stage_queries_regs(const PrefillAttn& a, int t, int64_t p, int h_base,
+                                                      __nv_bfloat16* Qh, __nv_bfloat16* Ql, int qb) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const RowPost& o = a.q_post;
+  const float in_s = a.q_in_scale ? a.q_in_scale[t] : 1.0f;
+  constexpr int RK = A3_QREGS_RK, K0 = NK - RK;
+  const int n_nope = a.d - o.rope_dim, k_rope = a.q_post_on && o.freq ? n_nope / 32 : NK;
+  float cs[RK], sn[RK];  // RoPE factors of this lane's columns lane + 32 (K0 + j) (k_rope >= K0: a3_qregs_takes)
+#pragma unroll
+  for (int j = 0; j < RK; ++j) {
+    cs[j] = 1.0f, sn[j] = 0.0f;
+    const int k = K0 + j, e = lane + 32 * k;
+    if (k >= k_rope && e >= n_nope) {
+      const float ang = (float)p * o.freq[(e - n_nope) / 2];
+      cs[j] = cosf(ang);
+      sn[j] = o.inverse ? -sinf(ang) : sinf(ang);
+    }
+  }
+  for (int r = warp; r < A3_HG; r += AP_WARPS) {
+    const int h = h_base + r;
+    const bool live = h < a.H;  // rows past H stay zero
+    float x[NK];
+    const float* src = a.q + ((int64_t)t * a.H + (live ? h : 0)) * a.d + lane;
+#pragma unroll
+    for (int k = 0; k < NK; ++k) x[k] = live ? __ldg(src + 32 * k) : 0.0f;
+    if (a.q_post_on && live) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NK; ++k) {
+        if (a.q_in_scale) x[k] = x[k] * in_s;
+        ss += x[k] * x[k];
+      }
+      if (o.norm) {
+        const float rn = rsqrtf(warp_sum_f(ss) / (float)a.d + o.eps);
+#pragma unroll
+        for (int k = 0; k < NK; ++k) x[k] = o.w ? x[k] * rn * o.w[lane + 32 * k] : x[k] * rn;
+      }
+#pragma unroll
+      for (int j = 0; j < RK; ++j) {
+        const int k = K0 + j;
+        if (k < k_rope) continue;
+        const float v = x[k], partner = __shfl_xor_sync(0xffffffffu, v, 1);
+        if (lane + 32 * k >= n_nope)
+          x[k] = (lane & 1) ? __fadd_rn(__fmul_rn(partner, sn[j]), __fmul_rn(v, cs[j]))
+                            : __fsub_rn(__fmul_rn(v, cs[j]), __fmul_rn(partner, sn[j]));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < NK; ++k) {  // columns (c, c + 1) of an even lane's c = lane + 32 k
+      const float next = __shfl_down_sync(0xffffffffu, x[k], 1);
+      if (!(lane & 1)) {
+        uint32_t hi, lo;
+        split_bf16_pair(make_float2(x[k], next), hi, lo);
+        *(uint32_t*)(Qh + r * qb + 32 * k + lane) = hi;
+        *(uint32_t*)(Ql + r * qb + 32 * k + lane) = lo;
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // TMA form ($DS4_GPU_ATTN_TMA, v25): key tile k0 into Kb by bulk copies, one per key row (1152 bytes for Flash)
 // issued by lane r < AP_KT of warp 0 for row r, counted on bar; rows that are not keys are not copied (the buffer keeps
 // finite values there: zeros or an earlier tile's keys, which the zero weights of the softmax cancel). v25's profile
@@ -107,7 +176,7 @@ __device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, in
 // NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
 // bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
 // lo).
-template <int NB, int NR, bool TMA>
+template <int NB, int NR, bool TMA, bool QREGS = false>
 __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
   static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
@@ -139,7 +208,8 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
     mbar_init(&kbar[1], 1);
     mbar_init_fence();
   }
-  a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, qb);
+  if constexpr (QREGS) a3_stage_queries_regs<16>(a, t, p, h_base, Qh, Ql, qb);  // d = 512 (launch_prefill_attn_bf16)
+  else a3_stage_queries(a, t, p, h_base, (float*)(base + lay.uni), Qh, Ql, qb);
   if (TMA) {  // finite values where a tile has no key row (the stage left floats in part of it, the rest is unset)
     for (int i = tid; i < (int)(lay.kbuf_bytes / 16); i += AP_THREADS) ((uint4*)Kbuf)[i] = make_uint4(0, 0, 0, 0);
     fence_async_smem();  // these stores and the stage's accesses before the bulk copies into the same bytes
@@ -284,15 +354,15 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
                     f_s, Ss);
 }
 
-template <int NB, int NR, bool TMA>
+template <int NB, int NR, bool TMA, bool QREGS>
 void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, QREGS>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  prefill_attn_bf16_kernel<NB, NR, TMA><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_bf16_kernel<NB, NR, TMA, QREGS><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
 }
 
 
@@ -302,6 +372,10 @@ void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
 // (ap_load_tile). The same bits. set_attn_tma overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_tma_switch{"DS4_GPU_ATTN_TMA", 1, 1};
 void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
+// $DS4_GPU_ATTN_QREGS (v27, default 0): 1 form 3 stages its query rows in registers (a3_stage_queries_regs), 0 through
+// a float32 stage in shared memory. The same bits. set_attn_qregs overrides it (0, 1; -1 the environment).
+static EnvSwitch attn_qregs_switch{"DS4_GPU_ATTN_QREGS", 1, 0};
+void set_attn_qregs(int mode) { attn_qregs_switch.set(mode); }
 
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
   return d == 512 && pk_dims == 448 && (out_hpg <= 0 || A3_HG % out_hpg == 0);
@@ -315,8 +389,12 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
   if (lay.total > 113 * 1024) return false;  // two CTAs per SM
-  if (attn_tma_switch.get()) launch_bf16<14, 2, true>(a, lay.total, s);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
-  else launch_bf16<14, 2, false>(a, lay.total, s);
+  const bool tma = attn_tma_switch.get();
+  const bool qregs = attn_qregs_switch.get() && (!a.q_post_on || !a.q_post.freq ||
+                                                 a.q_post.rope_dim <= 32 * A3_QREGS_RK);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
+  if (tma && qregs) launch_bf16<14, 2, true, true>(a, lay.total, s);
+  else if (tma) launch_bf16<14, 2, true, false>(a, lay.total, s);
+  else launch_bf16<14, 2, false, false>(a, lay.total, s);
   DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
   return true;
 }
