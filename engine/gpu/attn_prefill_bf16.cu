@@ -372,9 +372,9 @@ void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
 // (ap_load_tile). The same bits. set_attn_tma overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_tma_switch{"DS4_GPU_ATTN_TMA", 1, 1};
 void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
-// $DS4_GPU_ATTN_QREGS (v27, default 0): 1 form 3 stages its query rows in registers (a3_stage_queries_regs), 0 through
-// a float32 stage in shared memory. The same bits. set_attn_qregs overrides it (0, 1; -1 the environment).
-static EnvSwitch attn_qregs_switch{"DS4_GPU_ATTN_QREGS", 1, 0};
+// $DS4_GPU_ATTN_QREGS (v27, default 1): 1 form 3 stages its query rows in registers (a3_stage_queries_regs), 0 through
+// a float32 stage in shared memory (v26). The same bits. set_attn_qregs overrides it (0, 1; -1 the environment).
+static EnvSwitch attn_qregs_switch{"DS4_GPU_ATTN_QREGS", 1, 1};
 void set_attn_qregs(int mode) { attn_qregs_switch.set(mode); }
 
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
