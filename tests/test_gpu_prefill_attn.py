@@ -492,6 +492,36 @@ def test_bf16_form_query_rows_in_registers_give_the_same_bits(T, H, post):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("T,H,hpg,fp8", [(33, 64, 8, True), (33, 64, 8, False), (9, 20, 4, True), (12, 32, 16, False)])
+def test_bf16_form_staged_split_output_gives_the_same_bits(T, H, hpg, fp8):
+    """DS4_GPU_ATTN_OSTAGE=1: form 3's split output (hi and lo, or hi and the float8 operand) staged in shared memory and
+    written in whole runs per head row, against the stores from the fragments: every bit of hi, lo / the operand and
+    the scales (with q_post and the inverse RoPE; 20 heads: rows past H in the CTA's 32)."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    pos0, ratio = 2000, 4
+    z, win, comp, sel, sinks, n_nope = _fp8_case(57 + T + H, T, H, 700, 64, pos0, ratio)
+    z = z * 7.0
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    kw = dict(exact_dims=n_nope, form=3, inverse_rope=(freq, 64), split_heads=hpg, split_fp8=fp8,
+              q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64))
+
+    def run(mode: int):
+        K.ext.set_attn_ostage(mode)
+        try:
+            return K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, **kw)
+        finally:
+            K.ext.set_attn_ostage(-1)
+
+    old, new = run(0), run(1)
+    assert len(new) == len(old) == (4 if fp8 else 3)
+    for a, b in zip(new, old):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_bf16_form_in_the_session(monkeypatch, tmp_path):
     """`small` (FP8 KV on), 600 tokens in chunks of 256 (the window, the top-k and the ratio-128 rows): every
     position's logits with form 3 against form 2. The FP8 KV simulation amplifies last-bit differences (a key near an

@@ -276,10 +276,43 @@ __device__ __forceinline__ void ap_store_a8(const PrefillAttn& a, int t, int h, 
 // largest |y| (at least 1e-30), hi = half(y / s), lo = half(y / s - hi): weights.to_half's operations on each group's
 // columns, so the GEMM needs no split pass over [T, H d]. The group maxima meet in shared memory (atomicMax on the
 // bits of non-negative floats orders them as floats).
+// stage (form 3, $DS4_GPU_ATTN_OSTAGE): the split goes to shared memory first (ap_split_stage's layout), then the CTA
+// writes it out in whole 16- and 8-byte runs per head row. Stored from the fragments, a warp's store covers 8 head rows
+// of 16 (hi, lo) or 8 (float8) bytes each, 1 KB apart: half-used or quarter-used 32-byte sectors.
+constexpr int AP_STAGE_HI = 2 * 8;  // padding bytes per staged float16 row (bank offset 4 words per row)
+constexpr int AP_STAGE_B8 = 8;      // per staged byte row (2 words per row)
+__host__ __device__ constexpr size_t ap_split_stage_bytes(int HG, int d, bool a8) {
+  return (size_t)HG * (2 * d + AP_STAGE_HI) + (a8 ? 2 * (size_t)HG * (d + AP_STAGE_B8) : (size_t)HG * (2 * d + AP_STAGE_HI));
+}
+
+// The staged split to global memory: hi (and lo) rows [T, H, d] float16; or the float8 operand's two planes per head
+// row (hi * 2^8 at its group's column (h % hpg) d, lo * 2^19 at K + that).
+template <int HG>
+__device__ __forceinline__ void ap_split_flush(const PrefillAttn& a, int t, int h_base, const uint8_t* stage) {
+  const int d = a.d, tid = threadIdx.x, rb = 2 * d + AP_STAGE_HI;
+  const uint8_t* lo_st = stage + (size_t)HG * rb;
+  for (int i = tid; i < HG * (d / 8); i += AP_THREADS) {  // 16 bytes: 8 float16 values
+    const int r = i / (d / 8), c = 8 * (i - r * (d / 8)), h = h_base + r;
+    if (h >= a.H) continue;
+    const int64_t o = ((int64_t)t * a.H + h) * d + c;
+    *(uint4*)(a.out_hi + o) = *(const uint4*)(stage + r * rb + 2 * c);
+    if (!a.out_a8) *(uint4*)(a.out_lo + o) = *(const uint4*)(lo_st + r * rb + 2 * c);
+  }
+  if (!a.out_a8) return;
+  const int hpg = a.out_hpg, K = hpg * d, bb = d + AP_STAGE_B8;
+  for (int i = tid; i < 2 * HG * (d / 8); i += AP_THREADS) {  // 8 bytes: 8 float8 values of the hi or the lo plane
+    const int plane = i / (HG * (d / 8)), j = i - plane * HG * (d / 8), r = j / (d / 8), c = 8 * (j - r * (d / 8));
+    const int h = h_base + r, g = h / hpg;
+    if (h >= a.H) continue;
+    uint8_t* row = a.out_a8 + ((int64_t)g * a.T + t) * 2 * K + (h - g * hpg) * d + plane * K;
+    *(uint2*)(row + c) = *(const uint2*)(lo_st + (size_t)(plane * HG + r) * bb + c);
+  }
+}
+
 template <int NT, int HG, typename ColOf>
 __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int h_base, int h0, int h1, ColOf col_of,
                                                int ntw, int i4, const float (&acc)[NT][4], float m0, float m1,
-                                               float* gmax) {
+                                               float* gmax, uint8_t* stage = nullptr) {
   const int hpg = a.out_hpg, d = a.d;
   m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
   m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -311,6 +344,26 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
     split(acc[n][1], s0, r0, h[1], l[1]);
     split(acc[n][2], s1, r1, h[2], l[2]);
     split(acc[n][3], s1, r1, h[3], l[3]);
+    if (stage) {  // rows h0 - h_base and h1 - h_base of the stage (ap_split_flush writes them out)
+      const int rb = 2 * a.d + AP_STAGE_HI, bb = a.d + AP_STAGE_B8, r0 = h0 - h_base, r1 = h1 - h_base;
+      uint8_t* lo_st = stage + (size_t)HG * rb;
+      *(__half2*)(stage + r0 * rb + 2 * col) = __halves2half2(h[0], h[1]);
+      *(__half2*)(stage + r1 * rb + 2 * col) = __halves2half2(h[2], h[3]);
+      if (a.out_a8) {
+        const auto b8 = [](__half x0, __half x1, float sc) {
+          return __nv_cvt_float2_to_fp8x2(make_float2(__half2float(x0) * sc, __half2float(x1) * sc), __NV_SATFINITE,
+                                          __NV_E4M3);
+        };
+        *(__nv_fp8x2_storage_t*)(lo_st + r0 * bb + col) = b8(h[0], h[1], 256.0f);
+        *(__nv_fp8x2_storage_t*)(lo_st + r1 * bb + col) = b8(h[2], h[3], 256.0f);
+        *(__nv_fp8x2_storage_t*)(lo_st + (HG + r0) * bb + col) = b8(l[0], l[1], 524288.0f);
+        *(__nv_fp8x2_storage_t*)(lo_st + (HG + r1) * bb + col) = b8(l[2], l[3], 524288.0f);
+      } else {
+        *(__half2*)(lo_st + r0 * rb + 2 * col) = __halves2half2(l[0], l[1]);
+        *(__half2*)(lo_st + r1 * rb + 2 * col) = __halves2half2(l[2], l[3]);
+      }
+      continue;
+    }
     if (h0 < a.H) {
       const int64_t o = ((int64_t)t * a.H + h0) * d + col;
       *(__half2*)(a.out_hi + o) = __halves2half2(h[0], h[1]);
@@ -327,6 +380,10 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
   const int tid = threadIdx.x;
   if (tid < HG / hpg && h_base + tid * hpg < a.H)
     a.out_s[(int64_t)t * (a.H / hpg) + h_base / hpg + tid] = fmaxf(gmax[tid], 1e-30f);
+  if (stage) {
+    __syncthreads();  // every warp's fragments are in the stage
+    ap_split_flush<HG>(a, t, h_base, stage);
+  }
 }
 
 // The online softmax of one key tile (after its scores' KS partial sums are in Ss): 4 threads per head row, keys
@@ -376,7 +433,7 @@ __device__ __forceinline__ void ap_softmax(const PrefillAttn& a, int k0, int n_k
 template <int NT, int HG, typename ColOf>
 __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p, int h_base, int mt_o, int ntw,
                                           ColOf col_of, float (&acc)[NT][4], const float* m_s, const float* l_s,
-                                          float* f_s, float* gmax) {
+                                          float* f_s, float* gmax, uint8_t* stage = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, i4 = lane & 3, d = a.d;
   __syncthreads();
   if (tid < HG) {  // the sink: one more score, then 1 / denominator
@@ -414,7 +471,7 @@ __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p
     if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = y0;
     if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = y1;
   }
-  if (a.out_hi) ap_store_split<NT, HG>(a, t, h_base, h0, h1, col_of, ntw, i4, acc, m0, m1, gmax);
+  if (a.out_hi) ap_store_split<NT, HG>(a, t, h_base, h0, h1, col_of, ntw, i4, acc, m0, m1, gmax, stage);
 }
 
 }  // namespace

@@ -176,7 +176,9 @@ __device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, in
 // NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
 // bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
 // lo).
-template <int NB, int NR, bool TMA, bool QREGS = false>
+// OST ($DS4_GPU_ATTN_OSTAGE): the split output staged in the query planes' shared memory (free after the last tile:
+// ap_split_stage_bytes fits them exactly at d = 512) and written out in whole runs (ap_split_flush).
+template <int NB, int NR, bool TMA, bool QREGS = false, bool OST = false>
 __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
   static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
@@ -349,20 +351,21 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
       mma_bf16(acc[NB + 1], ph, vh[2], vh[3]);
     }
   }
+  static_assert(!OST || A3_HG == 32, "the staged split fills the query planes at 32 heads");
   ap_finish<NT, HG>(a, t, p, h_base, mt_o, NT,
                     [&](int n) { return n < NB ? 8 * (NB * cp + n) : pk + 8 * (NR * cp + n - NB); }, acc, m_s, l_s,
-                    f_s, Ss);
+                    f_s, Ss, OST ? base + lay.qh : nullptr);
 }
 
-template <int NB, int NR, bool TMA, bool QREGS>
+template <int NB, int NR, bool TMA, bool QREGS, bool OST = false>
 void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, QREGS>,
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  prefill_attn_bf16_kernel<NB, NR, TMA, QREGS><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
 }
 
 
@@ -376,6 +379,11 @@ void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
 // a float32 stage in shared memory (v26). The same bits. set_attn_qregs overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_qregs_switch{"DS4_GPU_ATTN_QREGS", 1, 1};
 void set_attn_qregs(int mode) { attn_qregs_switch.set(mode); }
+// $DS4_GPU_ATTN_OSTAGE (v27, default 0): 1 form 3's split output (out_hi) staged in shared memory and written in whole
+// runs per head row (with the TMA tiles and the register-staged queries); 0 stored from the fragments. The same bits.
+// set_attn_ostage overrides it (0, 1; -1 the environment).
+static EnvSwitch attn_ostage_switch{"DS4_GPU_ATTN_OSTAGE", 1, 0};
+void set_attn_ostage(int mode) { attn_ostage_switch.set(mode); }
 
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
   return d == 512 && pk_dims == 448 && (out_hpg <= 0 || A3_HG % out_hpg == 0);
@@ -392,7 +400,10 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool tma = attn_tma_switch.get();
   const bool qregs = attn_qregs_switch.get() && (!a.q_post_on || !a.q_post.freq ||
                                                  a.q_post.rope_dim <= 32 * A3_QREGS_RK);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
-  if (tma && qregs) launch_bf16<14, 2, true, true>(a, lay.total, s);
+  const bool ost = a.out_hi && attn_ostage_switch.get() &&
+                   ap_split_stage_bytes(A3_HG, a.d, a.out_a8 != nullptr) <= lay.uni - lay.qh;
+  if (tma && qregs && ost) launch_bf16<14, 2, true, true, true>(a, lay.total, s);
+  else if (tma && qregs) launch_bf16<14, 2, true, true>(a, lay.total, s);
   else if (tma) launch_bf16<14, 2, true, false>(a, lay.total, s);
   else launch_bf16<14, 2, false, false>(a, lay.total, s);
   DS4_CHECK_LAUNCH("prefill_attn (form 3, bfloat16)");
