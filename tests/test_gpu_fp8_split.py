@@ -141,6 +141,42 @@ def test_session_gemm_in_fp8_mode_meets_the_exact_bar(monkeypatch, groups: int) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs a CUDA device of compute capability 8.9 or newer")
+@pytest.mark.parametrize("qtype_name,groups", [("Q8_0", 1), ("Q8_0", 8), ("Q2_K", 1)])
+def test_dequant_writes_the_weights_float8_operand(monkeypatch, qtype_name: str, groups: int) -> None:
+    """DS4_GPU_DEQUANT_FP8: the dequant's float8 operand is pack_w of its own hi and lo planes byte for byte, its hi
+    plane is half()'s, and the session's product with it (the weight's scale kept from a first product) has the bits
+    of the product that packs the weight separately."""
+    from ds4.engine import gpu
+    from ds4.gguf_tools.constants import QuantType as Q
+    from test_gpu_kernels import random_blocks
+
+    if not gpu.available():
+        pytest.skip(str(gpu.unavailable_reason()))
+    qtype = Q[qtype_name]
+    monkeypatch.setattr(W, "FP8_GEMM", True)
+    monkeypatch.setattr(W, "FP8_MIN", 0)
+    rows, cols, T = 512, 1024, 40
+    rng = np.random.default_rng(27 + groups)
+    w = gpu.upload(f"fp8.dq.{qtype_name}.{groups}", qtype, (cols, rows), random_blocks(qtype, rows, cols, rng))
+    x = torch.from_numpy(rng.standard_normal((T, groups * cols)).astype(np.float32)).cuda()
+    weights = W.Weights(None, torch.device("cuda"))
+    want = weights._gemm(w, x, groups)  # packs the weight with pack_fp8 and keeps its scale
+    assert weights._fp8_scales, "the product did not take the float8 path"
+    monkeypatch.setattr(W, "DEQUANT_FP8", True)
+    hi, lo, scale, b8 = weights._operands(w, groups)
+    assert lo is None and b8 is not None
+    hi0, lo0, scale0 = weights.half(w, True)
+    sigma = weights._fp8_scales[id(w)]
+    assert scale == scale0 and torch.equal(hi, hi0)
+    packed = fp8_split.pack_w(hi0, lo0, sigma).reshape(b8.shape)
+    assert torch.equal(b8.view(torch.uint8), packed.view(torch.uint8))
+    got = weights._gemm(w, x, groups)
+    gpu.load().reset_stream()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_fp8(), reason="needs a CUDA device of compute capability 8.9 or newer")
 def test_extension_packing_equals_torch_casts() -> None:
     """pack_fp8 (dequant.cu) against torch's casts, bit for bit: plain rows, the grouped activations' strided view
     and the grouped weights' batches, with a device-side scale."""

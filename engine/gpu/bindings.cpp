@@ -617,14 +617,18 @@ PYBIND11_MODULE(_ext, m) {
         "form; -1: as $DS4_GPU_MV_CHAIN says (2, else 1).");
   m.def("mv_tma_launches", &mv_tma_launches, "Launches of the bulk-copy matvec kernel so far in this process.");
   m.def("dequant", [](const Tensor& w, uintptr_t out, uintptr_t lo, float scale, int64_t row0, int64_t nrows,
-                       int64_t ld, uintptr_t block_map, int64_t block_rows) {
+                       int64_t ld, uintptr_t block_map, int64_t block_rows, uintptr_t b8, uintptr_t kp) {
     launch_dequant(w.p, row0, nrows < 0 ? w.p.nrows - row0 : nrows, (__half*)out, (__half*)lo,
-                   ld < 0 ? w.p.ncols : ld, scale, stream(), (const int32_t*)block_map, block_rows);
+                   ld < 0 ? w.p.ncols : ld, scale, stream(), (const int32_t*)block_map, block_rows, (uint8_t*)b8,
+                   (const float*)kp);
   }, py::arg("w"), py::arg("out"), py::arg("lo") = 0, py::arg("scale") = 1.0f, py::arg("row0") = 0,
         py::arg("nrows") = -1, py::arg("ld") = -1, py::arg("block_map") = 0, py::arg("block_rows") = 0,
+        py::arg("b8") = 0, py::arg("kp") = 0,
         "rows of a resident weight times scale as float16 at device address `out` (row stride ld elements); "
         "lo != 0: also the remainder there, so out + lo holds the value to ~22 bits; block_map != 0 (int32 on the "
-        "device, nrows / block_rows entries): output block b holds the weight's block block_map[b]");
+        "device, nrows / block_rows entries): output block b holds the weight's block block_map[b]; b8 != 0 (with kp, "
+        "the device address of a float32 scale k): also fp8_split's float8 operand of the corrections, rows [lo 2^11 k "
+        "| hi k] of 2 ncols e4m3 bytes (pack_fp8's bytes)");
   m.def("split_half", [](uintptr_t x, int64_t rows, int64_t n, uintptr_t hi, uintptr_t lo, uintptr_t s) {
     launch_split_half((const float*)x, rows, n, (__half*)hi, (__half*)lo, (float*)s, stream());
   }, py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("hi"), py::arg("lo"), py::arg("s"),

@@ -182,9 +182,11 @@ struct XSwiglu {
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr,
                        int group = 32, XSwiglu sw = XSwiglu());
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
-// lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits.
+// lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits. b8 != null: also the
+// float8 operand of fp8_split's corrections, rows [lo 2^11 k | hi k] of 2 ncols bytes, k = *kp (device scalar).
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
-                    cudaStream_t stream, const int32_t* block_map = nullptr, int64_t block_rows = 0);
+                    cudaStream_t stream, const int32_t* block_map = nullptr, int64_t block_rows = 0,
+                    uint8_t* b8 = nullptr, const float* kp = nullptr);
 // x [rows, n] f32 -> s[row] = max |x| (>= 1e-30), hi = f16(x / s), lo (if not null) = f16(x / s - hi).
 void launch_split_half(const float* x, int64_t rows, int64_t n, __half* hi, __half* lo, float* s, cudaStream_t stream);
 // y [G, T, n] times r [T, G] per (row, group) as rows [T, G n], split like launch_split_half (lo, or a8 [T, 2 G n] e4m3 =

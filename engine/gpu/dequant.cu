@@ -39,10 +39,22 @@ __device__ __forceinline__ void warp_store_blocks(uint4* stage, const uint32_t (
 // block_map (prefill's routed experts): output rows come in blocks of block_rows (one expert's matrix), and output
 // block b is the weight's block block_map[b] (clamped into range), so the experts a chunk uses are written busiest
 // first, adjacent, in the order its grouped GEMMs take them; null: rows row0.. in order.
+// b8 (DS4_GPU_DEQUANT_FP8): also the float8 operand of fp8_split's correction GEMM, rows of 2 ncols bytes: [lo 2^11 k |
+// hi k] with k = *kp (the weight's scale on the device), as pack_fp8 packs the two planes (the same conversions, so the
+// same bytes), without writing lo and reading both planes back.
+__device__ __forceinline__ uint32_t fp8x4(uint32_t h01, uint32_t h23, float sc) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h01));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h23));
+  const uint32_t p0 = __nv_cvt_float2_to_fp8x2(make_float2(a.x * sc, a.y * sc), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t p1 = __nv_cvt_float2_to_fp8x2(make_float2(b.x * sc, b.y * sc), __NV_SATFINITE, __NV_E4M3);
+  return p0 | (p1 << 16);
+}
+
 template <int QT>
 __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t row0, int64_t nrows, __half* out,
                                                              __half* lo_out, int64_t ld, float scale,
-                                                             const int32_t* block_map, int64_t block_rows) {
+                                                             const int32_t* block_map, int64_t block_rows,
+                                                             uint8_t* b8 = nullptr, const float* kp = nullptr) {
   __shared__ unsigned long long grid[256];
   __shared__ uint4 stage[DQ_THREADS / 32][128];
   if constexpr (QT == QT_IQ2_XXS) {
@@ -92,10 +104,27 @@ __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t r
   uint4* st = stage[threadIdx.x / 32];
   warp_store_blocks(st, hi_bits, out, dst, valid);
   if (lo_out) warp_store_blocks(st, lo_bits, lo_out, dst, valid);
+  if (b8 && valid) {
+    const float k = *kp, s_lo = 2048.0f * k;
+    uint32_t q_lo[8], q_hi[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      q_lo[j] = fp8x4(lo_bits[2 * j], lo_bits[2 * j + 1], s_lo);
+      q_hi[j] = fp8x4(hi_bits[2 * j], hi_bits[2 * j + 1], k);
+    }
+    uint8_t* row = b8 + r * 2 * w.ncols + 32 * (int64_t)xb;
+    *reinterpret_cast<uint4*>(row) = make_uint4(q_lo[0], q_lo[1], q_lo[2], q_lo[3]);
+    *reinterpret_cast<uint4*>(row + 16) = make_uint4(q_lo[4], q_lo[5], q_lo[6], q_lo[7]);
+    *reinterpret_cast<uint4*>(row + w.ncols) = make_uint4(q_hi[0], q_hi[1], q_hi[2], q_hi[3]);
+    *reinterpret_cast<uint4*>(row + w.ncols + 16) = make_uint4(q_hi[4], q_hi[5], q_hi[6], q_hi[7]);
+  }
 }
 
 void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, __half* lo, int64_t ld, float scale,
-                    cudaStream_t stream, const int32_t* block_map, int64_t block_rows) {
+                    cudaStream_t stream, const int32_t* block_map, int64_t block_rows, uint8_t* b8, const float* kp) {
+  if (b8 && (!kp || block_map || w.qtype == QT_F16 || (uintptr_t)b8 % 16 || w.ncols % 16))
+    throw std::invalid_argument("dequant: the float8 operand needs its scale, rows in order, a quantized weight and "
+                                "16-byte aligned rows");
   if (block_map) {
     if (block_rows <= 0 || w.nrows % block_rows || nrows % block_rows || row0 != 0)
       throw std::invalid_argument("dequant: a block map needs row0 = 0 and rows in whole blocks of block_rows");
@@ -115,13 +144,13 @@ void launch_dequant(const Packed& w, int64_t row0, int64_t nrows, __half* out, _
   const unsigned blocks = (unsigned)((threads + DQ_THREADS - 1) / DQ_THREADS);
   switch (w.qtype) {
     case QT_Q8_0: dequant_kernel<QT_Q8_0><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
-                                                                           block_rows); break;
+                                                                           block_rows, b8, kp); break;
     case QT_Q4_K: dequant_kernel<QT_Q4_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
-                                                                           block_rows); break;
+                                                                           block_rows, b8, kp); break;
     case QT_Q2_K: dequant_kernel<QT_Q2_K><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
-                                                                           block_rows); break;
+                                                                           block_rows, b8, kp); break;
     case QT_IQ2_XXS: dequant_kernel<QT_IQ2_XXS><<<blocks, DQ_THREADS, 0, stream>>>(w, row0, nrows, out, lo, ld, scale, block_map,
-                                                                           block_rows); break;
+                                                                           block_rows, b8, kp); break;
     default: throw std::invalid_argument("dequant: quant type " + std::to_string(w.qtype) + " has no GPU kernel");
   }
   DS4_CHECK_LAUNCH("dequant_kernel");

@@ -100,19 +100,21 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
     return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
 
 
-def product(xh: torch.Tensor, xl: torch.Tensor | None, wh: torch.Tensor, wl: torch.Tensor, acc_mm,
-            sigma: torch.Tensor | None = None, a8: torch.Tensor | None = None) -> torch.Tensor:
+def product(xh: torch.Tensor, xl: torch.Tensor | None, wh: torch.Tensor, wl: torch.Tensor | None, acc_mm,
+            sigma: torch.Tensor | None = None, a8: torch.Tensor | None = None,
+            b8: torch.Tensor | None = None) -> torch.Tensor:
     """(xh + xl) @ (wh + wl) as float32 (2-D [T, K] @ [K, N], or batched 3-D), the corrections on FP8.
     acc_mm(y, a, b): y += a @ b for float16 operands (weights.acc_mm); sigma: weight_scale(wh) if known; a8:
-    pack_x(xh, xl) if the activations' producer wrote it (xl unused then). Raises RuntimeError where _scaled_mm
-    refuses the operands (the caller then takes the float16 path)."""
+    pack_x(xh, xl) if the activations' producer wrote it (xl unused then); b8: pack_w(wh rows, wl rows, sigma) if the
+    weight's dequant wrote it (wl unused then). Raises RuntimeError where _scaled_mm refuses the operands (the caller
+    then takes the float16 path)."""
     batched = xh.dim() == 3
-    wh_rows, wl_rows = wh.transpose(-1, -2), wl.transpose(-1, -2)  # [.., N, K]: views of the weights' rows
     if sigma is None:
         sigma = weight_scale(wh)
     if a8 is None:
         a8 = pack_x(xh, xl)
-    b8 = pack_w(wh_rows, wl_rows, sigma)
+    if b8 is None:  # [.., N, K] views of the weights' rows
+        b8 = pack_w(wh.transpose(-1, -2), wl.transpose(-1, -2), sigma)
     if not batched:
         y = correction(a8, b8, sigma)
     else:

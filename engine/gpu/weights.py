@@ -55,6 +55,9 @@ FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
 # mm_split_then: the grouped product's rescale and the next product's split in one launch (v26, prepared; off until
 # run on a GPU: tests/test_gpu_prefill.py -k split_then holds it to the two-step bits)
 SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "1") == "1"
+# DS4_GPU_DEQUANT_FP8=1 (v27, prepared: not yet run on a GPU): where a product takes the float8 path and the weight's
+# float8 scale is known, the dequant writes the corrections' float8 operand itself (no lo plane, no pack pass)
+DEQUANT_FP8 = os.environ.get("DS4_GPU_DEQUANT_FP8", "0") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -201,9 +204,9 @@ class Weights:
         x = x.contiguous()
         if self.ext is None or isinstance(w, torch.Tensor) or x.shape[0] < GEMM_MIN or MMQ_GEMM:
             return self.mm(name, x), None
-        hi, lo, scale = self.half(w, EXACT_GEMM)
+        hi, lo, scale, b8 = self._operands(w)
         xh, xl, s = self.to_half(x)
-        return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T), s / scale
+        return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T, b8=b8), s / scale
 
     def takes_split(self, name: str, T: int) -> bool:
         """Whether mm(name, x) of T rows multiplies to_half's exact split of x by the weight's hi/lo GEMMs, so a
@@ -228,11 +231,11 @@ class Weights:
         if tuple(s.shape) != (T, groups) or xh.shape[1] != groups * w.ncols:
             raise ValueError(f"mm_split '{name}': split of {tuple(xh.shape)} with scales {tuple(s.shape)} for "
                              f"{groups} groups of {w.ncols} columns")
-        hi, lo, scale = self.half(w, EXACT_GEMM)
+        hi, lo, scale, b8 = self._operands(w, groups)
         n_in, n_out = w.ncols, w.nrows // groups
         xg = lambda t: t.view(T, groups, n_in).transpose(0, 1)  # noqa: E731
         wg = lambda t: None if t is None else t.view(groups, n_out, n_in).transpose(1, 2)  # noqa: E731
-        y = self._dense_product(w, xg(xh), None if xl is None else xg(xl), wg(hi), wg(lo), a8)  # [groups, T, n_out]
+        y = self._dense_product(w, xg(xh), None if xl is None else xg(xl), wg(hi), wg(lo), a8, b8)  # [groups, T, n_out]
         return y, s / scale
 
     def mm_split(self, name: str, split: tuple, groups: int) -> torch.Tensor:
@@ -262,8 +265,8 @@ class Weights:
         self._sync_stream()
         self.ext.split_groups(y.data_ptr(), r.data_ptr(), G, T, n, xh.data_ptr(), 0 if xl is None else xl.data_ptr(),
                               0 if a8 is None else a8.data_ptr(), s.data_ptr())
-        hi, lo, scale = self.half(wb, EXACT_GEMM)
-        return self._dense_product(wb, xh, xl, hi.T, None if lo is None else lo.T, a8) * (s / scale)
+        hi, lo, scale, b8 = self._operands(wb)
+        return self._dense_product(wb, xh, xl, hi.T, None if lo is None else lo.T, a8, b8) * (s / scale)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
@@ -466,10 +469,10 @@ class Weights:
             self._sync_stream()
             if self.ext.mmq(w, self._arr(x.contiguous()), self._arr(y), groups):
                 return y
-        hi, lo, scale = self.half(w, EXACT_GEMM)
+        hi, lo, scale, b8 = self._operands(w, groups)
         xh, xl, s = self.to_half(x)
         if groups == 1:
-            return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T) * (s / scale)
+            return self._dense_product(w, xh, xl, hi.T, None if lo is None else lo.T, b8=b8) * (s / scale)
         n_in, n_out = w.ncols, w.nrows // groups
 
         def wg(t):
@@ -478,29 +481,47 @@ class Weights:
         def xg(t):
             return None if t is None else t.view(T, groups, n_in).transpose(0, 1)
 
-        y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo))
+        y = self._dense_product(w, xg(xh), xg(xl), wg(hi), wg(lo), b8=b8)
         return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
 
-    def _dense_product(self, w, xh, xl, wh, wl, a8=None) -> torch.Tensor:
+    def _operands(self, w, groups: int = 1):
+        """(hi, lo, scale, b8): half(w)'s split and b8 None; or with DS4_GPU_DEQUANT_FP8=1, where the product takes the
+        float8 path and the weight's float8 scale is known (kept from its first product), hi and the corrections'
+        float8 operand written by the dequant itself: lo None, b8 [rows, 2 cols] e4m3 (fp8_split.pack_w's bytes), or
+        [groups, rows / groups, 2 cols]."""
+        sigma = self._fp8_scales.get(id(w))
+        if not (DEQUANT_FP8 and FP8_GEMM and EXACT_GEMM and sigma is not None and w.qtype != 1
+                and w.nrows * w.ncols >= FP8_MIN and w.ncols % 16 == 0 and (w.nrows // groups) % 16 == 0):
+            return (*self.half(w, EXACT_GEMM), None)
+        hi = torch.empty((w.nrows, w.ncols), dtype=torch.float16, device=self.device)
+        b8 = torch.empty((w.nrows, 2 * w.ncols), dtype=fp8_split.E4M3, device=self.device)
+        self._sync_stream()
+        self.ext.dequant(w, hi.data_ptr(), 0, W_SCALE, b8=b8.data_ptr(), kp=sigma.data_ptr())
+        return hi, None, W_SCALE, (b8 if groups == 1 else b8.view(groups, w.nrows // groups, 2 * w.ncols))
+
+    def _dense_product(self, w, xh, xl, wh, wl, a8=None, b8=None) -> torch.Tensor:
         """split_product of a dense weight's parts; DS4_GPU_PREFILL_GEMM=fp8: the correction terms in one float8
         GEMM (fp8_split) where the weight is large enough to repay the packing, with the weight's scale computed once
         (weights do not change) and kept. a8: the activations' float8 operand, packed by their producer (then xl is
-        None)."""
-        if a8 is not None and (wl is None or not fp8_split.usable(xh, wh)):
+        None); b8: the weight's, packed by the dequant (_operands; then wl is None)."""
+        if a8 is not None and ((wl is None and b8 is None) or not fp8_split.usable(xh, wh)):
             raise ValueError("a float8 activation operand needs the float8 path (Weights.takes_fp8)")
-        if FP8_GEMM and (xl is not None or a8 is not None) and wl is not None and w.nrows * w.ncols >= FP8_MIN \
-                and fp8_split.usable(xh, wh):
+        if FP8_GEMM and (xl is not None or a8 is not None) and (wl is not None or b8 is not None) \
+                and w.nrows * w.ncols >= FP8_MIN and fp8_split.usable(xh, wh):
             sigma = self._fp8_scales.get(id(w))
             if sigma is None:
                 sigma = self._fp8_scales[id(w)] = fp8_split.weight_scale(wh)
             try:
-                return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma, a8)
+                return fp8_split.product(xh, xl, wh, wl, acc_mm, sigma, a8, b8)
             except (RuntimeError, TypeError, NotImplementedError, AttributeError) as e:
                 fp8_split.refuse()
                 print(f"ds4: float8 GEMM refused ({str(e).splitlines()[0][:200]}); float16 passes from here",
                       flush=True)
                 if a8 is not None:  # its producer wrote no lo: take it back from the operand (4 bits of it)
                     xl = fp8_split.unpack_lo(a8, xh)
+        if wl is None and b8 is not None:  # the dequant wrote no lo plane: write it now, laid out as wh
+            _, lo, _ = self.half(w, EXACT_GEMM)
+            wl = lo.as_strided(wh.size(), wh.stride(), wh.storage_offset())
         return split_product(xh, xl, wh, wl)
 
     def _moe_gemm(self, gate, up, down, b, ids, wts, limit: float) -> torch.Tensor:
