@@ -83,6 +83,36 @@ def test_hc_pre(K, head, T, D):
     check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
+@pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17)])
+def test_hc_mix_rows_matches_float64(K, T, K_cols, M):
+    """hc_mix_rows (DS4_GPU_HC_MIX): the mHC's mix of prefill rows, X [T, K] . Wf [M, K]^T in float32, within 1e-6 of
+    the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
+    leaves part of a thread's outputs unused); and in hc_pre (the rows form) under the switch, the float64 ops' bars."""
+    from ds4.engine.gpu import fused
+
+    g = torch.Generator().manual_seed(T + M)
+    X, Wf = rnd(g, T, K_cols, scale=2.0), rnd(g, M, K_cols, scale=0.02)
+    out = torch.full((T, M), float("nan"), device=DEV)
+    K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, out.data_ptr())
+    ref = X.double() @ Wf.double().T
+    mag = X.double().abs() @ Wf.double().abs().T
+    assert torch.isfinite(out).all()
+    assert float(((out.double() - ref).abs() / mag).max()) < 1e-6
+    with pytest.raises(ValueError, match="hc_mix_rows"):
+        K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, 100, M, out.data_ptr())
+    if K_cols == 16384 and M == 24:  # the session's shape: hc_pre's rows form with the kernel's mix
+        n, D = 4, 4096
+        Xs = X.reshape(T, n, D)
+        scale, base, nw = rnd(g, 3), rnd(g, M, scale=0.5), rnd(g, D)
+        saved = fused.HC_MIX
+        fused.HC_MIX = True
+        try:
+            outs = K.hc_pre(Xs, Wf, scale, base, nw, 20, 1e-6, 1e-6)
+        finally:
+            fused.HC_MIX = saved
+        check_hc_pre(Xs.double(), Wf, scale, base, nw, False, *outs)
+
+
 @pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("with_y2,D", [(False, 4096), (True, 4096), (True, 1000)])  # 1000: a partial last mix block
 def test_hc_post_pre(K, head, with_y2, D):

@@ -73,6 +73,12 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_hc_rcp", &set_hc_rcp, py::arg("mode"),
         "Sinkhorn of the one-launch mHC kernels by reciprocals and multiplies (1), by fast divisions (0) or as "
         "$DS4_GPU_HC_RCP says (-1); the same bits");
+  m.def("hc_mix_rows", [](uintptr_t X, uintptr_t Wf, int64_t T, int64_t K, int M, uintptr_t out) {
+    launch_hc_mix_rows(ptr<const float>(X), ptr<const float>(Wf), T, K, M, ptr<float>(out), stream());
+  }, py::arg("X"), py::arg("Wf"), py::arg("T"), py::arg("K"), py::arg("M"), py::arg("out"),
+     "out [T, M] = X [T, K] . Wf [M, K]^T, float32 (device addresses; K a multiple of 128, M <= 24): the mHC's mix of "
+     "prefill rows, X read once (DS4_GPU_HC_MIX)");
+  m.def("hc_mix_rows_takes", &hc_mix_rows_takes, py::arg("K"), py::arg("M"));
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),
         "whether hc_pre takes parts = -1 (the mix [T, M] from a GEMM, the norm in the kernel) for this shape");
   m.def("hc_one_launch_takes", &hc_one_launch_takes, py::arg("T"), py::arg("n"), py::arg("D"), py::arg("head"),

@@ -268,6 +268,9 @@ void set_hc_rcp(int mode);
 void set_hc_cluster(int mode);
 bool hc_cluster_takes(int n, int D, int M);  // whether decode's mHC pre runs as hc_cluster_kernel now  // hc.cu: 1 decode's one-launch mHC pre as one cluster of 16 CTAs ($DS4_GPU_HC_CLUSTER); -1: env
 bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (prefill rows form)
+// hc_mix.cu: out [T, M] = X [T, K] . Wf [M, K]^T in float32 (the mHC's mix of prefill rows; K % 128 == 0, M <= 24).
+bool hc_mix_rows_takes(int64_t K, int M);
+void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, cudaStream_t s);
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,

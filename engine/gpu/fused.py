@@ -22,6 +22,9 @@ from . import weights
 F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
 HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
+# DS4_GPU_HC_MIX=1 (v27, prepared: not yet run on a GPU): prefill's mHC mix by hc_mix_rows (X read once) instead of
+# torch's float32 GEMM
+HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "0") == "1"
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
@@ -103,7 +106,7 @@ class Fused:
         parts = 0
         if T >= HC_GEMM_MIN and self.ext.hc_pre_rows_takes(n, D, head):
             # prefill: the mix as one float32 GEMM; the kernel sums flatten(X)'s squares from the rows it holds
-            part = torch.mm(X.reshape(T, n * D), Wf.T)
+            part = self.hc_mix(X.reshape(T, n * D), Wf)
             parts = -1
         elif T >= HC_GEMM_MIN:  # the mix as one float32 GEMM, not T decode-shaped reductions; the norm by torch
             flat = X.reshape(T, n * D)
@@ -117,6 +120,19 @@ class Fused:
         self.ext.hc_pre(_p(X), _p(Wf), _p(part), _p(scale), _p(base), _p(norm_w), T, n, D, int(iters),
                         float(eps_rms), float(eps_hc), bool(head), _p(out), _p(post), _p(comb), parts)
         return out, post, comb
+
+    def hc_mix(self, flat: torch.Tensor, Wf: torch.Tensor) -> torch.Tensor:
+        """flat [T, K] . Wf [M, K]^T as float32 [T, M]: hc_mix_rows under DS4_GPU_HC_MIX=1 where it takes the shapes,
+        else torch's GEMM."""
+        T, K = flat.shape
+        M = Wf.shape[0]
+        if not (HC_MIX and self.ext.hc_mix_rows_takes(K, M) and flat.is_contiguous() and Wf.is_contiguous()
+                and flat.data_ptr() % 16 == 0 and Wf.data_ptr() % 16 == 0):
+            return torch.mm(flat, Wf.T)
+        out = torch.empty((T, M), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.hc_mix_rows(_p(flat), _p(Wf), T, K, M, _p(out))
+        return out
 
     def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
                     comb_in: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
