@@ -22,9 +22,9 @@ from . import weights
 F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
 HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
-# DS4_GPU_HC_MIX=1 (v27, prepared: not yet run on a GPU): prefill's mHC mix by hc_mix_rows (X read once) instead of
-# torch's float32 GEMM
-HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "0") == "1"
+# DS4_GPU_HC_MIX (v27; default 1 since v28): prefill's mHC mix by hc_mix_rows (X read once) instead of torch's
+# float32 GEMM; 0 the GEMM
+HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "1") == "1"
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing

@@ -55,9 +55,9 @@ FP8_MIN = int(os.environ.get("DS4_GPU_FP8_MIN", str(8 << 20)))
 # mm_split_then: the grouped product's rescale and the next product's split in one launch (v26, prepared; off until
 # run on a GPU: tests/test_gpu_prefill.py -k split_then holds it to the two-step bits)
 SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "1") == "1"
-# DS4_GPU_DEQUANT_FP8=1 (v27, prepared: not yet run on a GPU): where a product takes the float8 path and the weight's
-# float8 scale is known, the dequant writes the corrections' float8 operand itself (no lo plane, no pack pass)
-DEQUANT_FP8 = os.environ.get("DS4_GPU_DEQUANT_FP8", "0") == "1"
+# DS4_GPU_DEQUANT_FP8 (v27; default 1 since v28): where a product takes the float8 path and the weight's float8 scale
+# is known, the dequant writes the corrections' float8 operand itself (no lo plane, no pack pass; the same bytes)
+DEQUANT_FP8 = os.environ.get("DS4_GPU_DEQUANT_FP8", "1") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
