@@ -16,7 +16,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.mark.parametrize("args", [("--iters", "-1"), ("--reps", "0")])
+@pytest.mark.parametrize("args", [("--iters", "-1"), ("--reps", "0"), ("--prefill-mix", "-5")])
 def test_out_of_range_flags_exit_2_with_one_line(args) -> None:
     r = _run(*args)
     assert r.returncode == 2
@@ -31,3 +31,13 @@ def test_times_each_iteration_count_against_the_peer() -> None:
     rows = [line.split() for line in r.stdout.splitlines()[1:]]
     assert [row[0] for row in rows] == ["0", "20", "1"]
     assert all(float(row[1]) > 0 for row in rows) and float(rows[0][2]) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu.available(), reason=str(gpu.unavailable_reason()))
+def test_prefill_mix_times_the_kernel_against_torchs_gemm() -> None:
+    r = _run("--prefill-mix", "512")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("prefill mix of 512 rows: hc_mix_rows") and "torch float32 GEMM" in line
+    assert float(line.split("max diff from float64 ")[1].split()[0]) < 1e-6

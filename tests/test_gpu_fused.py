@@ -83,23 +83,32 @@ def test_hc_pre(K, head, T, D):
     check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
-@pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17)])
+@pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17),
+                                         (9000, 256, 24)])
 def test_hc_mix_rows_matches_float64(K, T, K_cols, M):
     """hc_mix_rows (DS4_GPU_HC_MIX): the mHC's mix of prefill rows, X [T, K] . Wf [M, K]^T in float32, within 1e-6 of
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
-    leaves part of a thread's outputs unused); and in hc_pre (the rows form) under the switch, the float64 ops' bars."""
+    leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
+    idle, none at 9000 rows); a launch that needs a scratch and has none is refused; and in hc_pre (the rows form)
+    under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
 
     g = torch.Generator().manual_seed(T + M)
     X, Wf = rnd(g, T, K_cols, scale=2.0), rnd(g, M, K_cols, scale=0.02)
     out = torch.full((T, M), float("nan"), device=DEV)
-    K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, out.data_ptr())
+    S = K.ext.hc_mix_rows_splits(T, K_cols)
+    assert (S > 1) == (T < 9000 and K_cols >= 256)
+    scratch = torch.full((S, T, M), float("nan"), device=DEV)
+    K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, out.data_ptr(), scratch.data_ptr())
     ref = X.double() @ Wf.double().T
     mag = X.double().abs() @ Wf.double().abs().T
     assert torch.isfinite(out).all()
     assert float(((out.double() - ref).abs() / mag).max()) < 1e-6
     with pytest.raises(ValueError, match="hc_mix_rows"):
-        K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, 100, M, out.data_ptr())
+        K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, 100, M, out.data_ptr(), scratch.data_ptr())
+    if S > 1:
+        with pytest.raises(ValueError, match="scratch"):
+            K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, out.data_ptr())
     if K_cols == 16384 and M == 24:  # the session's shape: hc_pre's rows form with the kernel's mix
         n, D = 4, 4096
         Xs = X.reshape(T, n, D)
@@ -231,6 +240,31 @@ def test_hc_post_four_stream_kernel_gives_the_generic_kernels_bits(K):
         assert torch.equal(fast, generic)
         ref = ops.hc_post(X.double(), (y1 if y2_ is None else y1 + y2_).double(), post.double(), comb.double())
         assert rel(fast, ref) < 1e-6
+
+
+def test_hc_post_applies_the_row_scales_of_unscaled_products(K):
+    """DS4_GPU_FOLD_POST: y1, y2 handed over as ops.Unscaled (z, r) give the bits of hc_post on z * r, in the four-stream
+    kernel and the generic one (misaligned rows), with one or both summands unscaled; a wrong scale count is refused."""
+    g = torch.Generator().manual_seed(21)
+    T, n, D = 6, 4, 1024
+    X, z1, z2, post, comb = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n)
+    r1, r2 = rnd(g, T, 1).abs() + 0.5, rnd(g, T, 1).abs() * 3.0
+    u1, u2 = ops.Unscaled(z1, r1), ops.Unscaled(z2, r2)
+
+    def misaligned(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        return v
+
+    for y1, y2 in ((u1, u2), (z1, u2), (u1, None)):
+        want = K.hc_post(X, ops.scaled(y1), ops.scaled(y2), post, comb)
+        assert torch.equal(K.hc_post(X, y1, y2, post, comb), want)
+        mis = [ops.Unscaled(misaligned(y.z), y.r) if isinstance(y, ops.Unscaled) else
+               (None if y is None else misaligned(y)) for y in (y1, y2)]
+        assert torch.equal(K.hc_post(misaligned(X), *mis, post, comb), want)
+    with pytest.raises(ValueError, match="row scales"):
+        K.hc_post(X, ops.Unscaled(z1, r1[:-1]), None, post, comb)
 
 
 def test_norm_rope_heads_kv_ring_and_inverse(K):

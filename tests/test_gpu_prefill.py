@@ -315,6 +315,36 @@ def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int, n
         K.norm_rope(x, d, rows_per_token, pos, in_scale=s[:-1], **kw)
 
 
+def test_folded_post_rescale_in_the_session(monkeypatch, tmp_path) -> None:
+    """DS4_GPU_FOLD_POST: o_b's and the shared expert's per-row rescales applied by the mHC post give every position's
+    logits bit for bit (`small`, 300 tokens in chunks of 128: the hi/lo GEMM path), and the products did reach the post
+    unscaled."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import ops as gpu_ops
+    from ds4.engine.gpu import session as gpu_session
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf")
+    toks = np.random.default_rng(23).integers(2, m.config.vocab_size, 300).tolist()
+    monkeypatch.setattr(gpu_session, "FOLD_POST", False)
+    want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
+    monkeypatch.setattr(gpu_session, "FOLD_POST", True)
+    ses = gpu_session.Session(m, ctx=512, prefill_chunk=128)
+    unscaled = []
+    real = ses.K.hc_post
+
+    def spy(X, y1, y2, *rest):
+        unscaled.append(sum(isinstance(y, gpu_ops.Unscaled) for y in (y1, y2)))
+        return real(X, y1, y2, *rest)
+
+    monkeypatch.setattr(ses.K, "hc_post", spy)
+    got = ses.prefill(toks, all_logits=True)
+    assert sum(unscaled) > 0, "no product reached the mHC post unscaled"
+    assert np.array_equal(got, want)
+
+
 def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
     """DS4_GPU_FOLD_RESCALE: the q_b product's per-row rescale applied by norm_rope gives every position's logits
     bit for bit (`small`, 300 tokens in chunks of 128: the hi/lo GEMM path)."""

@@ -6,6 +6,10 @@ mix: seven warps form the sublayer's input while one thread runs Sinkhorn (20 it
 the next mHC reads. The kernel ends when that thread does, so if Sinkhorn is the tail, the chain waits for it. The peer
 is the same launch with 0 iterations (the softmax rows only): the difference is what Sinkhorn adds to the chain.
 Timed by CUDA events over replays of a CUDA graph of 20 launches at Flash's shape (n = 4 streams of D = 4096).
+
+`--prefill-mix T`: prefill's mHC mix instead (flatten(X) [T, 16384] . Wf [24, 16384]^T in float32, 86 calls per
+prefill): hc_mix_rows (DS4_GPU_HC_MIX) against its peer, torch's float32 GEMM, in ms per call on fresh inputs, with the
+achieved read rate of X and the largest difference between the two relative to sum |x w|.
 """
 
 from __future__ import annotations
@@ -40,12 +44,58 @@ def time_hc(iters: int, reps: int, D: int = 4096, n: int = 4) -> float:
     return torch_graph_us(call, reps)
 
 
+def time_prefill_mix(T: int, reps: int = 50, n: int = 4, D: int = 4096, M: int = 24) -> dict:
+    """ms per call of hc_mix_rows and of torch.mm on the same [T, n D] rows, the rate at which each reads X, and
+    their largest difference relative to sum |x w| per output."""
+    import torch
+
+    from ds4.engine import gpu
+
+    ext, dev = gpu.load(), torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(T)
+    sets = [torch.randn(T, n * D, generator=g, device=dev) for _ in range(3)]  # rotated: X (0.5 GB at 8k) > L2
+    Wf = torch.randn(M, n * D, generator=g, device=dev) * 0.01
+    ext.set_stream(torch.cuda.current_stream(dev).cuda_stream)
+    out = torch.empty((T, M), device=dev)
+    scratch = torch.empty((ext.hc_mix_rows_splits(T, n * D), T, M), device=dev)
+
+    def kernel(X):
+        ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, n * D, M, out.data_ptr(), scratch.data_ptr())
+
+    def peer(X):
+        torch.mm(X, Wf.T)
+
+    def ms(fn) -> float:
+        for X in sets:
+            fn(X)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(reps):
+            fn(sets[i % len(sets)])
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    k_ms, p_ms = ms(kernel), ms(peer)
+    kernel(sets[0])
+    ref = torch.mm(sets[0].double(), Wf.double().T)
+    mag = torch.mm(sets[0].double().abs(), Wf.double().abs().T)
+    rel = float(((out.double() - ref).abs() / mag).max())
+    gbs = lambda t: T * n * D * 4 / (t * 1e-3) / 1e9  # noqa: E731
+    return {"kernel_ms": k_ms, "peer_ms": p_ms, "kernel_gbs": gbs(k_ms), "peer_gbs": gbs(p_ms), "rel": rel}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, nargs="+", default=[20, 10, 1],
                     help="Sinkhorn iterations to time (Flash and Pro: 20); the peer (0) is always timed")
     ap.add_argument("--reps", type=int, default=2000, help="calls timed per setting")
+    ap.add_argument("--prefill-mix", type=int, default=0, metavar="T",
+                    help="time prefill's mHC mix of T rows instead (hc_mix_rows against torch's float32 GEMM)")
     args = ap.parse_args(argv)
+    if args.prefill_mix < 0 or args.prefill_mix > 65536:
+        print("bench_hc: --prefill-mix must be in 0..65536 rows", file=sys.stderr)
+        return 2
     if any(i < 0 or i > 1000 for i in args.iters) or args.reps < 1:
         print("bench_hc: --iters must be in 0..1000 and --reps positive", file=sys.stderr)
         return 2
@@ -54,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     if not gpu.available():
         print(f"bench_hc: no CUDA extension: {gpu.unavailable_reason()}", file=sys.stderr)
         return 2
+    if args.prefill_mix:
+        r = time_prefill_mix(args.prefill_mix)
+        print(f"prefill mix of {args.prefill_mix} rows: hc_mix_rows {r['kernel_ms']:.3f} ms ({r['kernel_gbs']:.0f} GB/s"
+              f" of X), torch float32 GEMM {r['peer_ms']:.3f} ms ({r['peer_gbs']:.0f} GB/s): "
+              f"{r['peer_ms'] / r['kernel_ms']:.2f}x; max diff from float64 {r['rel']:.1e} of sum |x w|")
+        return 0
     peer = time_hc(0, args.reps)
     print(f"{'iters':>6}  {'us':>7}  {'/ peer (0 iters)':>16}")
     print(f"{0:>6}  {peer:7.2f}  {1.0:16.2f}")

@@ -127,10 +127,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk (the session default)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="also profile the kernels of one prefill of N tokens")
+    ap.add_argument("--profile-top", type=int, default=40, metavar="K",
+                    help="with --profile-prefill: rows of the kernel and operator tables (default 40)")
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
                     help="also trace one prefill of N tokens (host and device) and print where the device idles")
     ap.add_argument("--gaps-trace", help="with --gaps: keep that chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
+    if not 1 <= args.profile_top <= 1000:
+        print("bench_session: --profile-top must be in 1..1000", file=sys.stderr)
+        return 2
 
     from ds4.engine import gpu
     from ds4.engine.gpu import moe_gemm
@@ -213,7 +218,7 @@ def main(argv=None) -> int:
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
         s.sync(toks[:min(n, 512)])
         s.invalidate()
-        prof = profile_kernels(lambda: s.sync(toks), ops=True)
+        prof = profile_kernels(lambda: s.sync(toks), top=args.profile_top, ops=True)
         res["prefill_profile"] = prof
         _print_profile(f"prefill of {n} tokens", prof)
         print(prof["ops_table"], flush=True)

@@ -73,12 +73,15 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_hc_rcp", &set_hc_rcp, py::arg("mode"),
         "Sinkhorn of the one-launch mHC kernels by reciprocals and multiplies (1), by fast divisions (0) or as "
         "$DS4_GPU_HC_RCP says (-1); the same bits");
-  m.def("hc_mix_rows", [](uintptr_t X, uintptr_t Wf, int64_t T, int64_t K, int M, uintptr_t out) {
-    launch_hc_mix_rows(ptr<const float>(X), ptr<const float>(Wf), T, K, M, ptr<float>(out), stream());
-  }, py::arg("X"), py::arg("Wf"), py::arg("T"), py::arg("K"), py::arg("M"), py::arg("out"),
+  m.def("hc_mix_rows", [](uintptr_t X, uintptr_t Wf, int64_t T, int64_t K, int M, uintptr_t out, uintptr_t scratch) {
+    launch_hc_mix_rows(ptr<const float>(X), ptr<const float>(Wf), T, K, M, ptr<float>(out), ptr<float>(scratch),
+                       stream());
+  }, py::arg("X"), py::arg("Wf"), py::arg("T"), py::arg("K"), py::arg("M"), py::arg("out"), py::arg("scratch") = 0,
      "out [T, M] = X [T, K] . Wf [M, K]^T, float32 (device addresses; K a multiple of 128, M <= 24): the mHC's mix of "
-     "prefill rows, X read once (DS4_GPU_HC_MIX)");
+     "prefill rows, X read once (DS4_GPU_HC_MIX); scratch: hc_mix_rows_splits(T, K) x T x M floats where that is > 1");
   m.def("hc_mix_rows_takes", &hc_mix_rows_takes, py::arg("K"), py::arg("M"));
+  m.def("hc_mix_rows_splits", &hc_mix_rows_splits, py::arg("T"), py::arg("K"),
+        "column slices hc_mix_rows cuts a T-row mix into (1: none; more: it needs that many T x M scratch planes)");
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),
         "whether hc_pre takes parts = -1 (the mix [T, M] from a GEMM, the norm in the kernel) for this shape");
   m.def("hc_one_launch_takes", &hc_one_launch_takes, py::arg("T"), py::arg("n"), py::arg("D"), py::arg("head"),
@@ -103,10 +106,12 @@ void bind_fused_ops(py::module_& m) {
   }, "comb [T, 4, 4] = Sinkhorn of the logits hc_post_pre wrote (the one-launch kernel's arithmetic)",
      py::arg("logits"), py::arg("T"), py::arg("iters"), py::arg("eps"), py::arg("comb"));
   m.def("hc_post", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, int T, int n, int D,
-                      uintptr_t Xo) {
+                      uintptr_t Xo, uintptr_t r1, uintptr_t r2) {
     launch_hc_post(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),
-                   ptr<const float>(comb), T, n, D, ptr<float>(Xo), stream());
-  });
+                   ptr<const float>(comb), T, n, D, ptr<float>(Xo), stream(), ptr<const float>(r1), ptr<const float>(r2));
+  }, "Xo = mHC post of X: post (y1 r1 + y2 r2) + comb^T X per token; r1, r2 (0: none) per-row rescales of y1, y2",
+     py::arg("X"), py::arg("y1"), py::arg("y2"), py::arg("post"), py::arg("comb"), py::arg("T"), py::arg("n"),
+     py::arg("D"), py::arg("Xo"), py::arg("r1") = 0, py::arg("r2") = 0);
   m.def("norm_rope", [](uintptr_t pos, const std::vector<py::tuple>& jobs) {
     if (jobs.empty() || jobs.size() > 3) throw std::invalid_argument("norm_rope: one to three jobs");
     NormRopeJob j[3];

@@ -43,6 +43,17 @@ inline double time_on_stream_ms(Launch launch, int iters, cudaStream_t stream) {
 #define DS4_CHECK(call) ::ds4gpu::check((call), #call)
 #define DS4_CHECK_LAUNCH(what) ::ds4gpu::check(cudaGetLastError(), what)
 
+// The device's multiprocessors (read once: one device per process).
+inline int sm_count() {
+  static const int v = [] {
+    int dev = 0, n = 0;
+    DS4_CHECK(cudaGetDevice(&dev));
+    DS4_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return v;
+}
+
 // Device layout of a weight (see repack.cu). The GGUF blocks are split into two planes of the same
 // total size: `qs` holds the codes of each row so that the 32 columns of one x block are contiguous
 // and dp4a-ready, `sc` holds the per-block scales. Row r of the (experts-stacked) matrix starts at
@@ -270,7 +281,10 @@ bool hc_cluster_takes(int n, int D, int M);  // whether decode's mHC pre runs as
 bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (prefill rows form)
 // hc_mix.cu: out [T, M] = X [T, K] . Wf [M, K]^T in float32 (the mHC's mix of prefill rows; K % 128 == 0, M <= 24).
 bool hc_mix_rows_takes(int64_t K, int M);
-void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, cudaStream_t s);
+// column slices of a T-row mix (1: none); with S > 1 the launch needs a scratch of S T M floats
+int hc_mix_rows_splits(int64_t T, int64_t K);
+void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
+                        cudaStream_t s);
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
@@ -278,8 +292,9 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
 // logits (non-null, n = 4, not head): comb's 16 logits per token go there and comb is not written; launch_sinkhorn4
 // makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn).
 void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s);
+// r1, r2 (each may be null): per-row rescales of y1 and y2 (y r[t], rounded before the sum: mm_unscaled's products).
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
-                    int n, int D, float* Xo, cudaStream_t s);
+                    int n, int D, float* Xo, cudaStream_t s, const float* r1 = nullptr, const float* r2 = nullptr);
 struct NormRopeJob {
   const float* x = nullptr;
   const float* in_scale = nullptr;  // per token: x * in_scale[token] is the row (a GEMM's deferred per-row rescale)

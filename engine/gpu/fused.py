@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import weights
+from . import ops, weights
 
 F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
@@ -64,6 +64,17 @@ ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
 
 def _p(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _unscaled(y, T: int) -> tuple:
+    """(z, r) of an ops.Unscaled product for hc_post's kernels (r: T float32 row scales), (y, None) for a tensor."""
+    if not isinstance(y, ops.Unscaled):
+        return y, None
+    r = y.r.reshape(-1)
+    if r.dtype != F32 or r.numel() != T or y.z.shape[0] != T:
+        raise ValueError(f"hc_post: an unscaled product needs {T} float32 row scales, got {tuple(y.r.shape)} "
+                         f"{y.r.dtype} for rows {tuple(y.z.shape)}")
+    return y.z, r.contiguous()
 
 
 class Fused:
@@ -130,8 +141,10 @@ class Fused:
                 and flat.data_ptr() % 16 == 0 and Wf.data_ptr() % 16 == 0):
             return torch.mm(flat, Wf.T)
         out = torch.empty((T, M), dtype=F32, device=self.device)
+        S = self.ext.hc_mix_rows_splits(T, K)
+        scratch = torch.empty((S, T, M), dtype=F32, device=self.device) if S > 1 else None
         self._stream()
-        self.ext.hc_mix_rows(_p(flat), _p(Wf), T, K, M, _p(out))
+        self.ext.hc_mix_rows(_p(flat), _p(Wf), T, K, M, _p(out), _p(scratch))
         return out
 
     def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
@@ -144,7 +157,9 @@ class Fused:
         (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
-        aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (X, y1, y2))  # float4 loads in the kernel
+        if self.ext.hc_one_launch_takes(T, n, D, bool(head)):  # the one launch takes tensors: rescale them first
+            y1, y2 = ops.scaled(y1), ops.scaled(y2)
+        aligned = all(t is None or isinstance(t, ops.Unscaled) or t.data_ptr() % 16 == 0 for t in (X, y1, y2))
         if not (aligned and self.ext.hc_one_launch_takes(T, n, D, bool(head))) or Wf.dtype != F32 \
                 or tuple(Wf.shape) != (M, n * D):
             if logits is not None:
@@ -173,14 +188,16 @@ class Fused:
         self._stream()
         self.ext.sinkhorn4(_p(logits), T, int(iters), float(eps), _p(comb))
 
-    def hc_post(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
-                comb: torch.Tensor) -> torch.Tensor:
+    def hc_post(self, X: torch.Tensor, y1, y2, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """X' = post (y1 + y2) + comb^T X per token; y1, y2 tensors [T, D] or ops.Unscaled products, whose per-row
+        rescale the kernel applies as it reads them (the bits of rescaling first)."""
         T, n, D = X.shape
+        (y1, r1), (y2, r2) = _unscaled(y1, T), _unscaled(y2, T)
         X, y1 = X.contiguous(), y1.contiguous()
         y2 = None if y2 is None else y2.contiguous()
         out = torch.empty_like(X)
         self._stream()
-        self.ext.hc_post(_p(X), _p(y1), _p(y2), _p(post), _p(comb), T, n, D, _p(out))
+        self.ext.hc_post(_p(X), _p(y1), _p(y2), _p(post), _p(comb), T, n, D, _p(out), _p(r1), _p(r2))
         return out
 
     def norm_rope(self, x: torch.Tensor, d: int, rows_per_token: int, pos: torch.Tensor | None, *,

@@ -454,8 +454,15 @@ __global__ void __launch_bounds__(HC1_THREADS, 2) hc_pre_rows_kernel(const float
 }
 
 // mHC post: X'[b] = post_b (y1 + y2) + sum_a comb[a, b] X[a]; in place is allowed (X' = X).
+// r1, r2 (non-null: prefill, v28): y1 and y2 are a GEMM's unscaled products whose per-row rescale (weights.mm_unscaled)
+// is applied here, y = y1 r1[t] as the torch multiply would round it (__fmul_rn: never fused into the add that
+// follows), so the bits are those of rescaling first; one pass over [T, D] less per product.
+__device__ __forceinline__ float hc_y(const float* y, const float* r, int t, int64_t i) {
+  return r ? __fmul_rn(y[i], r[t]) : y[i];
+}
+
 __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2, const float* post,
-                               const float* comb, int n, int D, float* Xo) {
+                               const float* comb, int n, int D, float* Xo, const float* r1, const float* r2) {
   pdl_begin();
   const int t = blockIdx.y;
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
@@ -463,8 +470,8 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
   float x[16];  // unrolled with guards so x stays in registers (a runtime index put it in local memory)
 #pragma unroll
   for (int a = 0; a < 16; ++a) x[a] = a < n ? X[((int64_t)t * n + a) * D + d] : 0.0f;
-  float y = y1[(int64_t)t * D + d];
-  if (y2) y += y2[(int64_t)t * D + d];
+  float y = hc_y(y1, r1, t, (int64_t)t * D + d);
+  if (y2) y += hc_y(y2, r2, t, (int64_t)t * D + d);
   for (int b = 0; b < n; ++b) {
     float s = 0.0f;
 #pragma unroll
@@ -474,11 +481,15 @@ __global__ void hc_post_kernel(const float* X, const float* y1, const float* y2,
   }
 }
 
+__device__ __forceinline__ float4 hc_scale4(float4 v, float r) {
+  return make_float4(__fmul_rn(v.x, r), __fmul_rn(v.y, r), __fmul_rn(v.z, r), __fmul_rn(v.w, r));
+}
+
 // hc_post_kernel for n = 4 streams (Flash, Pro) and aligned rows: 4 columns per thread in float4s, and comb and post
 // read into registers before any store (the stores may alias X, so the generic kernel reloads them after each
 // store: a dependent L1 round trip per stream). Same operations in the same order: the same bits.
 __global__ void hc_post4_kernel(const float* X, const float* y1, const float* y2, const float* post, const float* comb,
-                                int D, float* Xo) {
+                                int D, float* Xo, const float* r1, const float* r2) {
   constexpr int N = 4;
   pdl_begin();
   const int t = blockIdx.y;
@@ -499,11 +510,13 @@ __global__ void hc_post4_kernel(const float* X, const float* y1, const float* y2
   }
   float y[4];
   {
-    const float4 v = *(const float4*)(y1 + (int64_t)t * D + d);
+    float4 v = *(const float4*)(y1 + (int64_t)t * D + d);
+    if (r1) v = hc_scale4(v, r1[t]);
     y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
   }
   if (y2) {
-    const float4 v = *(const float4*)(y2 + (int64_t)t * D + d);
+    float4 v = *(const float4*)(y2 + (int64_t)t * D + d);
+    if (r2) v = hc_scale4(v, r2[t]);
     y[0] += v.x; y[1] += v.y; y[2] += v.z; y[3] += v.w;
   }
 #pragma unroll
@@ -641,16 +654,16 @@ void launch_hc_pre(const float* X, const float* Wf, float* part, const float* sc
 }
 
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,
-                    int n, int D, float* Xo, cudaStream_t s) {
+                    int n, int D, float* Xo, cudaStream_t s, const float* r1, const float* r2) {
   if (n > 16) throw std::invalid_argument("hc_post: at most 16 streams");
   const auto aligned = [](const void* p) { return ((uintptr_t)p & 15u) == 0; };
   if (n == 4 && D % 4 == 0 && aligned(X) && aligned(y1) && aligned(y2) && aligned(Xo)) {
-    launch_k(hc_post4_kernel, dim3((D / 4 + 255) / 256, T), dim3(256), 0, s, X, y1, y2, post, comb, D, Xo);
+    launch_k(hc_post4_kernel, dim3((D / 4 + 255) / 256, T), dim3(256), 0, s, X, y1, y2, post, comb, D, Xo, r1, r2);
     DS4_CHECK_LAUNCH("hc_post4");
     return;
   }
   dim3 grid((D + 255) / 256, T);
-  launch_k(hc_post_kernel, dim3(grid), dim3(256), 0, s, X, y1, y2, post, comb, n, D, Xo);
+  launch_k(hc_post_kernel, dim3(grid), dim3(256), 0, s, X, y1, y2, post, comb, n, D, Xo, r1, r2);
   DS4_CHECK_LAUNCH("hc_post");
 }
 

@@ -1,10 +1,19 @@
-// The mHC's mix for prefill rows ($DS4_GPU_HC_MIX=1): out [T, M] = X [T, K] . Wf [M, K]^T in float32, K = n D (16384
-// on Flash), M <= 24. Why not cuBLAS: for M = 24 its float32 GEMM reads X (0.5 GB at 8192 tokens) at ~1.9 TB/s, 0.27
-// ms per call and 86 calls per prefill (v26/v27 profiles, 23 ms); this kernel streams X once with the sums in registers.
-// CTA: 64 rows, 256 threads; thread (tid / 8, tid % 8) keeps rows r and r + 32 times outputs 3 (tid % 8) .. + 2 (24
-// sums; outputs past M multiply zero-filled rows of Wf). Stages of 128 columns of X and Wf by cp.async, three in the
-// ring (two in flight while one is multiplied: ~64 KB per SM on the way, enough for the copy rate). Shared rows of 132
-// floats: the 8 output groups' float4 loads start 12 banks apart (all 32 banks once), the 4 row pairs broadcast.
+// The mHC's mix for prefill rows ($DS4_GPU_HC_MIX): out [T, M] = X [T, K] . Wf [M, K]^T in float32, K = n D (16384 on
+// Flash), M <= 24. Why not cuBLAS: for M = 24 its float32 GEMM reads X (0.5 GB at 8192 tokens) at ~1.9 TB/s, 0.27 ms
+// per call and 86 calls per prefill (v26/v27 profiles, 23 ms); this kernel streams X once with the sums in registers.
+//
+// CTA: 64 rows and one of S column slices (grid.y; S > 1 where the row blocks alone would leave SMs idle: each slice's
+// sums go to a scratch [S, T, M] that hc_mix_sum_kernel adds in slice order, so the bits do not depend on timing).
+// Stages of 128 columns of X and Wf by cp.async, three in the ring (two in flight while one is multiplied).
+// Warp w takes the stage's columns 16 w .. 16 w + 15, its half-warp h the 8 of them from 16 w + 8 h, and lane l rows
+// l % 16 + 16 i (i < 4) with all 24 outputs: 96 sums in registers (outputs past M multiply zero-filled rows of Wf).
+// The 16 half-warps' partial sums are added through shared memory at the end.
+// Why this shape (v28): every 16-byte shared load costs the load unit 4 cycles whatever its addresses, so what bounds
+// the kernel is loads per FMA. v1 (2 rows x 3 outputs per thread: 5 loads per 24 FMAs) and a first v28 form (2 rows x
+// 24 outputs: 26 per 192) both ran 0.26-0.39 ms per 8192-row call, and v28's first form took as long at 2048 rows (32
+// CTAs): load-bound in each CTA. Here 28 loads serve 384 FMAs, about the FMA pipes' time (~0.1 ms per 8192 rows; reading
+// X ~0.12 ms), and the column slices keep the SMs busy at 2048 rows.
+// Shared rows of 132 floats: a quarter-warp's x loads (8 rows) start 4 banks apart, all 32 banks once.
 #include "common.cuh"
 #include "mma_ops.cuh"
 
@@ -13,11 +22,17 @@ namespace ds4gpu {
 namespace {
 
 constexpr int HM_ROWS = 64, HM_KC = 128, HM_LD = HM_KC + 4, HM_M = 24, HM_NS = 3, HM_THREADS = 256;
+constexpr int HM_HALVES = 2 * HM_THREADS / 32;  // half-warps, each a partial sum of every (row, output)
+constexpr int HM_HCOLS = HM_KC / HM_HALVES;     // a half-warp's columns of a stage: 8
+constexpr int HM_RPL = HM_ROWS / 16;            // rows per lane: 4
+constexpr int HM_RLD = HM_M + 1;                // partial sums' row stride (odd: 16 lanes hit 16 banks)
+constexpr int HM_MAX_SPLITS = 8;
 
 struct HmStage {
   float x[HM_ROWS][HM_LD];
   float w[HM_M][HM_LD];
 };
+static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= HM_NS * sizeof(HmStage), "the partials fit the stages");
 
 __device__ __forceinline__ void hm_load(const float* X, const float* Wf, int64_t T, int64_t K, int M, int64_t row0,
                                         int64_t k0, HmStage& st) {
@@ -35,59 +50,106 @@ __device__ __forceinline__ void hm_load(const float* X, const float* Wf, int64_t
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o].
 __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float* X, const float* Wf, int64_t T,
-                                                                    int64_t K, int M, float* out) {
+                                                                    int64_t K, int M, int ns, float* out,
+                                                                    float* scratch) {
   extern __shared__ __align__(16) unsigned char hm_smem[];
   HmStage* st = reinterpret_cast<HmStage*>(hm_smem);
-  const int tid = threadIdx.x, r = tid >> 3, og = tid & 7;
-  const int64_t row0 = (int64_t)blockIdx.x * HM_ROWS;
-  const int ns = (int)(K / HM_KC);
-  float acc[2][3] = {{0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f}};
-  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(X, Wf, T, K, M, row0, (int64_t)s * HM_KC, st[s]);
+  const int tid = threadIdx.x, lane = tid & 31, half = tid >> 4, l16 = lane & 15;
+  const int c0 = half * HM_HCOLS;
+  const int64_t row0 = (int64_t)blockIdx.x * HM_ROWS, k_begin = (int64_t)blockIdx.y * ns * HM_KC;
+  float acc[HM_RPL][HM_M];
+#pragma unroll
+  for (int i = 0; i < HM_RPL; ++i)
+#pragma unroll
+    for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
+  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(X, Wf, T, K, M, row0, k_begin + (int64_t)s * HM_KC, st[s]);
   for (int s = 0; s < ns; ++s) {
     if (s + 1 < ns) asm volatile("cp.async.wait_group %0;\n" ::"n"(HM_NS - 2));  // stage s has landed
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
-    if (s + HM_NS - 1 < ns) hm_load(X, Wf, T, K, M, row0, (int64_t)(s + HM_NS - 1) * HM_KC, st[(s + HM_NS - 1) % HM_NS]);
+    if (s + HM_NS - 1 < ns)
+      hm_load(X, Wf, T, K, M, row0, k_begin + (int64_t)(s + HM_NS - 1) * HM_KC, st[(s + HM_NS - 1) % HM_NS]);
     const HmStage& S = st[s % HM_NS];
-#pragma unroll 4
-    for (int k = 0; k < HM_KC; k += 4) {
-      const float4 x0 = *reinterpret_cast<const float4*>(&S.x[r][k]);
-      const float4 x1 = *reinterpret_cast<const float4*>(&S.x[r + 32][k]);
 #pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        const float4 w = *reinterpret_cast<const float4*>(&S.w[3 * og + j][k]);
-        acc[0][j] = fmaf(x0.w, w.w, fmaf(x0.z, w.z, fmaf(x0.y, w.y, fmaf(x0.x, w.x, acc[0][j]))));
-        acc[1][j] = fmaf(x1.w, w.w, fmaf(x1.z, w.z, fmaf(x1.y, w.y, fmaf(x1.x, w.x, acc[1][j]))));
+    for (int k = c0; k < c0 + HM_HCOLS; k += 4) {
+      float4 x[HM_RPL];
+#pragma unroll
+      for (int i = 0; i < HM_RPL; ++i) x[i] = *reinterpret_cast<const float4*>(&S.x[l16 + 16 * i][k]);
+#pragma unroll
+      for (int o = 0; o < HM_M; ++o) {
+        const float4 w = *reinterpret_cast<const float4*>(&S.w[o][k]);
+#pragma unroll
+        for (int i = 0; i < HM_RPL; ++i)
+          acc[i][o] = fmaf(x[i].w, w.w, fmaf(x[i].z, w.z, fmaf(x[i].y, w.y, fmaf(x[i].x, w.x, acc[i][o]))));
       }
     }
   }
+  __syncthreads();  // every warp is done with the stages: they hold the partial sums now
+  float* part = reinterpret_cast<float*>(hm_smem);  // [half][row][HM_RLD]
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < HM_RPL; ++i)
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      const int64_t row = row0 + r + 32 * i;
-      const int o = 3 * og + j;
-      if (row < T && o < M) out[row * M + o] = acc[i][j];
-    }
+    for (int o = 0; o < HM_M; ++o) part[(half * HM_ROWS + l16 + 16 * i) * HM_RLD + o] = acc[i][o];
+  __syncthreads();
+  float* dst = gridDim.y == 1 ? out : scratch + (int64_t)blockIdx.y * T * M;
+  for (int e = tid; e < HM_ROWS * HM_M; e += HM_THREADS) {
+    const int r = e / HM_M, o = e % HM_M;
+    const int64_t row = row0 + r;
+    if (row >= T || o >= M) continue;
+    float sum = part[r * HM_RLD + o];
+#pragma unroll
+    for (int h = 1; h < HM_HALVES; ++h) sum += part[(h * HM_ROWS + r) * HM_RLD + o];
+    dst[row * M + o] = sum;
+  }
+}
+
+// out[i] = the S slices' sums of element i, added in slice order.
+__global__ void hc_mix_sum_kernel(const float* scratch, int64_t n, int S, float* out) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float sum = scratch[i];
+  for (int s = 1; s < S; ++s) sum += scratch[s * n + i];
+  out[i] = sum;
 }
 
 }  // namespace
 
 bool hc_mix_rows_takes(int64_t K, int M) { return K >= HM_KC && K % HM_KC == 0 && M >= 1 && M <= HM_M; }
 
-void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, cudaStream_t s) {
+int hc_mix_rows_splits(int64_t T, int64_t K) {
+  if (T <= 0 || K < HM_KC || K % HM_KC) return 1;
+  const int64_t blocks = (T + HM_ROWS - 1) / HM_ROWS, stages = K / HM_KC;
+  int S = 1;
+  while (S < HM_MAX_SPLITS && blocks * 2 * S <= sm_count() && stages % (2 * S) == 0) S *= 2;
+  return S;
+}
+
+void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
+                        cudaStream_t s) {
   if (!hc_mix_rows_takes(K, M)) throw std::invalid_argument("hc_mix_rows: K a multiple of 128, 1 <= M <= 24");
   if (((uintptr_t)X | (uintptr_t)Wf) & 15) throw std::invalid_argument("hc_mix_rows: X and Wf 16-byte aligned");
   if (T <= 0) return;
+  const int S = hc_mix_rows_splits(T, K);
+  if (S > 1 && !scratch)
+    throw std::invalid_argument("hc_mix_rows: " + std::to_string(T) + " rows take " + std::to_string(S) +
+                                " column slices and need a scratch of S T M floats (hc_mix_rows_splits)");
   const size_t shm = HM_NS * sizeof(HmStage);
   static bool shm_set = false;
   if (!shm_set) {
     DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  hc_mix_rows_kernel<<<(unsigned)((T + HM_ROWS - 1) / HM_ROWS), HM_THREADS, shm, s>>>(X, Wf, T, K, M, out);
+  const int ns = (int)(K / HM_KC / S);
+  hc_mix_rows_kernel<<<dim3((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S), HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns,
+                                                                                               out, scratch);
   DS4_CHECK_LAUNCH("hc_mix_rows");
+  if (S > 1) {
+    const int64_t n = T * M;
+    hc_mix_sum_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(scratch, n, S, out);
+    DS4_CHECK_LAUNCH("hc_mix_rows (slice sums)");
+  }
 }
 
 }  // namespace ds4gpu

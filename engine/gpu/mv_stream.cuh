@@ -417,16 +417,7 @@ __device__ __forceinline__ void mv_first_load(const MvArgs& a, int g, int cta, M
   mv_first_load_w<QT, R, C>(a, g, cta * (blockDim.x >> 5) + (threadIdx.x >> 5), A);
 }
 
-// ---- host side: the launch plan shared by the plain and the chained launches ----
-inline int sm_count() {
-  static const int v = [] {
-    int dev = 0, n = 0;
-    DS4_CHECK(cudaGetDevice(&dev));
-    DS4_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return v;
-}
+// ---- host side: the launch plan shared by the plain and the chained launches (sm_count: common.cuh) ----
 
 // A launch's shape: rows per tile R, chunks per step C, threads per CTA, shared memory for x.
 struct MvPlan {

@@ -8,9 +8,30 @@ device; the tests hold them to the numpy versions on CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Unscaled:
+    """A product whose per-row rescale is still to be applied: its value is z [T, n] * r [T, 1]. The hi/lo GEMMs
+    (weights.mm_unscaled) hand o_b's and the shared expert's outputs on in this form, so the mHC post rescales them
+    as it reads them (hc_post's r1, r2: the bits of multiplying first) instead of a pass over [T, n] each. Not a
+    tuple: the session tells an attention output's summands by their tuple."""
+
+    z: torch.Tensor
+    r: torch.Tensor
+
+    def value(self) -> torch.Tensor:
+        return self.z * self.r
+
+
+def scaled(y):
+    """y itself, or an Unscaled product's value (y = z * r)."""
+    return y.value() if isinstance(y, Unscaled) else y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

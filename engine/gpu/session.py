@@ -58,6 +58,10 @@ NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
 # separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
+# prefill: o_b's and the shared expert's per-row rescales (weights.mm_unscaled) applied by the mHC post as it reads
+# them (hc_post's r1, r2) instead of a torch multiply over [T, 4096] each (call 2's profile: 8.7 ms per 8192-token
+# prefill); the same bits. v28; "0" turns it off.
+FOLD_POST = os.environ.get("DS4_GPU_FOLD_POST", "1") == "1"
 
 
 def parse_prefetch(spec: str) -> dict[str, float]:
@@ -473,6 +477,7 @@ class Session(Timeline):
     def _hc_post(self, X, y1, y2, post, comb):
         if self.K is not None:
             return self.K.hc_post(X, y1, y2, post, comb)
+        y1, y2 = ops.scaled(y1), ops.scaled(y2)
         return ops.hc_post(X, y1 if y2 is None else y1 + y2, post, comb)
 
     def _hc_pre(self, li, X, fn, scale, base, norm, pending=None):
@@ -546,7 +551,7 @@ class Session(Timeline):
             if forked:
                 self.side.join()
                 return out, sh
-            return out, W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
+            return out, W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu, unscaled=FOLD_POST)
         s = torch.sqrt(torch.nn.functional.softplus(logits))
         if cfg.is_hash_layer(li):
             ids = W.ids(C.blk(li, L.FFN_GATE_TID2EID))[tok]
@@ -630,7 +635,8 @@ class Session(Timeline):
         attention kernel undid it already."""
         cfg, W = self.cfg, self.W
         if isinstance(o, tuple):  # the fused prefill attention's output, already split per head group (mm_split)
-            return W.mm_split_then(C.blk(li, L.ATTN_OUTPUT_A), o, cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B))
+            return W.mm_split_then(C.blk(li, L.ATTN_OUTPUT_A), o, cfg.o_groups, C.blk(li, L.ATTN_OUTPUT_B),
+                                   unscaled=FOLD_POST)
         T, H, d = o.shape
         if rope_done:
             pass

@@ -246,11 +246,12 @@ class Weights:
         G, T, n_out = y.shape
         return (y.transpose(0, 1) * r[:, :, None]).reshape(T, G * n_out)
 
-    def mm_split_then(self, first: str, split: tuple, groups: int, second: str) -> torch.Tensor:
+    def mm_split_then(self, first: str, split: tuple, groups: int, second: str, unscaled: bool = False):
         """mm(second, mm_split(first, split, groups)), the same bits. DS4_GPU_SPLIT_GROUPS=1 (v27 default; 0: the v26
         form): first's grouped output is rescaled and split for second in one launch (dequant.cu split_groups; with
         second's float8 operand in place of lo where it takes the float8 path), not a strided torch multiply, then
-        split_half and the float8 pack."""
+        split_half and the float8 pack. unscaled: second's product as ops.Unscaled where its rescale is left over
+        (the consumer applies it), else the tensor."""
         wb = self.mat(second)
         y, r = self._mm_split_groups(first, split, groups)
         G, T, n = y.shape
@@ -266,7 +267,8 @@ class Weights:
         self.ext.split_groups(y.data_ptr(), r.data_ptr(), G, T, n, xh.data_ptr(), 0 if xl is None else xl.data_ptr(),
                               0 if a8 is None else a8.data_ptr(), s.data_ptr())
         hi, lo, scale, b8 = self._operands(wb)
-        return self._dense_product(wb, xh, xl, hi.T, None if lo is None else lo.T, a8, b8) * (s / scale)
+        z = self._dense_product(wb, xh, xl, hi.T, None if lo is None else lo.T, a8, b8)
+        return ops.Unscaled(z, s / scale) if unscaled else z * (s / scale)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w as the session computes it: the extension's kernel on CUDA (fused.Fused.rms_norm)."""
@@ -343,10 +345,12 @@ class Weights:
             self.ext.matvec_shared(ws, self._arr(x[i:i + 8]), [self._arr(y[i:i + 8]) for y in ys])
         return ys
 
-    def swiglu_ffn(self, names: list[str], x: torch.Tensor, limit: float, swiglu, fuse: bool = True) -> torch.Tensor:
+    def swiglu_ffn(self, names: list[str], x: torch.Tensor, limit: float, swiglu, fuse: bool = True,
+                   unscaled: bool = False):
         """down · swiglu(gate · x, up · x) for names = [gate, up, down] (the shared expert). Decode on CUDA:
         gate and up in one launch into [g | u]; with fuse, SwiGLU is applied by the down launch while it stages
-        x (swiglu_kernel's arithmetic), else by `swiglu`."""
+        x (swiglu_kernel's arithmetic), else by `swiglu`. unscaled: the down product as ops.Unscaled where the
+        hi/lo GEMMs leave its rescale over (mm_unscaled), else the tensor."""
         gate, up, down = (self.mat(n) for n in names)
         if self.ext is not None and x.shape[0] == 1 and not any(isinstance(w, torch.Tensor) for w in (gate, up, down)):
             self._sync_stream()
@@ -365,7 +369,10 @@ class Weights:
                     return y
                 return self.mm(names[2], swiglu(gu[:, :F], gu[:, F:], limit))
         g, u = self.mm_many(names[:2], x)
-        return self.mm(names[2], swiglu(g, u, limit))
+        if not unscaled:
+            return self.mm(names[2], swiglu(g, u, limit))
+        z, r = self.mm_unscaled(names[2], swiglu(g, u, limit))
+        return z if r is None else ops.Unscaled(z, r)
 
     def moe_takes_xq(self, li: int, T: int) -> bool:
         """Whether moe(li, b of T rows, xq=...) can take an x quantized beforehand (quantize_x_into)."""
