@@ -211,6 +211,15 @@ def test_hc_post_pre_refuses_in_place(K):
                           1e-6, False, out.data_ptr(), post.data_ptr(), comb.data_ptr())
 
 
+def misaligned(t):
+    """A copy of t whose data does not start on a 16-byte boundary (the kernels' generic, unvectorized paths)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    v = buf[1:].view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 16 != 0
+    return v
+
+
 def test_hc_post(K):
     g = torch.Generator().manual_seed(2)
     T, n, D = 2, 4, 1000
@@ -226,13 +235,6 @@ def test_hc_post_four_stream_kernel_gives_the_generic_kernels_bits(K):
     g = torch.Generator().manual_seed(12)
     T, n, D = 5, 4, 1000
     X, y1, y2, post, comb = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n)
-
-    def misaligned(t):
-        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-        v = buf[1:].view(t.shape)
-        v.copy_(t)
-        assert v.data_ptr() % 16 != 0
-        return v
 
     for y2_ in (y2, None):
         fast = K.hc_post(X, y1, y2_, post, comb)
@@ -250,12 +252,6 @@ def test_hc_post_applies_the_row_scales_of_unscaled_products(K):
     X, z1, z2, post, comb = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n)
     r1, r2 = rnd(g, T, 1).abs() + 0.5, rnd(g, T, 1).abs() * 3.0
     u1, u2 = ops.Unscaled(z1, r1), ops.Unscaled(z2, r2)
-
-    def misaligned(t):
-        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-        v = buf[1:].view(t.shape)
-        v.copy_(t)
-        return v
 
     for y1, y2 in ((u1, u2), (z1, u2), (u1, None)):
         want = K.hc_post(X, ops.scaled(y1), ops.scaled(y2), post, comb)

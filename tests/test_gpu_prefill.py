@@ -315,23 +315,30 @@ def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int, n
         K.norm_rope(x, d, rows_per_token, pos, in_scale=s[:-1], **kw)
 
 
-def test_folded_post_rescale_in_the_session(monkeypatch, tmp_path) -> None:
-    """DS4_GPU_FOLD_POST: o_b's and the shared expert's per-row rescales applied by the mHC post give every position's
-    logits bit for bit (`small`, 300 tokens in chunks of 128: the hi/lo GEMM path), and the products did reach the post
-    unscaled."""
+def _session_switch_case(monkeypatch, tmp_path, switch: str, seed: int):
+    """A session-level A/B of a same-bits switch of ds4.engine.gpu.session on `small` (q2 mix, 300 random tokens in
+    chunks of 128: the hi/lo GEMM path): (every position's logits with the switch off, the tokens, a session with it on
+    that has not run yet)."""
     from conftest import quantize_cli
 
-    from ds4.engine.gpu import ops as gpu_ops
     from ds4.engine.gpu import session as gpu_session
     from ds4.engine.model import Model
 
     quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
     m = Model.load(tmp_path / "small.gguf")
-    toks = np.random.default_rng(23).integers(2, m.config.vocab_size, 300).tolist()
-    monkeypatch.setattr(gpu_session, "FOLD_POST", False)
+    toks = np.random.default_rng(seed).integers(2, m.config.vocab_size, 300).tolist()
+    monkeypatch.setattr(gpu_session, switch, False)
     want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
-    monkeypatch.setattr(gpu_session, "FOLD_POST", True)
-    ses = gpu_session.Session(m, ctx=512, prefill_chunk=128)
+    monkeypatch.setattr(gpu_session, switch, True)
+    return want, toks, gpu_session.Session(m, ctx=512, prefill_chunk=128)
+
+
+def test_folded_post_rescale_in_the_session(monkeypatch, tmp_path) -> None:
+    """DS4_GPU_FOLD_POST: o_b's and the shared expert's per-row rescales applied by the mHC post give every position's
+    logits bit for bit, and the products did reach the post unscaled."""
+    from ds4.engine.gpu import ops as gpu_ops
+
+    want, toks, ses = _session_switch_case(monkeypatch, tmp_path, "FOLD_POST", 23)
     unscaled = []
     real = ses.K.hc_post
 
@@ -347,19 +354,8 @@ def test_folded_post_rescale_in_the_session(monkeypatch, tmp_path) -> None:
 
 def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
     """DS4_GPU_FOLD_RESCALE: the q_b product's per-row rescale applied by norm_rope gives every position's logits
-    bit for bit (`small`, 300 tokens in chunks of 128: the hi/lo GEMM path)."""
-    from conftest import quantize_cli
-
-    from ds4.engine.gpu import session as gpu_session
-    from ds4.engine.model import Model
-
-    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
-    m = Model.load(tmp_path / "small.gguf")
-    toks = np.random.default_rng(17).integers(2, m.config.vocab_size, 300).tolist()
-    monkeypatch.setattr(gpu_session, "FOLD_RESCALE", False)
-    want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
-    monkeypatch.setattr(gpu_session, "FOLD_RESCALE", True)
-    ses = gpu_session.Session(m, ctx=512, prefill_chunk=128)
+    bit for bit."""
+    want, toks, ses = _session_switch_case(monkeypatch, tmp_path, "FOLD_RESCALE", 17)
     deferred = []
     real = ses.W.mm_unscaled
     monkeypatch.setattr(ses.W, "mm_unscaled", lambda *a: (lambda zr: deferred.append(zr[1] is not None) or zr)(real(*a)))

@@ -166,6 +166,7 @@ def main(argv=None) -> int:
         s = Session(model, ctx=n + 8, weights=W, prefill_chunk=args.prefill_chunk)
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
         s.sync(toks[:min(n, 512)])  # warm-up (allocator, cuBLAS, the GEMM and matvec paths)
+        torch.cuda.reset_peak_memory_stats()
         runs = []
         for i in range(args.prefill_runs):  # the first run of a length also pays its shapes' first calls
             if i:  # a new prompt: other routing, so other expert-bucket shapes (as a server's next request)
@@ -184,11 +185,16 @@ def main(argv=None) -> int:
             print(f"routed-expert tiles: {fill['rows']} rows in {fill['slots']} slots "
                   f"({1 - fill['rows'] / fill['slots']:.1%} padding); activation splits reused: "
                   f"{W.split_hits}", flush=True)
+        # the chunk's working set: the torch allocator's peak (activations, KV, scratch; the weights are the
+        # extension's own allocations) and the device's memory in use once the runs are done
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        free, total = torch.cuda.mem_get_info()
         res["prefill"].append({"tokens": n, "chunk": args.prefill_chunk, "s": dt, "tps": n / dt, "allocator": alloc,
-                               "runs_s": runs})
+                               "runs_s": runs, "torch_peak_gib": peak_gib, "gpu_mem_used_gib": (total - free) / 2**30})
         more = f"; later runs {', '.join(f'{n / r:.0f}' for r in runs[1:])} t/s" if len(runs) > 1 else ""
         print(f"prefill {n}: {dt:.2f} s, {n / dt:.0f} t/s{more} (allocator, last run: {alloc['num_alloc_retries']} "
-              f"retries, {alloc['num_device_alloc']} cudaMalloc, {alloc['num_device_free']} cudaFree)", flush=True)
+              f"retries, {alloc['num_device_alloc']} cudaMalloc, {alloc['num_device_free']} cudaFree; torch peak "
+              f"{peak_gib:.1f} GiB, GPU mem {(total - free) / 2**30:.1f} GiB)", flush=True)
         del s
     for P in args.ctx:
         s = Session(model, ctx=P + args.decode + 8, weights=W)
