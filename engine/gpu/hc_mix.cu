@@ -8,11 +8,12 @@
 // Warp w takes the stage's columns 16 w .. 16 w + 15, its half-warp h the 8 of them from 16 w + 8 h, and lane l rows
 // l % 16 + 16 i (i < 4) with all 24 outputs: 96 sums in registers (outputs past M multiply zero-filled rows of Wf).
 // The 16 half-warps' partial sums are added through shared memory at the end.
-// Why this shape (v28): every 16-byte shared load costs the load unit 4 cycles whatever its addresses, so what bounds
-// the kernel is loads per FMA. v1 (2 rows x 3 outputs per thread: 5 loads per 24 FMAs) and a first v28 form (2 rows x
-// 24 outputs: 26 per 192) both ran 0.26-0.39 ms per 8192-row call, and v28's first form took as long at 2048 rows (32
-// CTAs): load-bound in each CTA. Here 28 loads serve 384 FMAs, about the FMA pipes' time (~0.1 ms per 8192 rows; reading
-// X ~0.12 ms), and the column slices keep the SMs busy at 2048 rows.
+// Why this shape (v28, NOTES.md v28 item 3): v1 (2 rows x 3 outputs per thread: 5 shared loads of 16 bytes per 24 FMAs)
+// ran 0.39 ms per 8192-row call, slower than the GEMM; a first v28 form (2 rows x 24 outputs: 26 loads per 192 FMAs)
+// 0.26 ms, and as long at 2048 rows (32 CTAs). Here 28 loads serve 384 FMAs and the column slices keep the SMs busy at
+// 2048 rows: 0.248 / 0.070 ms at 8192 / 2048 rows (1.09x / 1.13x torch's GEMM). Predicted ~0.1 ms at 8192 (the FMA
+// pipes; reading X ~0.12): both v28 forms take ~1.9 us per stage and CTA whatever their load counts, so the loads'
+// issue is not the bound (about half the copy rate per SM; not yet profiled).
 // Shared rows of 132 floats: a quarter-warp's x loads (8 rows) start 4 banks apart, all 32 banks once.
 #include "common.cuh"
 #include "mma_ops.cuh"
