@@ -83,14 +83,16 @@ def test_hc_pre(K, head, T, D):
     check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
+@pytest.mark.parametrize("ring", [0, 1])
 @pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17),
                                          (9000, 256, 24)])
-def test_hc_mix_rows_matches_float64(K, T, K_cols, M):
+def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ring):
     """hc_mix_rows (DS4_GPU_HC_MIX): the mHC's mix of prefill rows, X [T, K] . Wf [M, K]^T in float32, within 1e-6 of
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
     leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
-    idle, none at 9000 rows); a launch that needs a scratch and has none is refused; and in hc_pre (the rows form)
-    under the switch, the float64 ops' bars."""
+    idle, none at 9000 rows), with three or four stages in the cp.async ring (DS4_GPU_HC_MIX_RING; slices of one and
+    two stages included; the two rings' bits equal); a launch that needs a scratch and has none is refused; and in
+    hc_pre (the rows form) under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
 
     g = torch.Generator().manual_seed(T + M)
@@ -99,7 +101,15 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M):
     S = K.ext.hc_mix_rows_splits(T, K_cols)
     assert (S > 1) == (T < 9000 and K_cols >= 256)
     scratch = torch.full((S, T, M), float("nan"), device=DEV)
-    K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, out.data_ptr(), scratch.data_ptr())
+    other = torch.full_like(out, float("nan"))
+    try:
+        for mode, dst in ((ring, out), (1 - ring, other)):
+            K.ext.set_hc_mix_ring(mode)
+            K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, dst.data_ptr(), scratch.data_ptr())
+        torch.cuda.synchronize()
+    finally:
+        K.ext.set_hc_mix_ring(-1)
+    assert torch.equal(out, other)  # the ring's depth moves the loads, not the sums
     ref = X.double() @ Wf.double().T
     mag = X.double().abs() @ Wf.double().abs().T
     assert torch.isfinite(out).all()
@@ -261,6 +271,21 @@ def test_hc_post_applies_the_row_scales_of_unscaled_products(K):
         assert torch.equal(K.hc_post(misaligned(X), *mis, post, comb), want)
     with pytest.raises(ValueError, match="row scales"):
         K.hc_post(X, ops.Unscaled(z1, r1[:-1]), None, post, comb)
+
+
+def test_swiglu_applies_the_row_scales_of_unscaled_products(K):
+    """DS4_GPU_FOLD_SWIGLU: gate and up handed over as ops.Unscaled (z, r) give the bits of swiglu on z * r, with both
+    or one of them unscaled; a wrong scale count is refused."""
+    g = torch.Generator().manual_seed(31)
+    T, F, limit = 37, 2048, 7.0
+    zg, zu = rnd(g, T, F, scale=4.0), rnd(g, T, F, scale=4.0)
+    rg, ru = rnd(g, T, 1).abs() + 0.25, rnd(g, T, 1).abs() * 2.0
+    for a, b in ((ops.Unscaled(zg, rg), ops.Unscaled(zu, ru)), (zg, ops.Unscaled(zu, ru)), (ops.Unscaled(zg, rg), zu)):
+        want = K.swiglu(ops.scaled(a), ops.scaled(b), limit)
+        assert torch.equal(K.swiglu(a, b, limit), want)
+    assert rel(K.swiglu(ops.Unscaled(zg, rg), zu, limit), ops.swiglu((zg * rg).double(), zu.double(), limit)) < 1e-6
+    with pytest.raises(ValueError, match="row scales"):
+        K.swiglu(ops.Unscaled(zg, rg[:-1]), zu, limit)
 
 
 def test_norm_rope_heads_kv_ring_and_inverse(K):

@@ -315,22 +315,43 @@ def test_norm_rope_in_scale_is_the_multiply_first(rows_per_token: int, T: int, n
         K.norm_rope(x, d, rows_per_token, pos, in_scale=s[:-1], **kw)
 
 
-def _session_switch_case(monkeypatch, tmp_path, switch: str, seed: int):
-    """A session-level A/B of a same-bits switch of ds4.engine.gpu.session on `small` (q2 mix, 300 random tokens in
-    chunks of 128: the hi/lo GEMM path): (every position's logits with the switch off, the tokens, a session with it on
-    that has not run yet)."""
+def _session_switch_case(monkeypatch, tmp_path, switch: str, seed: int, module=None):
+    """A session-level A/B of a same-bits switch (a flag of `module`, default ds4.engine.gpu.session) on `small` (q2
+    mix, 300 random tokens in chunks of 128: the hi/lo GEMM path): (every position's logits with the switch off, the
+    tokens, a session with it on that has not run yet)."""
     from conftest import quantize_cli
 
     from ds4.engine.gpu import session as gpu_session
     from ds4.engine.model import Model
 
+    module = gpu_session if module is None else module
     quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
     m = Model.load(tmp_path / "small.gguf")
     toks = np.random.default_rng(seed).integers(2, m.config.vocab_size, 300).tolist()
-    monkeypatch.setattr(gpu_session, switch, False)
+    monkeypatch.setattr(module, switch, False)
     want = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks, all_logits=True)
-    monkeypatch.setattr(gpu_session, switch, True)
+    monkeypatch.setattr(module, switch, True)
     return want, toks, gpu_session.Session(m, ctx=512, prefill_chunk=128)
+
+
+def test_folded_swiglu_rescales_in_the_session(monkeypatch, tmp_path) -> None:
+    """DS4_GPU_FOLD_SWIGLU: the shared expert's gate and up rescales applied by the SwiGLU launch give every position's
+    logits bit for bit, and the products did reach it unscaled."""
+    from ds4.engine.gpu import ops as gpu_ops
+    from ds4.engine.gpu import weights as Wm
+
+    want, toks, ses = _session_switch_case(monkeypatch, tmp_path, "FOLD_SWIGLU", 29, module=Wm)
+    unscaled = []
+    real = ses.K.swiglu
+
+    def spy(g, u, limit):
+        unscaled.append(sum(isinstance(y, gpu_ops.Unscaled) for y in (g, u)))
+        return real(g, u, limit)
+
+    monkeypatch.setattr(ses.K, "swiglu", spy)
+    got = ses.prefill(toks, all_logits=True)
+    assert sum(unscaled) > 0, "no gate or up product reached the SwiGLU unscaled"
+    assert np.array_equal(got, want)
 
 
 def test_folded_post_rescale_in_the_session(monkeypatch, tmp_path) -> None:

@@ -80,6 +80,9 @@ void bind_fused_ops(py::module_& m) {
      "out [T, M] = X [T, K] . Wf [M, K]^T, float32 (device addresses; K a multiple of 128, M <= 24): the mHC's mix of "
      "prefill rows, X read once (DS4_GPU_HC_MIX); scratch: hc_mix_rows_splits(T, K) x T x M floats where that is > 1");
   m.def("hc_mix_rows_takes", &hc_mix_rows_takes, py::arg("K"), py::arg("M"));
+  m.def("set_hc_mix_ring", &set_hc_mix_ring, py::arg("mode"),
+        "hc_mix_rows with four (1) or three (0) stages in its cp.async ring, or as $DS4_GPU_HC_MIX_RING says (-1); "
+        "the same bits");
   m.def("hc_mix_rows_splits", &hc_mix_rows_splits, py::arg("T"), py::arg("K"),
         "column slices hc_mix_rows cuts a T-row mix into (1: none; more: it needs that many T x M scratch planes)");
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),
@@ -217,13 +220,14 @@ void bind_fused_ops(py::module_& m) {
         "decode (one token): logits = w . x (the bits of matvec's F16 launch) and the router on them (as router) in "
         "one launch (router.cu); False, nothing launched, where that kernel does not take w");
   m.def("swiglu", [](uintptr_t g, uintptr_t u, int64_t n, float limit, uintptr_t out, uintptr_t row_w, int64_t width,
-                     uintptr_t row_of) {
+                     uintptr_t row_of, uintptr_t g_scale, uintptr_t u_scale) {
     launch_swiglu(ptr<const float>(g), ptr<const float>(u), n, limit, ptr<float>(out), stream(), ptr<const float>(row_w),
-                  width, ptr<const int64_t>(row_of));
+                  width, ptr<const int64_t>(row_of), ptr<const float>(g_scale), ptr<const float>(u_scale));
   }, py::arg("g"), py::arg("u"), py::arg("n"), py::arg("limit"), py::arg("out"), py::arg("row_w") = 0,
-     py::arg("width") = 0, py::arg("row_of") = 0,
+     py::arg("width") = 0, py::arg("row_of") = 0, py::arg("g_scale") = 0, py::arg("u_scale") = 0,
      "out = silu(min(g, limit)) * clamp(u, +-limit) over n floats (device addresses); row_w: each row of width values "
-     "also times row_w[row_of[row]] (row_of: int64, or 0 for the row itself).");
+     "also times row_w[row_of[row]] (row_of: int64, or 0 for the row itself); g_scale, u_scale: per-row rescales of "
+     "g and u applied as they are read (rows of width values).");
   m.def("compress_step", [](uintptr_t pos, const std::vector<py::tuple>& jobs) {
     if (jobs.empty() || jobs.size() > 2) throw std::invalid_argument("compress_step: one or two jobs");
     CompressJob j[2];

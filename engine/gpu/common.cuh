@@ -283,6 +283,7 @@ bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (pre
 bool hc_mix_rows_takes(int64_t K, int M);
 // column slices of a T-row mix (1: none); with S > 1 the launch needs a scratch of S T M floats
 int hc_mix_rows_splits(int64_t T, int64_t K);
+void set_hc_mix_ring(int mode);  // 1/0: hc_mix_rows with four or three stages in its ring; -1: $DS4_GPU_HC_MIX_RING
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
@@ -308,9 +309,11 @@ void launch_norm_rope(const NormRopeJob& a, const NormRopeJob* b, const int64_t*
                       const NormRopeJob* c = nullptr);
 void launch_router(const float* logits, const float* bias, const int64_t* table, const int64_t* tok, int T, int E,
                    int k, float scale, int32_t* ids, float* wts, cudaStream_t s);
-// row_w: out row r (width values) times row_w[row_of ? row_of[r] : r].
+// row_w: out row r (width values) times row_w[row_of ? row_of[r] : r]; g_scale, u_scale: row r of g and u read as
+// g r-th row times g_scale[r] (rounded first: the bits of rescaling before the call).
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s,
-                   const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr);
+                   const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr,
+                   const float* g_scale = nullptr, const float* u_scale = nullptr);
 void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s);
 // One compressor's decode step (fused.cu compress_step_kernel); pos is shared by the jobs of a launch.
 struct CompressJob {

@@ -159,13 +159,18 @@ __global__ void __launch_bounds__(ROUTER_THREADS) router_kernel(const float* log
 
 // row_w != null: each row of `width` values is also multiplied by its weight row_w[row_of ? row_of[row] : row] (the
 // prefill experts' routing weights, read through the expert order): the bits of a separate multiply after it.
+// g_scale, u_scale != null ($DS4_GPU_FOLD_SWIGLU, v28, prepared): g and u are GEMM products whose per-row rescale
+// (weights.mm_unscaled) is applied here as they are read, __fmul_rn (never fused into what follows): the bits of a
+// torch multiply first.
 __global__ void swiglu_kernel(const float* g, const float* u, int64_t n, float limit, float* out, const float* row_w,
-                              int64_t width, const int64_t* row_of) {
+                              int64_t width, const int64_t* row_of, const float* g_scale, const float* u_scale) {
   pdl_begin();
   int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= n) return;
-  float a = fminf(g[i], limit);
-  float b = fminf(fmaxf(u[i], -limit), limit);
+  const float gi = g_scale ? __fmul_rn(g[i], g_scale[i / width]) : g[i];
+  const float ui = u_scale ? __fmul_rn(u[i], u_scale[i / width]) : u[i];
+  float a = fminf(gi, limit);
+  float b = fminf(fmaxf(ui, -limit), limit);
   float v = a * sigmoidf_(a) * b;
   if (row_w) {
     const int64_t r = i / width;
@@ -495,10 +500,11 @@ void launch_router(const float* logits, const float* bias, const int64_t* table,
 }
 
 void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float* out, cudaStream_t s, const float* row_w,
-                   int64_t width, const int64_t* row_of) {
-  if (row_w && (width < 1 || n % width)) throw std::invalid_argument("swiglu: row weights need n a multiple of width >= 1");
+                   int64_t width, const int64_t* row_of, const float* g_scale, const float* u_scale) {
+  if ((row_w || g_scale || u_scale) && (width < 1 || n % width))
+    throw std::invalid_argument("swiglu: row weights or scales need n a multiple of width >= 1");
   launch_k(swiglu_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0, s, g, u, n, limit, out, row_w, width,
-           row_of);
+           row_of, g_scale, u_scale);
   DS4_CHECK_LAUNCH("swiglu");
 }
 

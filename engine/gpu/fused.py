@@ -67,12 +67,13 @@ def _p(t: torch.Tensor | None) -> int:
 
 
 def _unscaled(y, T: int) -> tuple:
-    """(z, r) of an ops.Unscaled product for hc_post's kernels (r: T float32 row scales), (y, None) for a tensor."""
+    """(z, r) of an ops.Unscaled product for the kernels that rescale as they read (hc_post, swiglu; r: T float32 row
+    scales), (y, None) for a tensor."""
     if not isinstance(y, ops.Unscaled):
         return y, None
     r = y.r.reshape(-1)
     if r.dtype != F32 or r.numel() != T or y.z.shape[0] != T:
-        raise ValueError(f"hc_post: an unscaled product needs {T} float32 row scales, got {tuple(y.r.shape)} "
+        raise ValueError(f"an unscaled product needs {T} float32 row scales, got {tuple(y.r.shape)} "
                          f"{y.r.dtype} for rows {tuple(y.z.shape)}")
     return y.z, r.contiguous()
 
@@ -270,11 +271,16 @@ class Fused:
             return None
         return logits, ids, wts
 
-    def swiglu(self, g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    def swiglu(self, g, u, limit: float) -> torch.Tensor:
+        """silu(min(g, limit)) * clamp(u, +-limit); g, u tensors [T, F] or ops.Unscaled products, whose per-row
+        rescales the kernel applies as it reads them (the bits of rescaling first)."""
+        T = (g.z if isinstance(g, ops.Unscaled) else g).shape[0]
+        (g, rg), (u, ru) = _unscaled(g, T), _unscaled(u, T)
         g, u = g.contiguous(), u.contiguous()
         out = torch.empty_like(g)
         self._stream()
-        self.ext.swiglu(_p(g), _p(u), g.numel(), float(limit), _p(out))
+        self.ext.swiglu(_p(g), _p(u), g.numel(), float(limit), _p(out), 0, g.shape[-1] if g.dim() else 1, 0, _p(rg),
+                        _p(ru))
         return out
 
     # ---- decode attention pieces -----------------------------------------------------------------

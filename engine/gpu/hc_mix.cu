@@ -4,7 +4,8 @@
 //
 // CTA: 64 rows and one of S column slices (grid.y; S > 1 where the row blocks alone would leave SMs idle: each slice's
 // sums go to a scratch [S, T, M] that hc_mix_sum_kernel adds in slice order, so the bits do not depend on timing).
-// Stages of 128 columns of X and Wf by cp.async, three in the ring (two in flight while one is multiplied).
+// Stages of 128 columns of X and Wf by cp.async, three in the ring (two in flight while one is multiplied; four with
+// $DS4_GPU_HC_MIX_RING=1, prepared in v28, not yet run: three in flight, 185 KB of shared memory).
 // Warp w takes the stage's columns 16 w .. 16 w + 15, its half-warp h the 8 of them from 16 w + 8 h, and lane l rows
 // l % 16 + 16 i (i < 4) with all 24 outputs: 96 sums in registers (outputs past M multiply zero-filled rows of Wf).
 // The 16 half-warps' partial sums are added through shared memory at the end.
@@ -22,7 +23,7 @@ namespace ds4gpu {
 
 namespace {
 
-constexpr int HM_ROWS = 64, HM_KC = 128, HM_LD = HM_KC + 4, HM_M = 24, HM_NS = 3, HM_THREADS = 256;
+constexpr int HM_ROWS = 64, HM_KC = 128, HM_LD = HM_KC + 4, HM_M = 24, HM_THREADS = 256;
 constexpr int HM_HALVES = 2 * HM_THREADS / 32;  // half-warps, each a partial sum of every (row, output)
 constexpr int HM_HCOLS = HM_KC / HM_HALVES;     // a half-warp's columns of a stage: 8
 constexpr int HM_RPL = HM_ROWS / 16;            // rows per lane: 4
@@ -33,7 +34,8 @@ struct HmStage {
   float x[HM_ROWS][HM_LD];
   float w[HM_M][HM_LD];
 };
-static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= HM_NS * sizeof(HmStage), "the partials fit the stages");
+static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= 3 * sizeof(HmStage), "the partials fit the stages");
+static_assert(4 * sizeof(HmStage) <= 227 * 1024, "a four-stage ring fits an SM");
 
 __device__ __forceinline__ void hm_load(const float* X, const float* Wf, int64_t T, int64_t K, int M, int64_t row0,
                                         int64_t k0, HmStage& st) {
@@ -51,10 +53,14 @@ __device__ __forceinline__ void hm_load(const float* X, const float* Wf, int64_t
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o].
+// Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o]. NS:
+// stages in the ring (NS - 1 in flight).
+template <int NS>
 __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float* X, const float* Wf, int64_t T,
                                                                     int64_t K, int M, int ns, float* out,
                                                                     float* scratch) {
+  static_assert(NS == 3 || NS == 4, "the waits below cover rings of three or four stages");
+  constexpr int HM_NS = NS;
   extern __shared__ __align__(16) unsigned char hm_smem[];
   HmStage* st = reinterpret_cast<HmStage*>(hm_smem);
   const int tid = threadIdx.x, lane = tid & 31, half = tid >> 4, l16 = lane & 15;
@@ -67,7 +73,10 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
     for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
   for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(X, Wf, T, K, M, row0, k_begin + (int64_t)s * HM_KC, st[s]);
   for (int s = 0; s < ns; ++s) {
-    if (s + 1 < ns) asm volatile("cp.async.wait_group %0;\n" ::"n"(HM_NS - 2));  // stage s has landed
+    // stage s has landed: the groups committed after it (at most NS - 2, fewer near the end) may still be in flight
+    const int newer = min(HM_NS - 2, ns - 1 - s);
+    if (newer >= 2) asm volatile("cp.async.wait_group 2;\n" ::);
+    else if (newer == 1) asm volatile("cp.async.wait_group 1;\n" ::);
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
     if (s + HM_NS - 1 < ns)
@@ -115,7 +124,26 @@ __global__ void hc_mix_sum_kernel(const float* scratch, int64_t n, int S, float*
   out[i] = sum;
 }
 
+template <int NS>
+void launch_ring(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int64_t T, int64_t K, int M, int ns,
+                 float* out, float* scratch) {
+  const size_t shm = NS * sizeof(HmStage);
+  static bool shm_set = false;
+  if (!shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel<NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    shm_set = true;
+  }
+  hc_mix_rows_kernel<NS><<<grid, HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns, out, scratch);
+}
+
+// $DS4_GPU_HC_MIX_RING (v28, prepared, default 0): 1 four stages in the ring (three in flight: the v3 kernel moves ~24
+// GB/s per SM, about half the copy rate, with two), 0 three. The same bits (only the loads' timing changes).
+// set_hc_mix_ring overrides it (0, 1; -1 the environment).
+EnvSwitch hc_mix_ring_switch{"DS4_GPU_HC_MIX_RING", 1, 0};
+
 }  // namespace
+
+void set_hc_mix_ring(int mode) { hc_mix_ring_switch.set(mode); }
 
 bool hc_mix_rows_takes(int64_t K, int M) { return K >= HM_KC && K % HM_KC == 0 && M >= 1 && M <= HM_M; }
 
@@ -136,15 +164,10 @@ void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, i
   if (S > 1 && !scratch)
     throw std::invalid_argument("hc_mix_rows: " + std::to_string(T) + " rows take " + std::to_string(S) +
                                 " column slices and need a scratch of S T M floats (hc_mix_rows_splits)");
-  const size_t shm = HM_NS * sizeof(HmStage);
-  static bool shm_set = false;
-  if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
-    shm_set = true;
-  }
   const int ns = (int)(K / HM_KC / S);
-  hc_mix_rows_kernel<<<dim3((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S), HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns,
-                                                                                               out, scratch);
+  const dim3 grid((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S);
+  if (hc_mix_ring_switch.get()) launch_ring<4>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  else launch_ring<3>(grid, s, X, Wf, T, K, M, ns, out, scratch);
   DS4_CHECK_LAUNCH("hc_mix_rows");
   if (S > 1) {
     const int64_t n = T * M;

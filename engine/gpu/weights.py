@@ -58,6 +58,11 @@ SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "1") == "1"
 # DS4_GPU_DEQUANT_FP8 (v27; default 1 since v28): where a product takes the float8 path and the weight's float8 scale
 # is known, the dequant writes the corrections' float8 operand itself (no lo plane, no pack pass; the same bytes)
 DEQUANT_FP8 = os.environ.get("DS4_GPU_DEQUANT_FP8", "1") == "1"
+# DS4_GPU_FOLD_SWIGLU=1 (v28, prepared: not yet run on a GPU): with swiglu_ffn(..., unscaled=True) (the session's
+# DS4_GPU_FOLD_POST), the shared expert's gate and up products reach the SwiGLU launch unscaled and it applies their
+# per-row rescales as it reads them (the same bits), not a torch multiply over [T, 2048] each (4.6 ms per 8192-token
+# prefill, v28 call 4's profile)
+FOLD_SWIGLU = os.environ.get("DS4_GPU_FOLD_SWIGLU", "0") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
@@ -350,7 +355,8 @@ class Weights:
         """down · swiglu(gate · x, up · x) for names = [gate, up, down] (the shared expert). Decode on CUDA:
         gate and up in one launch into [g | u]; with fuse, SwiGLU is applied by the down launch while it stages
         x (swiglu_kernel's arithmetic), else by `swiglu`. unscaled: the down product as ops.Unscaled where the
-        hi/lo GEMMs leave its rescale over (mm_unscaled), else the tensor."""
+        hi/lo GEMMs leave its rescale over (mm_unscaled), else the tensor; with DS4_GPU_FOLD_SWIGLU=1 gate and up
+        reach `swiglu` that way too (it must take ops.Unscaled: Fused.swiglu)."""
         gate, up, down = (self.mat(n) for n in names)
         if self.ext is not None and x.shape[0] == 1 and not any(isinstance(w, torch.Tensor) for w in (gate, up, down)):
             self._sync_stream()
@@ -368,10 +374,17 @@ class Weights:
                         self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
                     return y
                 return self.mm(names[2], swiglu(gu[:, :F], gu[:, F:], limit))
-        g, u = self.mm_many(names[:2], x)
+        if unscaled and FOLD_SWIGLU:  # gate and up reach `swiglu` (Fused.swiglu) unscaled: it rescales as it reads
+            g, u = (self._maybe_unscaled(n, x) for n in names[:2])
+        else:
+            g, u = self.mm_many(names[:2], x)
         if not unscaled:
             return self.mm(names[2], swiglu(g, u, limit))
-        z, r = self.mm_unscaled(names[2], swiglu(g, u, limit))
+        return self._maybe_unscaled(names[2], swiglu(g, u, limit))
+
+    def _maybe_unscaled(self, name: str, x: torch.Tensor):
+        """mm(name, x), as ops.Unscaled where the hi/lo GEMMs leave its rescale over (mm_unscaled)."""
+        z, r = self.mm_unscaled(name, x)
         return z if r is None else ops.Unscaled(z, r)
 
     def moe_takes_xq(self, li: int, T: int) -> bool:
