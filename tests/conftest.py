@@ -103,3 +103,20 @@ def eval_model(tmp_path_factory) -> Path:
     if default.is_file():
         return default
     return write_random_tiny(tmp_path_factory.mktemp("evalmodel") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def fused_kernels():
+    """The CUDA extension's fused kernels (ds4.engine.gpu.fused.Fused) on torch's current stream, once per module;
+    skipped without a CUDA device and the built extension (a fixture rather than a module mark, so a module's CPU tests
+    run everywhere). Afterwards the extension is back on its own stream (later test files capture on it)."""
+    torch = pytest.importorskip("torch")
+    from ds4.engine import gpu
+
+    if not (torch.cuda.is_available() and gpu.available()):
+        pytest.skip("needs a CUDA device and the built extension")
+    from ds4.engine.gpu.fused import Fused
+
+    ext = gpu.load()
+    yield Fused(ext, torch.device("cuda"))
+    ext.reset_stream()

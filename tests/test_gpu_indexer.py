@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from ds4.engine import gpu  # noqa: E402
-from test_gpu_fused import topk_key_sets, topk_rows_reference  # noqa: E402
+from test_gpu_topk import topk_key_sets, topk_rows_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and gpu.available()),
                                 reason="needs a CUDA device and the built extension")
