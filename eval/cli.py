@@ -294,12 +294,14 @@ def run_eval(args) -> int:
         printer.ctx = run.ctx
         run.listener = printer
 
-        # Ctrl+C, SIGTERM, SIGHUP: the case in flight is STOPPED and the report follows. The stop is also
-        # requested as a flag, because a KeyboardInterrupt raised while numba compiles lands in an llvmlite
-        # ctypes callback, which swallows it: the run then stops at the backend's next token.
+        # Ctrl+C, SIGTERM, SIGHUP: the case in flight is STOPPED and the report follows. The stop is
+        # always requested as a flag, which the backend checks at its next token or prefill chunk. It is
+        # also raised, to cut a blocking read short, except where the exception would be swallowed and
+        # printed: inside a finalizer (`__del__`) or numba/llvmlite's compiler callbacks.
         def stop(signum, frame):
             run.control.request_stop()
-            raise KeyboardInterrupt
+            if not _in_swallowing_frame(frame):
+                raise KeyboardInterrupt
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, stop)
         try:
@@ -322,6 +324,17 @@ def run_eval(args) -> int:
             "questions_file": str(qpath)}))
     _, failed, _ = run.counts()
     return 1 if failed else 0
+
+
+def _in_swallowing_frame(frame) -> bool:
+    """True where an exception raised by a signal handler would not reach the caller."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or "llvmlite" in code.co_filename \
+                or f"numba{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv=None) -> int:
