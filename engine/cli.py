@@ -28,7 +28,7 @@ from ds4.engine.chat import (
     chat_append_assistant_prefix,
     encode_chat_prompt,
 )
-from ds4.engine import power
+from ds4.engine import interrupt, power
 from ds4.engine.generate import Utf8Stream, generate, logprob_steps
 from ds4.engine.sampling import (
     DEFAULT_MIN_P,
@@ -616,6 +616,7 @@ def _run(argv) -> int:
 
 
 def main(argv=None) -> int:
+    interrupt.install()  # a Ctrl+C is never swallowed by a finalizer: generate() raises it at the next token
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except CliError as e:

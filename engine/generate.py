@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import interrupt
+
 
 class Utf8Stream:
     """Bytes in, complete UTF-8 text out; invalid bytes become U+FFFD, incomplete tails wait."""
@@ -73,6 +75,7 @@ def generate(
         t1 = time.perf_counter()
         result.prefill_seconds = t1 - t0
         for step in range(max(0, max_tokens)):
+            interrupt.check()  # a Ctrl+C that landed in a finalizer (ds4.engine.interrupt)
             token = int(sampler.sample(np.asarray(logits)))
             if eos_id is not None and token == eos_id:
                 result.finish_reason = "stop"

@@ -268,7 +268,7 @@ def run_eval(args) -> int:
     if run.ctx:
         print(f"ds4-eval: context {run.ctx} tokens (largest prompt "
               f"{max(run.prompt_tokens.values())} + budget {settings.tokens})", file=sys.stderr)
-    from ds4.engine import power
+    from ds4.engine import interrupt, power
     throttle = power.install(args.power)   # the local session throttles between layers
     backend.prepare(run.ctx)
     kv_bytes = getattr(backend, "kv_bytes", lambda: 0)()
@@ -297,10 +297,10 @@ def run_eval(args) -> int:
         # Ctrl+C, SIGTERM, SIGHUP: the case in flight is STOPPED and the report follows. The stop is
         # always requested as a flag, which the backend checks at its next token or prefill chunk. It is
         # also raised, to cut a blocking read short, except where the exception would be swallowed and
-        # printed: inside a finalizer (`__del__`) or numba/llvmlite's compiler callbacks.
+        # printed (in a finalizer or numba's compiler: ds4.engine.interrupt).
         def stop(signum, frame):
             run.control.request_stop()
-            if not _in_swallowing_frame(frame):
+            if not interrupt.in_swallowing_frame(frame):
                 raise KeyboardInterrupt
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, stop)
@@ -324,17 +324,6 @@ def run_eval(args) -> int:
             "questions_file": str(qpath)}))
     _, failed, _ = run.counts()
     return 1 if failed else 0
-
-
-def _in_swallowing_frame(frame) -> bool:
-    """True where an exception raised by a signal handler would not reach the caller."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "__del__" or "llvmlite" in code.co_filename \
-                or f"numba{os.sep}" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def main(argv=None) -> int:
