@@ -374,7 +374,9 @@ class Weights:
                         self.ext.matvec_multi([down], gu.data_ptr(), [y.data_ptr()], True, float(limit)):
                     return y
                 return self.mm(names[2], swiglu(gu[:, :F], gu[:, F:], limit))
-        if unscaled and FOLD_SWIGLU:  # gate and up reach `swiglu` (Fused.swiglu) unscaled: it rescales as it reads
+        if unscaled and FOLD_SWIGLU and x.shape[0] >= GEMM_MIN:
+            # gate and up reach `swiglu` (Fused.swiglu) unscaled: it rescales as it reads. Fewer rows than GEMM_MIN
+            # keep mm_many (activations quantized once for both matvecs); no rescale is left over there anyway.
             g, u = (self._maybe_unscaled(n, x) for n in names[:2])
         else:
             g, u = self.mm_many(names[:2], x)
