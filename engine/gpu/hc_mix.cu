@@ -15,7 +15,12 @@
 // 2048 rows: 0.248 / 0.070 ms at 8192 / 2048 rows (1.09x / 1.13x torch's GEMM). Predicted ~0.1 ms at 8192 (the FMA
 // pipes; reading X ~0.12): both v28 forms take ~1.9 us per stage and CTA whatever their load counts, so the loads'
 // issue is not the bound (about half the copy rate per SM; not yet profiled).
+// v29 (prepared, not yet run on a GPU): the loads' addresses from per-thread pointers and masks (HmLoader): the stage
+// loop's SASS 939 instructions per thread (768 FFMA, 56 LDS.128) against ~1330, 180 registers against 204. If the
+// stage is issue-bound (8 warps, 2 per scheduler), ~1.3 us instead of ~1.9 (0.248 -> ~0.18 ms per 8192-row call).
 // Shared rows of 132 floats: a quarter-warp's x loads (8 rows) start 4 banks apart, all 32 banks once.
+#include <cstddef>
+
 #include "common.cuh"
 #include "mma_ops.cuh"
 
@@ -36,19 +41,58 @@ struct HmStage {
 };
 static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= 3 * sizeof(HmStage), "the partials fit the stages");
 static_assert(4 * sizeof(HmStage) <= 227 * 1024, "a four-stage ring fits an SM");
+static_assert(HM_THREADS == 256 && HM_KC == 128 && HM_ROWS % 8 == 0 && HM_M % 8 == 0,
+              "hm_load: 32 threads cover a row's 128 columns, 8 rows per pass");
 
-__device__ __forceinline__ void hm_load(const float* X, const float* Wf, int64_t T, int64_t K, int M, int64_t row0,
-                                        int64_t k0, HmStage& st) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < HM_ROWS * (HM_KC / 4); i += HM_THREADS) {
-    const int r = i / (HM_KC / 4), c = 4 * (i % (HM_KC / 4));
-    const bool ok = row0 + r < T;
-    cp16(&st.x[r][c], X + (row0 + (ok ? r : 0)) * K + k0 + c, ok);
+// A thread's share of a stage's loads, fixed for the whole kernel: X rows lr + 8 j (j < 8) and Wf rows lr + 8 j (j < 3)
+// at columns lc .. lc + 3 of each stage, lr = tid / 32, lc = 4 (tid % 32). Why kept: computed per stage from the
+// element index (64-bit row times K for each of 11 cp.async), the loads took ~300 of a thread's ~1200 instructions
+// per stage (SASS, v29); from these pointers and masks each cp.async costs a 64-bit add and a select.
+struct HmLoader {
+  const float* x;  // X + (row0 + lr) K + lc + k_begin
+  const float* w;  // Wf + lr K + lc + k_begin
+  const float* safe;  // a readable address for the rows past T or M (zero-filled: nothing is read)
+  int64_t step8;      // 8 K: from a thread's row to its next
+  uint32_t xok, wok;  // bit j: X row row0 + lr + 8 j < T; Wf row lr + 8 j < M
+  uint32_t sx, sw;    // shared offsets of this thread's first x and w element in stage 0
+};
+
+__device__ __forceinline__ HmLoader hm_loader(const float* X, const float* Wf, int64_t T, int64_t K, int M,
+                                              int64_t row0, int64_t k_begin, const unsigned char* smem) {
+  const int tid = threadIdx.x, lr = tid >> 5, lc = 4 * (tid & 31);
+  HmLoader L;
+  L.x = X + (row0 + lr) * K + lc + k_begin;
+  L.w = Wf + (int64_t)lr * K + lc + k_begin;
+  L.safe = X;
+  L.step8 = 8 * K;
+  L.xok = L.wok = 0;
+  for (int j = 0; j < HM_ROWS / 8; ++j) L.xok |= (uint32_t)(row0 + lr + 8 * j < T) << j;
+  for (int j = 0; j < HM_M / 8; ++j) L.wok |= (uint32_t)(lr + 8 * j < M) << j;
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  L.sx = base + (uint32_t)((lr * HM_LD + lc) * sizeof(float));
+  L.sw = base + (uint32_t)(offsetof(HmStage, w) + (lr * HM_LD + lc) * sizeof(float));
+  return L;
+}
+
+__device__ __forceinline__ void cp16_at(uint32_t dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+// Stage s of the CTA's columns (k_begin + s HM_KC ..) into ring buffer b.
+__device__ __forceinline__ void hm_load(const HmLoader& L, int s, int b) {
+  const int64_t k = (int64_t)s * HM_KC;
+  const uint32_t sb = (uint32_t)(b * sizeof(HmStage)), row8 = (uint32_t)(8 * HM_LD * sizeof(float));
+  const float* p = L.x + k;
+#pragma unroll
+  for (int j = 0; j < HM_ROWS / 8; ++j, p += L.step8) {
+    const bool ok = (L.xok >> j) & 1u;
+    cp16_at(L.sx + sb + j * row8, ok ? p : L.safe, ok);
   }
-  for (int i = tid; i < HM_M * (HM_KC / 4); i += HM_THREADS) {
-    const int o = i / (HM_KC / 4), c = 4 * (i % (HM_KC / 4));
-    const bool ok = o < M;
-    cp16(&st.w[o][c], Wf + (int64_t)(ok ? o : 0) * K + k0 + c, ok);
+  p = L.w + k;
+#pragma unroll
+  for (int j = 0; j < HM_M / 8; ++j, p += L.step8) {
+    const bool ok = (L.wok >> j) & 1u;
+    cp16_at(L.sw + sb + j * row8, ok ? p : L.safe, ok);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -71,7 +115,8 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
   for (int i = 0; i < HM_RPL; ++i)
 #pragma unroll
     for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
-  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(X, Wf, T, K, M, row0, k_begin + (int64_t)s * HM_KC, st[s]);
+  const HmLoader L = hm_loader(X, Wf, T, K, M, row0, k_begin, hm_smem);
+  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(L, s, s);
   for (int s = 0; s < ns; ++s) {
     // stage s has landed: the groups committed after it (at most NS - 2, fewer near the end) may still be in flight
     const int newer = min(HM_NS - 2, ns - 1 - s);
@@ -79,8 +124,7 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
     else if (newer == 1) asm volatile("cp.async.wait_group 1;\n" ::);
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
-    if (s + HM_NS - 1 < ns)
-      hm_load(X, Wf, T, K, M, row0, k_begin + (int64_t)(s + HM_NS - 1) * HM_KC, st[(s + HM_NS - 1) % HM_NS]);
+    if (s + HM_NS - 1 < ns) hm_load(L, s + HM_NS - 1, (s + HM_NS - 1) % HM_NS);
     const HmStage& S = st[s % HM_NS];
 #pragma unroll
     for (int k = c0; k < c0 + HM_HCOLS; k += 4) {
