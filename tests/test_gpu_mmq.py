@@ -454,6 +454,56 @@ def test_mmq_one_weights_buffer_gives_the_same_bits(qtype):
     assert np.array_equal(new, old) and np.array_equal(new_dense, old_dense)
 
 
+@pytest.mark.parametrize("x8", [0, 1])
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.Q2_K, Q.Q4_K])
+def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
+    """DS4_GPU_MMQ_XPTR=1 (v29): the four-CTA kernels find their activation rows once per CTA, not per stage, against
+    the per-stage form: every output bit, for expert tiles full and partial (1, 20, 65 rows) read through a row table
+    (the session's form: token rows quantized once) and as gathered rows, the dense form (one partial tile) and the
+    grouped one (8 groups: each group's columns start past the first), with 16-bit and 8-bit activations."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(29)
+    n_embd, n_ff, n_expert, T = 1024, 136, 6, 90
+    counts = [64, 1, 20, 65, 128, 33]
+    R = sum(counts)
+    w = gpu.upload(f"blk.0.ffn_gate_exps.xptr{qtype.name}", qtype, (n_embd, n_ff, n_expert),
+                   random_blocks(qtype, n_ff * n_expert, n_embd, rng))
+    wg = gpu.upload(f"blk.0.attn_output_a.xptr{qtype.name}", qtype, (256, 8 * 40),
+                    random_blocks(qtype, 8 * 40, 256, rng))
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    x_rows = rng.integers(0, T, R)
+    gathered = np.ascontiguousarray(x[x_rows])
+    xg = rng.standard_normal((70, 8 * 256)).astype(np.float32)
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    rows = torch.tensor(x_rows, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()  # torch's copies run on its stream; the extension's own stream does not wait for them
+
+    def experts(xs: np.ndarray, table: int) -> np.ndarray:
+        y = ext.Array.empty([R, n_ff])
+        y.fill(float("nan"))
+        assert ext.mmq_experts(w, ext.Array.from_numpy(xs), tiles.data_ptr(), tiles.shape[0], y, table)
+        return y.numpy()
+
+    def product(mode: int):
+        ext.set_mmq_xptr(mode)
+        ext.set_moe_x8(x8)
+        try:
+            return experts(x, rows.data_ptr()), experts(gathered, 0), run_mmq(w, gathered[:100]), run_mmq(wg, xg, 8)
+        finally:
+            ext.set_mmq_xptr(-1)
+            ext.set_moe_x8(-1)
+
+    old, new = product(0), product(1)
+    for a, b in zip(old, new):
+        assert np.isfinite(b).all()
+        assert np.array_equal(a, b)
+    assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
+
+
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)
@@ -513,6 +563,27 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
           f"rel {err:.2e} "
           f"({len(calls)} mmq calls)")
     assert err <= 1e-3
+
+
+def test_mmq_row_pointers_in_the_session(small_reference):
+    """DS4_GPU_MMQ_XPTR=1 in the session (small, 600 tokens in chunks of 256: the routed experts on mmq): every
+    position's logits bit for bit against the per-stage form."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m, toks, _ = small_reference
+    ext = gpu.load()
+
+    def logits(mode: int) -> np.ndarray:
+        ext.set_mmq_xptr(mode)
+        try:
+            return GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+        finally:
+            ext.set_mmq_xptr(-1)
+
+    assert np.array_equal(logits(1), logits(0))
 
 
 class _Counting:

@@ -90,6 +90,7 @@ XQ xq_at(uint8_t* base, int64_t nvec, int64_t n) {
   q.scale = (float*)(q.lo + align256(nvec * n));
   q.sum16 = (float*)((uint8_t*)q.scale + align256(nvec * n / 32 * 4));
   q.n = (int)n;
+  q.rows = nvec;
   return q;
 }
 
@@ -100,6 +101,7 @@ XQ take_xq(int64_t nvec, int64_t n) {
   q.scale = (float*)g_scratch.take(nvec * n / 32 * 4);
   q.sum16 = (float*)g_scratch.take(nvec * n / 16 * 4);
   q.n = (int)n;
+  q.rows = nvec;
   return q;
 }
 

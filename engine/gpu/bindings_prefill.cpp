@@ -195,6 +195,9 @@ void bind_prefill_products(py::module_& m) {
   m.def("set_mmq_four", &set_mmq_four, py::arg("mode"),
         "1: mmq's IQ2_XXS products with one decoded-weights buffer and four CTAs per SM, 0: three CTAs (the same "
         "bits); -1: $DS4_GPU_MMQ_FOUR again.");
+  m.def("set_mmq_xptr", &set_mmq_xptr, py::arg("mode"),
+        "1: mmq's four-CTA kernels find their activation rows once per CTA, 0: per stage (the same bits); -1: "
+        "$DS4_GPU_MMQ_XPTR again.");
 }
 
 }  // namespace ds4ext

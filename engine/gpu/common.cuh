@@ -86,6 +86,7 @@ struct XQ {
   float* scale = nullptr;
   float* sum16 = nullptr;
   int n = 0;
+  int64_t rows = 0;  // rows in the planes (xq_at / take_xq; 0: not known)
 };
 
 // ---- programmatic dependent launch (sm_90) ----
@@ -406,6 +407,7 @@ void launch_expert_tiles(const int64_t* counts, int E, int nt, int4* tiles, int 
 void set_mmq_straight(int v);  // 1/0: full fragments without per-fragment tests or with (the same bits); -1: env
 void set_mmq_min_mma(int mode);  // 2/1/0: the K-quants' min terms on the TF32 tensor cores (2: four CTAs per SM); -1: env
 void set_mmq_four(int mode);  // 1/0: IQ2_XXS with one weights' buffer and four CTAs per SM, or three; -1: env
+void set_mmq_xptr(int mode);  // 1/0: the four-CTA forms find their activation rows once per CTA, or per stage; -1: env
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).

@@ -141,6 +141,63 @@ __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, 
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// XP ($DS4_GPU_MMQ_XPTR, v29, prepared): this thread's activation rows found once per CTA, not per stage. A thread
+// loads rows (tid / 8) + 16 j (j < NT / 16) at columns 16 (tid % 8) of every stage, and, for tid < NT, the scales of
+// row tid. mmq_load_x recomputed each row's offset per stage, the routed experts' row table read again (LDG) and
+// 64-bit multiplies: 97 instructions for its 8 cp.async at NT = 64 (SASS, v29), of ~1470 in a Q2_K stage. Offsets are
+// 32-bit element offsets into the planes (mmq's launch checks rows x n < 2^31).
+template <int NT>
+struct MmqXRows {
+  static constexpr int J = NT * (MQ_KS / 16) / mq_threads<NT>();  // rows per thread: NT / 16
+  int off[J];     // x row times x.n, plus the tile's first column and this thread's 16 (tid % 8)
+  uint32_t ok;    // bit j: row j is inside the tile (else zero-filled)
+  int soff;       // tid < NT: the row's offset in the scale plane, x row times x.n / 32 plus the tile's column / 32
+  int s16off;     // the same in the K-quants' sums plane (x.n / 16 per row)
+  bool sok;
+};
+
+template <int NT>
+__device__ __forceinline__ MmqXRows<NT> mmq_x_rows(const MmqArgs& a, const MmqTile& tl) {
+  MmqXRows<NT> xr;
+  const int tid = threadIdx.x, c = (tid & 7) * 16;
+  xr.ok = 0;
+#pragma unroll
+  for (int j = 0; j < MmqXRows<NT>::J; ++j) {
+    const int t = (tid >> 3) + 16 * j;
+    const bool ok = t < tl.an;
+    const int64_t r = tl.a0 + (ok ? t : 0), row = a.x_rows ? __ldg(a.x_rows + r) : r;
+    xr.off[j] = (int)(row * a.x.n + tl.xcol0 + c);
+    xr.ok |= (uint32_t)ok << j;
+  }
+  xr.sok = tid < tl.an;
+  const int64_t r = tl.a0 + (xr.sok ? tid : 0), row = tid < NT ? (a.x_rows ? __ldg(a.x_rows + r) : r) : 0;
+  xr.soff = (int)(row * (a.x.n / 32) + tl.xcol0 / 32);
+  xr.s16off = (int)(row * (a.x.n / 16) + tl.xcol0 / 16);
+  return xr;
+}
+
+// mmq_load_x's loads from the rows found by mmq_x_rows (the same bytes to the same places).
+template <int QT, int NT, bool X8 = false>
+__device__ __forceinline__ void mmq_load_x_rows(const MmqArgs& a, const MmqXRows<NT>& xr, int k0, MmqXStage<NT>& st) {
+  const int tid = threadIdx.x, t0 = tid >> 3, c = (tid & 7) * 16;
+#pragma unroll
+  for (int j = 0; j < MmqXRows<NT>::J; ++j) {
+    const bool ok = (xr.ok >> j) & 1u;
+    const unsigned o = (unsigned)(xr.off[j] + k0);
+    cp16(&st.hi[t0 + 16 * j][c], a.x.hi + o, ok);
+    if constexpr (!X8) cp16(&st.lo[t0 + 16 * j][c], a.x.lo + o, ok);
+  }
+  if (tid < NT) {
+    cp16(&st.xs[tid][0], a.x.scale + (unsigned)(xr.soff + k0 / 32), xr.sok);
+    if constexpr (has_mins<QT>()) {
+      const unsigned o = (unsigned)(xr.s16off + k0 / 16);
+      cp16(&st.s16[tid][0], a.x.sum16 + o, xr.sok);
+      cp16(&st.s16[tid][4], a.x.sum16 + o + 4, xr.sok);
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
 // Raw blocks of this thread's (weight row, block) pairs of stage k0: pair p = tid + threads i, row p / 4, block p % 4.
 template <int QT, int NT>
 __device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, int k0, RawXb (&raw)[mq_pairs<NT>()]) {
@@ -225,7 +282,7 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 //
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
@@ -258,7 +315,13 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   // 8192-token layer that way, v14 call 3)
   const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
-  mmq_load_x<QT, NT, X8>(a, tl, 0, stx[0]);
+  MmqXRows<NT> xr;
+  if constexpr (XP) {
+    xr = mmq_x_rows<NT>(a, tl);
+    mmq_load_x_rows<QT, NT, X8>(a, xr, 0, stx[0]);
+  } else {
+    mmq_load_x<QT, NT, X8>(a, tl, 0, stx[0]);
+  }
   mmq_load_w<QT, NT>(a, tl, 0, raw);
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
   mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
@@ -267,7 +330,8 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
     const bool next = s + 1 < nstages;
     if (next) {
-      mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
+      if constexpr (XP) mmq_load_x_rows<QT, NT, X8>(a, xr, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
+      else mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
       mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
     }
     const MmqXStage<NT>& S = stx[s & 1];
@@ -384,16 +448,16 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
       }
 }
 
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW>,
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 // $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
@@ -405,24 +469,35 @@ static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
 // The same bits. set_mmq_four overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 
+// $DS4_GPU_MMQ_XPTR (v29, prepared: not yet run on a GPU; default 0): 1 the four-CTA forms (ONEW: the default Q2_K,
+// Q4_K and IQ2_XXS kernels) find their activation rows once per CTA (XP, mmq_x_rows) instead of per stage. The same
+// bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 0};
+
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
   const int mmin = mmq_min_mma_switch.get();
+  // XP's 32-bit offsets: planes of fewer than 2^31 elements (far more than a prefill chunk's), else the per-stage form
+  const bool xp = mmq_xptr_switch.get() != 0 && a.x.rows > 0 && a.x.rows * a.x.n < (int64_t{1} << 31);
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
       if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q2_K, NT, false, X8, true, true, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q2_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_Q4_K:
-      if (mmin == 2 && NT == 64) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
+      if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q4_K, NT, false, X8, true, true, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
+      if (NT == 64 && mmq_four_switch.get() && xp)
+        launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
+      else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
       break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
@@ -485,6 +560,7 @@ MmqArgs make_args(const Packed& w, const XQ& x, float* y, int64_t ldy, int T, in
 void set_mmq_straight(int v) { mmq_straight_override() = v < 0 ? -1 : (v != 0); }
 void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
 void set_mmq_four(int mode) { mmq_four_switch.set(mode); }
+void set_mmq_xptr(int mode) { mmq_xptr_switch.set(mode); }
 
 int mmq_tile_rows() {
   static const int rows = [] {
