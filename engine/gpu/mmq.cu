@@ -209,6 +209,35 @@ __device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, 
   }
 }
 
+// XP: this thread's weight rows' byte offsets in the codes' and scales' planes, found once per CTA (mmq_load_w
+// recomputed the row, its clamp and two 64-bit products per pair and stage). 32-bit: mmq's launch takes XP only for
+// planes under 4 GiB.
+template <int NT>
+struct MmqWRows {
+  uint32_t q[mq_pairs<NT>()], s[mq_pairs<NT>()];
+};
+
+template <int NT>
+__device__ __forceinline__ MmqWRows<NT> mmq_w_rows(const MmqArgs& a, const MmqTile& tl) {
+  MmqWRows<NT> wr;
+#pragma unroll
+  for (int i = 0; i < mq_pairs<NT>(); ++i) {
+    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2;
+    const int64_t r = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed on decode
+    wr.q[i] = (uint32_t)(r * a.w.qs_row);
+    wr.s[i] = (uint32_t)(r * a.w.sc_row);
+  }
+  return wr;
+}
+
+template <int QT, int NT>
+__device__ __forceinline__ void mmq_load_w_rows(const MmqArgs& a, const MmqWRows<NT>& wr, int k0,
+                                                RawXb (&raw)[mq_pairs<NT>()]) {
+#pragma unroll
+  for (int i = 0; i < mq_pairs<NT>(); ++i)
+    load_xb<QT>(a.w.qs + wr.q[i], a.w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
+}
+
 template <int QT, int NT>
 __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
                                              const unsigned long long* grid, MmqWStage& st) {
@@ -316,13 +345,16 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
   MmqXRows<NT> xr;
+  MmqWRows<NT> wr;
   if constexpr (XP) {
     xr = mmq_x_rows<NT>(a, tl);
+    wr = mmq_w_rows<NT>(a, tl);
     mmq_load_x_rows<QT, NT, X8>(a, xr, 0, stx[0]);
+    mmq_load_w_rows<QT, NT>(a, wr, 0, raw);
   } else {
     mmq_load_x<QT, NT, X8>(a, tl, 0, stx[0]);
+    mmq_load_w<QT, NT>(a, tl, 0, raw);
   }
-  mmq_load_w<QT, NT>(a, tl, 0, raw);
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
   mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
   for (int s = 0; s < nstages; ++s) {
@@ -330,9 +362,13 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
     const bool next = s + 1 < nstages;
     if (next) {
-      if constexpr (XP) mmq_load_x_rows<QT, NT, X8>(a, xr, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
-      else mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
-      mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
+      if constexpr (XP) {
+        mmq_load_x_rows<QT, NT, X8>(a, xr, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
+        mmq_load_w_rows<QT, NT>(a, wr, (s + 1) * MQ_KS, raw);
+      } else {
+        mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
+        mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
+      }
     }
     const MmqXStage<NT>& S = stx[s & 1];
     const MmqWStage& W = stw[ONEW ? 0 : s & 1];
@@ -470,15 +506,19 @@ static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
 static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 
 // $DS4_GPU_MMQ_XPTR (v29, prepared: not yet run on a GPU; default 0): 1 the four-CTA forms (ONEW: the default Q2_K,
-// Q4_K and IQ2_XXS kernels) find their activation rows once per CTA (XP, mmq_x_rows) instead of per stage. The same
-// bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
+// Q4_K and IQ2_XXS kernels) find their activation and weight rows once per CTA (XP: mmq_x_rows, mmq_w_rows) instead
+// of per stage. SASS per 128-column stage and thread: Q2_K 1475 -> 1099 instructions (64 IMMA), IQ2_XXS ~1000 -> 869
+// and its 20 bytes of spills gone (128 registers both). The same bits. set_mmq_xptr overrides it (0, 1; -1 the
+// environment).
 static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 0};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
   const int mmin = mmq_min_mma_switch.get();
-  // XP's 32-bit offsets: planes of fewer than 2^31 elements (far more than a prefill chunk's), else the per-stage form
-  const bool xp = mmq_xptr_switch.get() != 0 && a.x.rows > 0 && a.x.rows * a.x.n < (int64_t{1} << 31);
+  // XP's 32-bit offsets: activation planes of fewer than 2^31 elements (far more than a prefill chunk's) and weight
+  // planes under 4 GiB, else the per-stage form
+  const bool xp = mmq_xptr_switch.get() != 0 && a.x.rows > 0 && a.x.rows * a.x.n < (int64_t{1} << 31) &&
+                  a.w.nrows * a.w.qs_row < (int64_t{1} << 32) && a.w.nrows * a.w.sc_row < (int64_t{1} << 32);
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
