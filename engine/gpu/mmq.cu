@@ -21,6 +21,7 @@
 // decode), ~120 T float32-equivalent products/s; slower than the dequant + f16 GEMM path for large dense matrices,
 // faster end to end for the routed experts (the default there: no dequant pass, no padding). Tests:
 // tests/test_gpu_mmq.py; benchmark against the f16 GEMM path: python -m ds4.engine.gpu.bench_mmq.
+#include <cstddef>
 #include <cstdlib>
 #include <cuda_fp16.h>
 
@@ -324,8 +325,11 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  constexpr int NN = NT / 16;  // n8 fragments per warp: a warp's activation rows over 8
+  static_assert(offsetof(MmqXStage<NT>, lo) == NT * MQ_LD, "XP: the lo plane follows the hi plane");
   const int wm = (warp & 1) * 32, wn = (warp >> 1) * (NT / 2);  // this warp's weight rows and activation rows in the tile
+  // XP: this lane's B fragment row (activation row wn + lane % 8 of the hi plane, or of lo for lanes 16-31)
+  const int x_lane = ((lane & 16) ? NT * MQ_LD : 0) + (wn + (lane & 7)) * MQ_LD + 16 * ((lane >> 3) & 1);
+  constexpr int NN = NT / 16;  // n8 fragments per warp: a warp's activation rows over 8
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
   float acc[2][NN][4];
   int ih[S256 ? 2 : 1][S256 ? NN : 1][4], il[S256 ? 2 : 1][S256 ? NN : 1][4];  // S256: the super-block's int32 sums
@@ -399,6 +403,10 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
           uint32_t b2[2];
           ldsm_x2(b2, &S.hi[tr][kb]);
           bf[0] = b2[0], bf[1] = b2[1], bf[2] = bf[3] = 0u;
+        } else if constexpr (XP) {
+          // lanes 16-31 read the lo plane, which follows hi (static_assert below): a per-lane offset fixed for the
+          // kernel, so the address is one register plus immediates, not two sums and a select per fragment
+          ldsm_x4(bf, &S.hi[0][0] + x_lane + 8 * n * MQ_LD + 32 * b);
         } else {
           ldsm_x4(bf, (lane & 16) ? &S.lo[tr][kb] : &S.hi[tr][kb]);
         }
@@ -507,9 +515,11 @@ static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 
 // $DS4_GPU_MMQ_XPTR (v29, prepared: not yet run on a GPU; default 0): 1 the four-CTA forms (ONEW: the default Q2_K,
 // Q4_K and IQ2_XXS kernels) find their activation and weight rows once per CTA (XP: mmq_x_rows, mmq_w_rows) instead
-// of per stage. SASS per 128-column stage and thread: Q2_K 1475 -> 1099 instructions (64 IMMA), IQ2_XXS ~1000 -> 869
-// and its 20 bytes of spills gone (128 registers both). The same bits. set_mmq_xptr overrides it (0, 1; -1 the
-// environment).
+// of per stage, and the B fragments' shared addresses from one per-lane offset (x_lane). SASS per 128-column stage and
+// warp: Q2_K 1475 -> 1070 instructions (64 IMMA; 120 -> 128 registers), IQ2_XXS ~1420 -> ~1070 (its loop holds the
+// straight and the tested fragment forms, one of which runs; the spills, 20 bytes in the loop, now 8 outside it). If
+// mmq is issue-bound (v11's ncu; ~72% issue at v28's 6.31 ms per gate launch by this count), up to ~25% off its ~860
+// ms per 8192-token prefill. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 0};
 
 template <int NT, bool X8>
