@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
           ldsm_x2(b2, &S.hi[tr][kb]);
           bf[0] = b2[0], bf[1] = b2[1], bf[2] = bf[3] = 0u;
         } else if constexpr (XP) {
-          // lanes 16-31 read the lo plane, which follows hi (static_assert below): a per-lane offset fixed for the
+          // lanes 16-31 read the lo plane, which follows hi (the kernel's static_assert): a per-lane offset fixed for the
           // kernel, so the address is one register plus immediates, not two sums and a select per fragment
           ldsm_x4(bf, &S.hi[0][0] + x_lane + 8 * n * MQ_LD + 32 * b);
         } else {
