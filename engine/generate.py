@@ -68,6 +68,7 @@ def generate(
     the tokens produced so far. `logits`, if given, are the session's current logits for exactly
     `prompt_tokens` (skips the sync)."""
     result = Generation(prompt_tokens=len(prompt_tokens))
+    interrupt.forget()  # a Ctrl+C left pending by the previous generation's last step was meant for that one
     t0 = t1 = time.perf_counter()
     try:
         if logits is None:

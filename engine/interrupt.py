@@ -40,6 +40,11 @@ def install() -> None:
         signal.signal(signal.SIGINT, _on_sigint)
 
 
+def forget() -> None:
+    """Drop a pending Ctrl+C (one meant for work that has since ended)."""
+    _pending.clear()
+
+
 def check() -> None:
     """Raise the KeyboardInterrupt a Ctrl+C left pending, if any."""
     if _pending.is_set():

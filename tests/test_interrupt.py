@@ -65,10 +65,19 @@ def test_sigint_elsewhere_raises_at_once(installed):
     interrupt.check()  # nothing left pending
 
 
-def test_generate_ends_interrupted_on_a_pending_sigint(installed, tiny_model):
+def test_generate_ends_interrupted_on_a_sigint_caught_in_a_finalizer(installed, tiny_model):
+    """The Ctrl+C lands in a finalizer while the first token is handed out: the next step raises it."""
     from ds4.engine.session import Session
 
-    _signal_in_a_finalizer()
+    gen = generate(Session(tiny_model, ctx=64), [1, 5, 6], 8, Sampler(temperature=0),
+                   on_token=lambda _: _signal_in_a_finalizer())
+    assert gen.finish_reason == "interrupted" and len(gen.tokens) == 1
+
+
+def test_a_stale_pending_sigint_does_not_stop_the_next_generation(installed, tiny_model):
+    from ds4.engine.session import Session
+
+    _signal_in_a_finalizer()  # left pending by earlier work
     gen = generate(Session(tiny_model, ctx=64), [1, 5, 6], 8, Sampler(temperature=0))
-    assert gen.finish_reason == "interrupted" and gen.tokens == []
+    assert gen.finish_reason == "length" and len(gen.tokens) == 8
     interrupt.check()
