@@ -80,7 +80,8 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ring):
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
     leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
     idle, none at 9000 rows), with three or four stages in the cp.async ring (DS4_GPU_HC_MIX_RING; slices of one and
-    two stages included; the two rings' bits equal); a launch that needs a scratch and has none is refused; and in
+    two stages included) and the loads from per-thread pointers or per element (DS4_GPU_HC_MIX_PTRS), all four with
+    the same bits; a launch that needs a scratch and has none is refused; and in
     hc_pre (the rows form) under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
 
@@ -90,15 +91,18 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ring):
     S = K.ext.hc_mix_rows_splits(T, K_cols)
     assert (S > 1) == (T < 9000 and K_cols >= 256)
     scratch = torch.full((S, T, M), float("nan"), device=DEV)
-    other = torch.full_like(out, float("nan"))
+    others = [torch.full_like(out, float("nan")) for _ in range(3)]
     try:
-        for mode, dst in ((ring, out), (1 - ring, other)):
-            K.ext.set_hc_mix_ring(mode)
+        for (depth, ptrs), dst in zip(((ring, 0), (ring, 1), (1 - ring, 0), (1 - ring, 1)), [out] + others):
+            K.ext.set_hc_mix_ring(depth)
+            K.ext.set_hc_mix_ptrs(ptrs)
             K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, dst.data_ptr(), scratch.data_ptr())
         torch.cuda.synchronize()
     finally:
         K.ext.set_hc_mix_ring(-1)
-    assert torch.equal(out, other)  # the ring's depth moves the loads, not the sums
+        K.ext.set_hc_mix_ptrs(-1)
+    for other in others:  # the ring's depth and the loads' addressing (DS4_GPU_HC_MIX_PTRS) move loads, not sums
+        assert torch.equal(out, other)
     ref = X.double() @ Wf.double().T
     mag = X.double().abs() @ Wf.double().abs().T
     assert torch.isfinite(out).all()

@@ -80,6 +80,9 @@ void bind_fused_ops(py::module_& m) {
      "out [T, M] = X [T, K] . Wf [M, K]^T, float32 (device addresses; K a multiple of 128, M <= 24): the mHC's mix of "
      "prefill rows, X read once (DS4_GPU_HC_MIX); scratch: hc_mix_rows_splits(T, K) x T x M floats where that is > 1");
   m.def("hc_mix_rows_takes", &hc_mix_rows_takes, py::arg("K"), py::arg("M"));
+  m.def("set_hc_mix_ptrs", &set_hc_mix_ptrs, py::arg("mode"),
+        "hc_mix_rows' stage loads from per-thread pointers (1) or from each element's index (0), or as "
+        "$DS4_GPU_HC_MIX_PTRS says (-1); the same bits");
   m.def("set_hc_mix_ring", &set_hc_mix_ring, py::arg("mode"),
         "hc_mix_rows with four (1) or three (0) stages in its cp.async ring, or as $DS4_GPU_HC_MIX_RING says (-1); "
         "the same bits");

@@ -285,6 +285,7 @@ bool hc_mix_rows_takes(int64_t K, int M);
 // column slices of a T-row mix (1: none); with S > 1 the launch needs a scratch of S T M floats
 int hc_mix_rows_splits(int64_t T, int64_t K);
 void set_hc_mix_ring(int mode);  // 1/0: hc_mix_rows with four or three stages in its ring; -1: $DS4_GPU_HC_MIX_RING
+void set_hc_mix_ptrs(int mode);  // 1/0: hc_mix_rows' loads from per-thread pointers, or per element; -1: the env
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,

@@ -6,8 +6,8 @@
 #                                                synthetic Flash q2 GGUF is written to /dev/shm meanwhile, for:
 #   bash engine/gpu/device_prepared.sh session   the session A/Bs at 8192 tokens, one switch at a time and all together;
 #                                                the 32k prompt at chunks of 8192 and 16384 with the peak memory
-# Switches under test (v29): DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_RING, DS4_GPU_FOLD_SWIGLU (all three give the defaults'
-# bits; the tests check that).
+# Switches under test (v29): DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_RING, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU (each
+# gives the defaults' bits; the tests check that).
 set -u
 PHASE=${1:-kernels}
 source engine/gpu/device_env.sh
@@ -23,21 +23,23 @@ if [ "$PHASE" = kernels ]; then
   stamp mmq A/B
   for e in 0 1; do echo "DS4_GPU_MMQ_XPTR=$e"; DS4_GPU_MMQ_XPTR=$e timeout 60 $PY -m ds4.engine.gpu.bench_mmq 2>&1 \
     | cut -c1-100; done | tee "$OUT/mmq_xptr.log"
-  stamp hc_mix ring A/B
-  for e in 0 1; do
-    echo "DS4_GPU_HC_MIX_RING=$e"
-    for t in 8192 2048; do DS4_GPU_HC_MIX_RING=$e timeout 60 $PY -m ds4.engine.gpu.bench_hc --prefill-mix $t 2>&1 \
-      | tail -3; done
-  done | tee "$OUT/hc_mix_ring.log"
+  stamp hc_mix A/B: ring depth, pointer loads
+  for v in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $v
+    echo "DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2"
+    for t in 8192 2048; do DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2 timeout 60 $PY -m ds4.engine.gpu.bench_hc \
+      --prefill-mix $t 2>&1 | tail -3; done
+  done | tee "$OUT/hc_mix.log"
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
 else
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
   stamp session A/B at 8192 tokens
+  # the hc_mix pair as one setting (bench_hc in the kernels call says which of the two helps)
   for v in "0 0 0" "1 0 0" "0 1 0" "0 0 1" "1 1 1"; do
     set -- $v
-    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_FOLD_SWIGLU=$3"
-    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 90 $PY -m ds4.engine.gpu.bench_session \
-      $G --ctx --prefill 8192 --prefill-runs 3 2>&1 | grep -E "^prefill|copy" | cut -c1-200
+    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3"
+    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 90 $PY -m \
+      ds4.engine.gpu.bench_session $G --ctx --prefill 8192 --prefill-runs 3 2>&1 | grep -E "^prefill|copy" | cut -c1-200
   done | tee "$OUT/session_ab.log"
   stamp 32k prompt: chunks of 8192 and 16384
   for c in 8192 16384; do

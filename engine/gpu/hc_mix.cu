@@ -15,7 +15,8 @@
 // 2048 rows: 0.248 / 0.070 ms at 8192 / 2048 rows (1.09x / 1.13x torch's GEMM). Predicted ~0.1 ms at 8192 (the FMA
 // pipes; reading X ~0.12): both v28 forms take ~1.9 us per stage and CTA whatever their load counts, so the loads'
 // issue is not the bound (about half the copy rate per SM; not yet profiled).
-// v29 (prepared, not yet run on a GPU): the loads' addresses from per-thread pointers and masks (HmLoader): the stage
+// v29 ($DS4_GPU_HC_MIX_PTRS=1, prepared, not yet run on a GPU): the loads' addresses from per-thread pointers and
+// masks (HmLoader): the stage
 // loop's SASS 939 instructions per thread (768 FFMA, 56 LDS.128) against ~1330, 180 registers against 204. If the
 // stage is issue-bound (8 warps, 2 per scheduler), ~1.3 us instead of ~1.9 (0.248 -> ~0.18 ms per 8192-row call).
 // Shared rows of 132 floats: a quarter-warp's x loads (8 rows) start 4 banks apart, all 32 banks once.
@@ -44,10 +45,28 @@ static_assert(4 * sizeof(HmStage) <= 227 * 1024, "a four-stage ring fits an SM")
 static_assert(HM_THREADS == 256 && HM_KC == 128 && HM_ROWS % 8 == 0 && HM_M % 8 == 0,
               "hm_load: 32 threads cover a row's 128 columns, 8 rows per pass");
 
-// A thread's share of a stage's loads, fixed for the whole kernel: X rows lr + 8 j (j < 8) and Wf rows lr + 8 j (j < 3)
-// at columns lc .. lc + 3 of each stage, lr = tid / 32, lc = 4 (tid % 32). Why kept: computed per stage from the
-// element index (64-bit row times K for each of 11 cp.async), the loads took ~300 of a thread's ~1200 instructions
-// per stage (SASS, v29); from these pointers and masks each cp.async costs a 64-bit add and a select.
+// Stage loads as v28 ran them (DS4_GPU_HC_MIX_PTRS=0): each element's row and column from its index, every stage.
+__device__ __forceinline__ void hm_load_elements(const float* X, const float* Wf, int64_t T, int64_t K, int M,
+                                                 int64_t row0, int64_t k0, HmStage& st) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < HM_ROWS * (HM_KC / 4); i += HM_THREADS) {
+    const int r = i / (HM_KC / 4), c = 4 * (i % (HM_KC / 4));
+    const bool ok = row0 + r < T;
+    cp16(&st.x[r][c], X + (row0 + (ok ? r : 0)) * K + k0 + c, ok);
+  }
+  for (int i = tid; i < HM_M * (HM_KC / 4); i += HM_THREADS) {
+    const int o = i / (HM_KC / 4), c = 4 * (i % (HM_KC / 4));
+    const bool ok = o < M;
+    cp16(&st.w[o][c], Wf + (int64_t)(ok ? o : 0) * K + k0 + c, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// DS4_GPU_HC_MIX_PTRS=1 (v29, prepared): a thread's share of a stage's loads, fixed for the whole kernel: X rows
+// lr + 8 j (j < 8) and Wf rows lr + 8 j (j < 3) at columns lc .. lc + 3 of each stage, lr = tid / 32, lc = 4 (tid % 32).
+// Why kept: computed per stage from the element index (64-bit row times K for each of 11 cp.async), the loads took
+// ~300 of a thread's ~1200 instructions per stage (SASS, v29); from these pointers and masks each cp.async costs a
+// 64-bit add and a select.
 struct HmLoader {
   const float* x;  // X + (row0 + lr) K + lc + k_begin
   const float* w;  // Wf + lr K + lc + k_begin
@@ -99,7 +118,7 @@ __device__ __forceinline__ void hm_load(const HmLoader& L, int s, int b) {
 
 // Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o]. NS:
 // stages in the ring (NS - 1 in flight).
-template <int NS>
+template <int NS, bool PTRS>
 __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float* X, const float* Wf, int64_t T,
                                                                     int64_t K, int M, int ns, float* out,
                                                                     float* scratch) {
@@ -116,7 +135,11 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
 #pragma unroll
     for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
   const HmLoader L = hm_loader(X, Wf, T, K, M, row0, k_begin, hm_smem);
-  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) hm_load(L, s, s);
+  auto load = [&](int s) {  // stage s into ring buffer s % NS
+    if constexpr (PTRS) hm_load(L, s, s % HM_NS);
+    else hm_load_elements(X, Wf, T, K, M, row0, k_begin + (int64_t)s * HM_KC, st[s % HM_NS]);
+  };
+  for (int s = 0; s < HM_NS - 1 && s < ns; ++s) load(s);
   for (int s = 0; s < ns; ++s) {
     // stage s has landed: the groups committed after it (at most NS - 2, fewer near the end) may still be in flight
     const int newer = min(HM_NS - 2, ns - 1 - s);
@@ -124,7 +147,7 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
     else if (newer == 1) asm volatile("cp.async.wait_group 1;\n" ::);
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
-    if (s + HM_NS - 1 < ns) hm_load(L, s + HM_NS - 1, (s + HM_NS - 1) % HM_NS);
+    if (s + HM_NS - 1 < ns) load(s + HM_NS - 1);
     const HmStage& S = st[s % HM_NS];
 #pragma unroll
     for (int k = c0; k < c0 + HM_HCOLS; k += 4) {
@@ -168,26 +191,31 @@ __global__ void hc_mix_sum_kernel(const float* scratch, int64_t n, int S, float*
   out[i] = sum;
 }
 
-template <int NS>
+template <int NS, bool PTRS>
 void launch_ring(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int64_t T, int64_t K, int M, int ns,
                  float* out, float* scratch) {
   const size_t shm = NS * sizeof(HmStage);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel<NS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
+    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel<NS, PTRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)shm));
     shm_set = true;
   }
-  hc_mix_rows_kernel<NS><<<grid, HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns, out, scratch);
+  hc_mix_rows_kernel<NS, PTRS><<<grid, HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns, out, scratch);
 }
 
 // $DS4_GPU_HC_MIX_RING (v28, prepared, default 0): 1 four stages in the ring (three in flight: the v3 kernel moves ~24
 // GB/s per SM, about half the copy rate, with two), 0 three. The same bits (only the loads' timing changes).
 // set_hc_mix_ring overrides it (0, 1; -1 the environment).
 EnvSwitch hc_mix_ring_switch{"DS4_GPU_HC_MIX_RING", 1, 0};
+// $DS4_GPU_HC_MIX_PTRS (v29, prepared, default 0): 1 the stage loads from per-thread pointers and masks (HmLoader), 0
+// from each element's index (v28). The same bits. set_hc_mix_ptrs overrides it (0, 1; -1 the environment).
+EnvSwitch hc_mix_ptrs_switch{"DS4_GPU_HC_MIX_PTRS", 1, 0};
 
 }  // namespace
 
 void set_hc_mix_ring(int mode) { hc_mix_ring_switch.set(mode); }
+void set_hc_mix_ptrs(int mode) { hc_mix_ptrs_switch.set(mode); }
 
 bool hc_mix_rows_takes(int64_t K, int M) { return K >= HM_KC && K % HM_KC == 0 && M >= 1 && M <= HM_M; }
 
@@ -210,8 +238,11 @@ void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, i
                                 " column slices and need a scratch of S T M floats (hc_mix_rows_splits)");
   const int ns = (int)(K / HM_KC / S);
   const dim3 grid((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S);
-  if (hc_mix_ring_switch.get()) launch_ring<4>(grid, s, X, Wf, T, K, M, ns, out, scratch);
-  else launch_ring<3>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  const bool ring4 = hc_mix_ring_switch.get() != 0, ptrs = hc_mix_ptrs_switch.get() != 0;
+  if (ring4 && ptrs) launch_ring<4, true>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  else if (ring4) launch_ring<4, false>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  else if (ptrs) launch_ring<3, true>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  else launch_ring<3, false>(grid, s, X, Wf, T, K, M, ns, out, scratch);
   DS4_CHECK_LAUNCH("hc_mix_rows");
   if (S > 1) {
     const int64_t n = T * M;
