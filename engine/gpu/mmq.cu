@@ -518,8 +518,8 @@ static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 // of per stage, and the B fragments' shared addresses from one per-lane offset (x_lane). SASS per 128-column stage and
 // warp: Q2_K 1475 -> 1070 instructions (64 IMMA; 120 -> 128 registers), IQ2_XXS ~1420 -> ~1070 (its loop holds the
 // straight and the tested fragment forms, one of which runs; the spills, 20 bytes in the loop, now 8 outside it). If
-// mmq is issue-bound (v11's ncu; ~80% issue-busy at v28's 6.31 ms per gate launch by this count), up to ~25% off its ~860
-// ms per 8192-token prefill. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
+// mmq is issue-bound (v11's ncu; ~80% issue-busy at v28's 6.31 ms per gate launch by this count), up to ~25% off its
+// ~860 ms per 8192-token prefill. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 0};
 
 template <int NT, bool X8>
