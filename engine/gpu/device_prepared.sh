@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # Device calls for what a session prepared without a GPU (NOTES.md, "Prepared for the next session"). Logs to $OUT;
-# each step is time-boxed so a call ends inside the device's 10 minutes.
-#   bash engine/gpu/device_prepared.sh kernels   build; the GPU test files that cover the prepared items and the code
-#                                                rewritten since the last run; the kernel A/Bs (~7 minutes cold). The
-#                                                synthetic Flash q2 GGUF is written to /dev/shm meanwhile, for:
-#   bash engine/gpu/device_prepared.sh session   the session A/Bs at 8192 tokens, one switch at a time and all together;
-#                                                the 32k prompt at chunks of 8192 and 16384 with the peak memory
+# each step is time-boxed so a call stays well inside the device's 10 minutes. Run the phases in order, each within
+# 30 s of the last (a warm machine keeps the build and the GGUF in /dev/shm):
+#   bash engine/gpu/device_prepared.sh kernels   build; the kernel-level GPU tests of the prepared items; the bench_mmq
+#                                                and bench_hc A/Bs; the synthetic Flash q2 GGUF written meanwhile
+#   bash engine/gpu/device_prepared.sh session   the session-level GPU tests; the session A/Bs at 8192 tokens, one
+#                                                switch at a time and all together
+#   bash engine/gpu/device_prepared.sh chunk     the 32k prompt at chunks of 8192 and 16384, with the peak memory
 # Switches under test (v29): DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_RING, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU (each
 # gives the defaults' bits; the tests check that).
 set -u
 PHASE=${1:-kernels}
+case "$PHASE" in kernels|session|chunk) ;; *) echo "usage: $0 kernels|session|chunk" >&2; exit 2 ;; esac
 source engine/gpu/device_env.sh
 start_synth
 stamp build; $PY engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 G=/dev/shm/flash-q2.gguf
+tests() {  # tests LOG SECONDS FILES...: pytest under a time box, its summary and failures printed
+  local log=$1 secs=$2; shift 2
+  timeout "$secs" $PY -m pytest -q -p no:cacheprovider -W ignore "$@" > "$OUT/$log" 2>&1
+  grep -E "passed|failed|error" "$OUT/$log" | tail -2; grep -E "^FAILED|^ERROR" "$OUT/$log" | head -20
+}
 if [ "$PHASE" = kernels ]; then
-  stamp tests
-  timeout 300 $PY -m pytest -q -p no:cacheprovider -W ignore tests/test_gpu_mmq.py tests/test_gpu_fused.py \
-    tests/test_gpu_topk.py tests/test_gpu_indexer.py tests/test_gpu_bench_hc.py tests/test_gpu_prefill.py \
-    tests/test_gpu_session_cuda.py > "$OUT/tests.log" 2>&1
-  grep -E "passed|failed|error" "$OUT/tests.log" | tail -3; grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -20
+  stamp kernel tests
+  tests tests_kernels.log 220 tests/test_gpu_mmq.py tests/test_gpu_fused.py tests/test_gpu_topk.py \
+    tests/test_gpu_indexer.py tests/test_gpu_bench_hc.py
   stamp mmq A/B
   for e in 0 1; do echo "DS4_GPU_MMQ_XPTR=$e"; DS4_GPU_MMQ_XPTR=$e timeout 60 $PY -m ds4.engine.gpu.bench_mmq 2>&1 \
     | cut -c1-100; done | tee "$OUT/mmq_xptr.log"
@@ -27,23 +32,27 @@ if [ "$PHASE" = kernels ]; then
   for v in "0 0" "1 0" "0 1" "1 1"; do
     set -- $v
     echo "DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2"
-    for t in 8192 2048; do DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2 timeout 60 $PY -m ds4.engine.gpu.bench_hc \
+    for t in 8192 2048; do DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2 timeout 40 $PY -m ds4.engine.gpu.bench_hc \
       --prefill-mix $t 2>&1 | tail -3; done
   done | tee "$OUT/hc_mix.log"
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
-else
+elif [ "$PHASE" = session ]; then
+  stamp session tests
+  tests tests_session.log 200 tests/test_gpu_prefill.py tests/test_gpu_session_cuda.py
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
   stamp session A/B at 8192 tokens
   # the hc_mix pair as one setting (bench_hc in the kernels call says which of the two helps)
   for v in "0 0 0" "1 0 0" "0 1 0" "0 0 1" "1 1 1"; do
     set -- $v
     echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3"
-    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 90 $PY -m \
+    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 70 $PY -m \
       ds4.engine.gpu.bench_session $G --ctx --prefill 8192 --prefill-runs 3 2>&1 | grep -E "^prefill|copy" | cut -c1-200
   done | tee "$OUT/session_ab.log"
+else
+  stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
   stamp 32k prompt: chunks of 8192 and 16384
   for c in 8192 16384; do
-    timeout 120 $PY -m ds4.engine.gpu.bench_session $G --ctx --prefill 32768 --prefill-runs 2 --prefill-chunk $c 2>&1 \
+    timeout 150 $PY -m ds4.engine.gpu.bench_session $G --ctx --prefill 32768 --prefill-runs 2 --prefill-chunk $c 2>&1 \
       | grep -E "^prefill" | cut -c1-250
   done | tee "$OUT/chunk32k.log"
 fi
