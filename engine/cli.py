@@ -616,7 +616,7 @@ def _run(argv) -> int:
 
 
 def main(argv=None) -> int:
-    interrupt.install()  # a Ctrl+C is never swallowed by a finalizer: generate() raises it at the next token
+    previous = interrupt.install()  # a Ctrl+C is never swallowed by a finalizer: generate() raises it at the next token
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except CliError as e:
@@ -631,6 +631,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        interrupt.restore(previous)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,18 @@ def _on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def install() -> None:
-    """Handle SIGINT as above (from the main thread; elsewhere a no-op, as signal handlers live there)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_sigint)
+def install():
+    """Handle SIGINT as above; returns the handler it replaced, for `restore`. From the main thread (elsewhere a
+    no-op returning None, as signal handlers live there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, _on_sigint)
+
+
+def restore(previous) -> None:
+    """Put back the handler `install` replaced (None: nothing was installed)."""
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)
 
 
 def forget() -> None:

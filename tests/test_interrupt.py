@@ -18,10 +18,12 @@ from ds4.engine.sampling import Sampler
 @pytest.fixture()
 def installed():
     old = signal.getsignal(signal.SIGINT)
-    interrupt.install()
+    previous = interrupt.install()
+    assert previous is old
     yield
-    signal.signal(signal.SIGINT, old)
-    interrupt._pending.clear()
+    interrupt.restore(previous)
+    assert signal.getsignal(signal.SIGINT) is old
+    interrupt.forget()
 
 
 class SignalledInFinalizer:
