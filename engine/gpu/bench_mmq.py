@@ -2,8 +2,9 @@
 default exact path of weights.py (dequant to float16 hi + lo, the activation split, three float16 GEMMs), on random
 weights at Flash shapes for T activation rows. Prints milliseconds per product (the peer with and without its dequant
 pass), the float32-equivalent TFLOP/s and the ratio; for the expert types also the float16 tensor-core kernel on the
-codes as exact integers (mmf.cu, one expert of T rows, its activation split included). Needs a CUDA device and the
-built extension."""
+codes as exact integers (mmf.cu, one expert of T rows, its activation split included). `--experts`: the routed
+experts' launches as the session makes them, with DS4_GPU_MMQ_XPTR off and on. Needs a CUDA device and the built
+extension."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ def random_weight(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
 
 
 def main(argv=None) -> int:
-    args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows")
+    def extra(ap):
+        ap.add_argument("--experts", action="store_true",
+                        help="instead: the routed experts as the session launches them (T tokens x 6 of 256 Flash "
+                             "experts: the IQ2_XXS gate through the token-row table, the Q2_K down from the SwiGLU "
+                             "source), each with mmq's rows found per stage and once per CTA (DS4_GPU_MMQ_XPTR 0 / 1)")
+
+    args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows (--experts: tokens)", extra)
     if args is None:
         return 2
     from . import load, upload
@@ -42,6 +49,8 @@ def main(argv=None) -> int:
     ext = load()
     rng = np.random.default_rng(0)
     T = args.tokens
+    if args.experts:
+        return bench_experts(ext, upload, T, args.reps, rng)
     from .moe_gemm import expert_tiles, mmf_activations
 
     print(f"{'matrix':<24} {'mmq ms':>8} {'peer ms':>8} {'(GEMMs)':>8} {'mmq TF/s':>9} {'peer / mmq':>11} {'mmf ms':>7} "
@@ -79,6 +88,60 @@ def main(argv=None) -> int:
         print(f"{name:<24} {t_mmq:8.2f} {t_peer:8.2f} {t_gemm:8.2f} {tf:9.0f} {t_peer / t_mmq:11.2f} {mmf}  "
               f"(mmq rel to peer {err:.1e})")
     return 0
+
+
+def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> int:
+    """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on in this process (and whether the
+    two give the same bits); the quantization of the launch's activations is included, as in the session."""
+    from .moe_gemm import expert_tiles
+
+    n_embd, n_ff, n_expert, k = 4096, 2048, 256, 6
+    gate = upload("bench.ffn_gate_exps", int(Q.IQ2_XXS), (n_embd, n_ff, n_expert),
+                  random_weight(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng))
+    down = upload("bench.ffn_down_exps", int(Q.Q2_K), (n_ff, n_embd, n_expert),
+                  random_weight(Q.Q2_K, n_embd * n_expert, n_ff, rng))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.rand(T, n_expert, device="cuda", generator=gen).argsort(dim=1)[:, :k]  # k distinct experts per token
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_expert).cpu().tolist()
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    rows = (order // k).contiguous()
+    R = T * k
+    x = torch.randn(T, n_embd, device="cuda", generator=gen)
+    g, u = torch.empty(R, n_ff, device="cuda"), torch.empty(R, n_ff, device="cuda")
+    y = torch.empty(R, n_embd, device="cuda")
+    wts = torch.rand(R, device="cuda", generator=gen)
+    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
+    ext.set_stream(torch.cuda.current_stream().cuda_stream)
+
+    def gate_launch():
+        assert ext.mmq_experts(gate, arr(x), tiles.data_ptr(), tiles.shape[0], arr(g), rows.data_ptr())
+
+    def down_launch():  # the session's form: h = swiglu(g, u) times the routing weights, quantized from g and u
+        assert ext.mmq_experts(down, arr(g), tiles.data_ptr(), tiles.shape[0], arr(y), up=arr(u), limit=10.0,
+                               row_w=wts.data_ptr(), row_of=order.data_ptr())
+
+    ext.mmq_experts(gate, arr(x), tiles.data_ptr(), tiles.shape[0], arr(u), rows.data_ptr())  # an up stand-in
+    print(f"routed experts, {T} tokens x {k} of {n_expert} ({tiles.shape[0]} activation tiles of "
+          f"{ext.mmq_tile_rows()} rows): ms per launch")
+    times, outs = {}, {}
+    try:
+        for mode in (0, 1):
+            ext.set_mmq_xptr(mode)
+            times[mode] = (time_ms(gate_launch, reps), time_ms(down_launch, reps))
+            torch.cuda.synchronize()
+            outs[mode] = (g.clone(), y.clone())
+    finally:
+        ext.set_mmq_xptr(-1)
+    same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    for mode in (0, 1):
+        tg, td = times[mode]
+        print(f"  DS4_GPU_MMQ_XPTR={mode}: gate (IQ2_XXS) {tg:6.2f}   down (Q2_K) {td:6.2f}   per 43-layer prefill "
+              f"(gate, up, down) {43 * (2 * tg + td):7.1f} ms")
+    (g0, d0), (g1, d1) = times[0], times[1]
+    print(f"  XPTR=1 / XPTR=0: gate {g1 / g0:.3f}, down {d1 / d0:.3f}; the same bits: {'yes' if same else 'NO'}")
+    return 0 if same else 1
 
 
 def _mmf_column(ext, name, qtype, raw, rows, x, reps, t_peer, want, expert_tiles, mmf_activations) -> str:

@@ -2,8 +2,9 @@
 # Device calls for what a session prepared without a GPU (NOTES.md, "Prepared for the next session"). Logs to $OUT;
 # each step is time-boxed so a call stays well inside the device's 10 minutes. Run the phases in order, each within
 # 30 s of the last (a warm machine keeps the build and the GGUF in /dev/shm):
-#   bash engine/gpu/device_prepared.sh kernels   build; the kernel-level GPU tests of the prepared items; the bench_mmq
-#                                                and bench_hc A/Bs; the synthetic Flash q2 GGUF written meanwhile
+#   bash engine/gpu/device_prepared.sh kernels   build; the kernel-level GPU tests of the prepared items; the A/Bs of
+#                                                bench_mmq --experts and bench_hc; the synthetic Flash q2 GGUF written
+#                                                meanwhile
 #   bash engine/gpu/device_prepared.sh session   the session-level GPU tests; the session A/Bs at 8192 tokens, one
 #                                                switch at a time and all together
 #   bash engine/gpu/device_prepared.sh chunk     the 32k prompt at chunks of 8192 and 16384, with the peak memory
@@ -25,9 +26,8 @@ if [ "$PHASE" = kernels ]; then
   stamp kernel tests
   tests tests_kernels.log 220 tests/test_gpu_mmq.py tests/test_gpu_fused.py tests/test_gpu_topk.py \
     tests/test_gpu_indexer.py tests/test_gpu_bench_hc.py
-  stamp mmq A/B
-  for e in 0 1; do echo "DS4_GPU_MMQ_XPTR=$e"; DS4_GPU_MMQ_XPTR=$e timeout 60 $PY -m ds4.engine.gpu.bench_mmq 2>&1 \
-    | cut -c1-100; done | tee "$OUT/mmq_xptr.log"
+  stamp mmq A/B: the routed experts as the session launches them, XPTR off and on in one process
+  timeout 120 $PY -m ds4.engine.gpu.bench_mmq --experts 2>&1 | tee "$OUT/mmq_xptr.log"
   stamp hc_mix A/B: ring depth, pointer loads
   for v in "0 0" "1 0" "0 1" "1 1"; do
     set -- $v
