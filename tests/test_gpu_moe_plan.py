@@ -77,3 +77,18 @@ def test_mmf_activations_layout(qtype, group):
     want = (x.double() / xa.s.double()).view(5, 2, n, group).sum(-1)
     assert torch.allclose(sums[..., :n], want, rtol=0, atol=1e-6 * group)
     assert (sums[..., n:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_expert_counts_equal_bincount(dtype):
+    """moe_gemm.expert_counts (the device tile table's counts, without bincount's host sync) counts as bincount does,
+    unused experts included, for the router's int32 ids as for int64."""
+    torch = pytest.importorskip("torch")
+    from ds4.engine.gpu.moe_gemm import expert_counts
+
+    rng = np.random.default_rng(5)
+    ids = torch.from_numpy(rng.choice(200, size=(300, 6)).astype(dtype))  # experts 200..255 unused
+    got = expert_counts(ids, 256)
+    assert got.dtype == torch.int64 and got.shape == (256,)
+    assert torch.equal(got, torch.bincount(ids.reshape(-1).long(), minlength=256))
+    assert int(got[200:].sum()) == 0 and int(got.sum()) == ids.numel()

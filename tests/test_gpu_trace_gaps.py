@@ -72,3 +72,20 @@ def test_cli_reads_a_gzipped_trace_and_rejects_a_trace_without_device_events(tmp
     out = subprocess.run([sys.executable, "-m", "ds4.engine.gpu.trace_gaps", str(tmp_path / "bad.json")],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_host_sync_sites_name_the_waiting_lines():
+    """host_sync_sites on real CUDA work: an .item() and torch.bincount each make the host wait and are named by
+    their line; moe_gemm.expert_counts, which replaced bincount in the routed experts' tile table, makes none."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from ds4.engine.gpu.moe_gemm import expert_counts
+
+    ids = torch.randint(0, 256, (4096, 6), device="cuda")
+    item = trace_gaps.host_sync_sites(lambda: ids.sum().item())
+    assert list(item) and all("ids.sum().item()" in site for site in item)
+    counted = trace_gaps.host_sync_sites(lambda: torch.bincount(ids.reshape(-1), minlength=256))
+    assert any("torch.bincount" in site for site in counted)
+    assert trace_gaps.host_sync_sites(lambda: expert_counts(ids, 256)) == {}
+    assert torch.equal(expert_counts(ids, 256), torch.bincount(ids.reshape(-1), minlength=256))

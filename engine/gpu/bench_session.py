@@ -96,6 +96,13 @@ def prefill_gaps(model, W, n: int, chunk: int, rng, keep: str | None) -> dict:
     print(f"prefill {n} under the profiler (after a warm-up of the same length): {dt:.2f} s", flush=True)
     trace_gaps.report(r)
     r["wall_s"] = dt
+
+    def again():
+        s.invalidate()
+        s.sync(toks)
+
+    r["sync_sites"] = trace_gaps.host_sync_sites(again)
+    trace_gaps.report_sync_sites(r["sync_sites"])
     return r
 
 
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-top", type=int, default=40, metavar="K",
                     help="with --profile-prefill: rows of the kernel and operator tables (default 40)")
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
-                    help="also trace one prefill of N tokens (host and device) and print where the device idles")
+                    help="also trace one prefill of N tokens (host and device) and print where the device idles"
+                         " and which lines made the host wait")
     ap.add_argument("--gaps-trace", help="with --gaps: keep that chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
     if not 1 <= args.profile_top <= 1000:

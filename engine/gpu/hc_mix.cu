@@ -15,10 +15,9 @@
 // 2048 rows: 0.248 / 0.070 ms at 8192 / 2048 rows (1.09x / 1.13x torch's GEMM). Predicted ~0.1 ms at 8192 (the FMA
 // pipes; reading X ~0.12): both v28 forms take ~1.9 us per stage and CTA whatever their load counts, so the loads'
 // issue is not the bound (about half the copy rate per SM; not yet profiled).
-// v29 ($DS4_GPU_HC_MIX_PTRS=1, prepared, not yet run on a GPU): the loads' addresses from per-thread pointers and
-// masks (HmLoader): the stage
-// loop's SASS 939 instructions per thread (768 FFMA, 56 LDS.128) against ~1330, 180 registers against 204. If the
-// stage is issue-bound (8 warps, 2 per scheduler), ~1.3 us instead of ~1.9 (0.248 -> ~0.18 ms per 8192-row call).
+// v29 ($DS4_GPU_HC_MIX_PTRS=1, the default since v30): the loads' addresses from per-thread pointers and masks
+// (HmLoader): the stage loop's SASS 939 instructions per thread (768 FFMA, 56 LDS.128) against ~1330, 180 registers
+// against 204; 0.226 ms per 8192-row call against 0.248 (predicted ~0.18 if the stage were issue-bound: it is not).
 // Shared rows of 132 floats: a quarter-warp's x loads (8 rows) start 4 banks apart, all 32 banks once.
 #include <cstddef>
 
@@ -208,9 +207,10 @@ void launch_ring(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int
 // GB/s per SM, about half the copy rate, with two), 0 three. The same bits (only the loads' timing changes).
 // set_hc_mix_ring overrides it (0, 1; -1 the environment).
 EnvSwitch hc_mix_ring_switch{"DS4_GPU_HC_MIX_RING", 1, 0};
-// $DS4_GPU_HC_MIX_PTRS (v29, prepared, default 0): 1 the stage loads from per-thread pointers and masks (HmLoader), 0
-// from each element's index (v28). The same bits. set_hc_mix_ptrs overrides it (0, 1; -1 the environment).
-EnvSwitch hc_mix_ptrs_switch{"DS4_GPU_HC_MIX_PTRS", 1, 0};
+// $DS4_GPU_HC_MIX_PTRS (v29; default 1 since v30): 1 the stage loads from per-thread pointers and masks (HmLoader), 0
+// from each element's index (v28). Measured (v30, bench_hc --prefill-mix): 0.248 -> 0.226 ms at 8192 rows, 0.070 ->
+// 0.065 at 2048. The same bits. set_hc_mix_ptrs overrides it (0, 1; -1 the environment).
+EnvSwitch hc_mix_ptrs_switch{"DS4_GPU_HC_MIX_PTRS", 1, 1};
 
 }  // namespace
 

@@ -513,14 +513,16 @@ static EnvSwitch mmq_min_mma_switch{"DS4_GPU_MMQ_MINMMA", 2, 2};
 // The same bits. set_mmq_four overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 
-// $DS4_GPU_MMQ_XPTR (v29, prepared: not yet run on a GPU; default 0): 1 the four-CTA forms (ONEW: the default Q2_K,
+// $DS4_GPU_MMQ_XPTR (v29; default 1 since v30): 1 the four-CTA forms (ONEW: the default Q2_K,
 // Q4_K and IQ2_XXS kernels) find their activation and weight rows once per CTA (XP: mmq_x_rows, mmq_w_rows) instead
 // of per stage, and the B fragments' shared addresses from one per-lane offset (x_lane). SASS per 128-column stage and
 // warp: Q2_K 1475 -> 1070 instructions (64 IMMA; 120 -> 128 registers), IQ2_XXS ~1420 -> ~1070 (its loop holds the
 // straight and the tested fragment forms, one of which runs; the spills, 20 bytes in the loop, now 8 outside it). If
 // mmq is issue-bound (v11's ncu; ~80% issue-busy at v28's 6.31 ms per gate launch by this count), up to ~25% off its
-// ~860 ms per 8192-token prefill. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
-static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 0};
+// ~860 ms per 8192-token prefill. Measured (v30, bench_mmq --experts): the gate 6.31 -> 5.51 ms, the down 7.69 ->
+// 7.77 (not issue-bound: ncu puts it on fixed-latency and shared-load waits at 4 warps per scheduler); an 8192-token
+// prefill 4728 -> 4852 t/s. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {

@@ -172,6 +172,15 @@ def routed_experts(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: t
 TILE_FILL = {"rows": 0, "slots": 0}
 
 
+def expert_counts(flat: torch.Tensor, n_expert: int) -> torch.Tensor:
+    """Assignments per expert (int64 [n_expert]) with no host sync. torch.bincount on CUDA reads the ids' maximum
+    back to size its output: one sync per layer, and the device then idles while the host catches up (v30's trace of
+    an 8192-token prefill: 49 ms of the routed experts' 72 ms of device idle). Integer atomics: the same counts in any
+    order."""
+    idx = flat.reshape(-1).long()
+    return torch.zeros(n_expert, dtype=torch.int64, device=flat.device).scatter_add_(0, idx, torch.ones_like(idx))
+
+
 def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]]:
     """(first row, rows, expert, 0) per tile of at most `tile` activation rows, for rows sorted by expert."""
     tiles, off = [], 0
@@ -206,7 +215,7 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
     order = torch.argsort(flat, stable=True)
     n_asg = T * k
     if DEVICE_TILES and kernel == "mmq":  # the tile table built on the device: no host sync in the layer
-        counts_d = torch.bincount(flat, minlength=n_expert)
+        counts_d = expert_counts(flat, n_expert)
         max_tiles = -(-n_asg // gu_rows) + n_expert
         tiles = torch.empty((max_tiles, 4), dtype=torch.int32, device=dev)
         W._sync_stream()

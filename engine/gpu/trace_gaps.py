@@ -11,7 +11,7 @@ the trace the profiler exports (CPU and CUDA activities) and reports:
 - host syncs (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, device-to-host copies).
 
 `python -m ds4.engine.gpu.trace_gaps TRACE.json[.gz]` prints the report; bench_session --gaps makes a
-trace of one prefill and prints it.
+trace of one prefill and prints it, and with `host_sync_sites` the lines of our code that made the host wait.
 """
 
 from __future__ import annotations
@@ -108,6 +108,43 @@ def analyse(events: list[dict]) -> dict:
             "host_by_section": dict(host_by_label), "device_by_section": dict(dev_by_label),
             "syncs": len(syncs), "sync_us": sum(e.get("dur", 0) for e in syncs),
             "device_events": len(dev)}
+
+
+def host_sync_sites(fn) -> dict[str, int]:
+    """Run fn with torch's CUDA sync debug mode on and count, per calling line, the operations that made the host
+    wait for the device (an .item(), a device-to-host copy, torch.bincount's size read...). A site is the innermost
+    frame outside torch, as "file:line code". The trace shows that the host waited; this says which line did."""
+    import os
+    import traceback
+    import warnings
+
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    sites: dict[str, int] = defaultdict(int)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        here = [f for f in traceback.extract_stack()[:-1]
+                if not f.filename.startswith(torch_dir) and f.filename not in (__file__, warnings.__file__)]
+        f = here[-1] if here else None
+        site = f"{os.path.basename(f.filename)}:{f.lineno} {(f.line or '').strip()[:90]}" if f else f"{filename}:{lineno}"
+        sites[site] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites)
+
+
+def report_sync_sites(sites: dict[str, int], out=sys.stdout) -> None:
+    print(f"host syncs by calling line ({sum(sites.values())} in all):", file=out)
+    for site, n in sorted(sites.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5d}x  {site}", file=out)
 
 
 def report(r: dict, out=sys.stdout) -> None:

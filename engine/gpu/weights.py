@@ -58,11 +58,12 @@ SPLIT_GROUPS = os.environ.get("DS4_GPU_SPLIT_GROUPS", "1") == "1"
 # DS4_GPU_DEQUANT_FP8 (v27; default 1 since v28): where a product takes the float8 path and the weight's float8 scale
 # is known, the dequant writes the corrections' float8 operand itself (no lo plane, no pack pass; the same bytes)
 DEQUANT_FP8 = os.environ.get("DS4_GPU_DEQUANT_FP8", "1") == "1"
-# DS4_GPU_FOLD_SWIGLU=1 (v28, prepared: not yet run on a GPU): with swiglu_ffn(..., unscaled=True) (the session's
+# DS4_GPU_FOLD_SWIGLU (v28; default 1 since v30, within the noise of off: 4707 / 4687 against 4728 / 4708 t/s at 8192
+# tokens, v30 call 2; two launches fewer per layer): with swiglu_ffn(..., unscaled=True) (the session's
 # DS4_GPU_FOLD_POST), the shared expert's gate and up products reach the SwiGLU launch unscaled and it applies their
 # per-row rescales as it reads them (the same bits), not a torch multiply over [T, 2048] each (4.6 ms per 8192-token
 # prefill, v28 call 4's profile)
-FOLD_SWIGLU = os.environ.get("DS4_GPU_FOLD_SWIGLU", "0") == "1"
+FOLD_SWIGLU = os.environ.get("DS4_GPU_FOLD_SWIGLU", "1") == "1"
 PF_CTAS = int(os.environ.get("DS4_GPU_PF_CTAS", "0"))  # L2 prefetch grid (see prefetch); 0: one CTA per SM
 PF_MODE = int(os.environ.get("DS4_GPU_PF_MODE", "0"))  # 0: bulk (TMA) prefetch, 1: per 128-byte line
 # decode: dependent matvec pairs in one launch (A/B): 1 the register form (matvec_chain.cu), 2 the bulk-copy form
