@@ -72,16 +72,15 @@ def test_hc_pre(K, head, T, D):
     check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
-@pytest.mark.parametrize("ring", [0, 1])
+@pytest.mark.parametrize("ptrs", [0, 1])
 @pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17),
                                          (9000, 256, 24)])
-def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ring):
+def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ptrs):
     """hc_mix_rows (DS4_GPU_HC_MIX): the mHC's mix of prefill rows, X [T, K] . Wf [M, K]^T in float32, within 1e-6 of
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
     leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
-    idle, none at 9000 rows), with three or four stages in the cp.async ring (DS4_GPU_HC_MIX_RING; slices of one and
-    two stages included) and the loads from per-thread pointers or per element (DS4_GPU_HC_MIX_PTRS), all four with
-    the same bits; a launch that needs a scratch and has none is refused; and in
+    idle, none at 9000 rows; slices of one and two stages included), with the loads from per-thread pointers or per
+    element (DS4_GPU_HC_MIX_PTRS), both with the same bits; a launch that needs a scratch and has none is refused; and in
     hc_pre (the rows form) under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
 
@@ -91,18 +90,15 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ring):
     S = K.ext.hc_mix_rows_splits(T, K_cols)
     assert (S > 1) == (T < 9000 and K_cols >= 256)
     scratch = torch.full((S, T, M), float("nan"), device=DEV)
-    others = [torch.full_like(out, float("nan")) for _ in range(3)]
+    other = torch.full_like(out, float("nan"))
     try:
-        for (depth, ptrs), dst in zip(((ring, 0), (ring, 1), (1 - ring, 0), (1 - ring, 1)), [out] + others):
-            K.ext.set_hc_mix_ring(depth)
-            K.ext.set_hc_mix_ptrs(ptrs)
+        for mode, dst in ((ptrs, out), (1 - ptrs, other)):
+            K.ext.set_hc_mix_ptrs(mode)
             K.ext.hc_mix_rows(X.data_ptr(), Wf.data_ptr(), T, K_cols, M, dst.data_ptr(), scratch.data_ptr())
         torch.cuda.synchronize()
     finally:
-        K.ext.set_hc_mix_ring(-1)
         K.ext.set_hc_mix_ptrs(-1)
-    for other in others:  # the ring's depth and the loads' addressing (DS4_GPU_HC_MIX_PTRS) move loads, not sums
-        assert torch.equal(out, other)
+    assert torch.equal(out, other)  # the loads' addressing (DS4_GPU_HC_MIX_PTRS) moves loads, not sums
     ref = X.double() @ Wf.double().T
     mag = X.double().abs() @ Wf.double().abs().T
     assert torch.isfinite(out).all()

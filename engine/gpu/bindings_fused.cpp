@@ -83,9 +83,6 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_hc_mix_ptrs", &set_hc_mix_ptrs, py::arg("mode"),
         "hc_mix_rows' stage loads from per-thread pointers (1) or from each element's index (0), or as "
         "$DS4_GPU_HC_MIX_PTRS says (-1); the same bits");
-  m.def("set_hc_mix_ring", &set_hc_mix_ring, py::arg("mode"),
-        "hc_mix_rows with four (1) or three (0) stages in its cp.async ring, or as $DS4_GPU_HC_MIX_RING says (-1); "
-        "the same bits");
   m.def("hc_mix_rows_splits", &hc_mix_rows_splits, py::arg("T"), py::arg("K"),
         "column slices hc_mix_rows cuts a T-row mix into (1: none; more: it needs that many T x M scratch planes)");
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),

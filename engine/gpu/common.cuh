@@ -284,7 +284,6 @@ bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (pre
 bool hc_mix_rows_takes(int64_t K, int M);
 // column slices of a T-row mix (1: none); with S > 1 the launch needs a scratch of S T M floats
 int hc_mix_rows_splits(int64_t T, int64_t K);
-void set_hc_mix_ring(int mode);  // 1/0: hc_mix_rows with four or three stages in its ring; -1: $DS4_GPU_HC_MIX_RING
 void set_hc_mix_ptrs(int mode);  // 1/0: hc_mix_rows' loads from per-thread pointers, or per element; -1: the env
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);

@@ -8,8 +8,8 @@
 #   bash engine/gpu/device_prepared.sh session   the session-level GPU tests; the session A/Bs at 8192 tokens, one
 #                                                switch at a time and all together
 #   bash engine/gpu/device_prepared.sh chunk     the 32k prompt at chunks of 8192 and 16384, with the peak memory
-# Switches under test (v29): DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_RING, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU (each
-# gives the defaults' bits; the tests check that).
+# Switches under test (v29; run in v30, all three now on by default, so the A/Bs below set 0 against 1):
+# DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU (each gives the other setting's bits; the tests check that).
 set -u
 PHASE=${1:-kernels}
 case "$PHASE" in kernels|session|chunk) ;; *) echo "usage: $0 kernels|session|chunk" >&2; exit 2 ;; esac
@@ -28,12 +28,11 @@ if [ "$PHASE" = kernels ]; then
     tests/test_gpu_indexer.py tests/test_gpu_bench_hc.py
   stamp mmq A/B: the routed experts as the session launches them, XPTR off and on in one process
   timeout 120 $PY -m ds4.engine.gpu.bench_mmq --experts 2>&1 | tee "$OUT/mmq_xptr.log"
-  stamp hc_mix A/B: ring depth, pointer loads
-  for v in "0 0" "1 0" "0 1" "1 1"; do
-    set -- $v
-    echo "DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2"
-    for t in 8192 2048; do DS4_GPU_HC_MIX_RING=$1 DS4_GPU_HC_MIX_PTRS=$2 timeout 40 $PY -m ds4.engine.gpu.bench_hc \
-      --prefill-mix $t 2>&1 | tail -3; done
+  stamp hc_mix A/B: pointer loads
+  for p in 0 1; do
+    echo "DS4_GPU_HC_MIX_PTRS=$p"
+    for t in 8192 2048; do DS4_GPU_HC_MIX_PTRS=$p timeout 40 $PY -m ds4.engine.gpu.bench_hc --prefill-mix $t 2>&1 \
+      | tail -3; done
   done | tee "$OUT/hc_mix.log"
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
 elif [ "$PHASE" = session ]; then
@@ -41,11 +40,10 @@ elif [ "$PHASE" = session ]; then
   tests tests_session.log 200 tests/test_gpu_prefill.py tests/test_gpu_session_cuda.py
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
   stamp session A/B at 8192 tokens
-  # the hc_mix pair as one setting (bench_hc in the kernels call says which of the two helps)
   for v in "0 0 0" "1 0 0" "0 1 0" "0 0 1" "1 1 1"; do
     set -- $v
-    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3"
-    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_RING=$2 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 70 $PY -m \
+    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3"
+    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 70 $PY -m \
       ds4.engine.gpu.bench_session $G --ctx --prefill 8192 --prefill-runs 3 2>&1 | grep -E "^prefill|copy" | cut -c1-200
   done | tee "$OUT/session_ab.log"
 else

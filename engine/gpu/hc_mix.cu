@@ -4,8 +4,8 @@
 //
 // CTA: 64 rows and one of S column slices (grid.y; S > 1 where the row blocks alone would leave SMs idle: each slice's
 // sums go to a scratch [S, T, M] that hc_mix_sum_kernel adds in slice order, so the bits do not depend on timing).
-// Stages of 128 columns of X and Wf by cp.async, three in the ring (two in flight while one is multiplied; four with
-// $DS4_GPU_HC_MIX_RING=1, prepared in v28, not yet run: three in flight, 185 KB of shared memory).
+// Stages of 128 columns of X and Wf by cp.async, three in the ring (two in flight while one is multiplied; a ring of four,
+// v28's DS4_GPU_HC_MIX_RING, measured no faster in v30: 0.247 against 0.248 ms, 0.228 against 0.226 with PTRS).
 // Warp w takes the stage's columns 16 w .. 16 w + 15, its half-warp h the 8 of them from 16 w + 8 h, and lane l rows
 // l % 16 + 16 i (i < 4) with all 24 outputs: 96 sums in registers (outputs past M multiply zero-filled rows of Wf).
 // The 16 half-warps' partial sums are added through shared memory at the end.
@@ -40,7 +40,8 @@ struct HmStage {
   float w[HM_M][HM_LD];
 };
 static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= 3 * sizeof(HmStage), "the partials fit the stages");
-static_assert(4 * sizeof(HmStage) <= 227 * 1024, "a four-stage ring fits an SM");
+constexpr int HM_NS = 3;  // stages in the ring (two in flight)
+static_assert(HM_NS * sizeof(HmStage) <= 227 * 1024, "the ring fits an SM");
 static_assert(HM_THREADS == 256 && HM_KC == 128 && HM_ROWS % 8 == 0 && HM_M % 8 == 0,
               "hm_load: 32 threads cover a row's 128 columns, 8 rows per pass");
 
@@ -115,14 +116,12 @@ __device__ __forceinline__ void hm_load(const HmLoader& L, int s, int b) {
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
-// Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o]. NS:
-// stages in the ring (NS - 1 in flight).
-template <int NS, bool PTRS>
+// Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o].
+template <bool PTRS>
 __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float* X, const float* Wf, int64_t T,
                                                                     int64_t K, int M, int ns, float* out,
                                                                     float* scratch) {
-  static_assert(NS == 3 || NS == 4, "the waits below cover rings of three or four stages");
-  constexpr int HM_NS = NS;
+  static_assert(HM_NS == 3, "the waits below cover a ring of three stages");
   extern __shared__ __align__(16) unsigned char hm_smem[];
   HmStage* st = reinterpret_cast<HmStage*>(hm_smem);
   const int tid = threadIdx.x, lane = tid & 31, half = tid >> 4, l16 = lane & 15;
@@ -134,16 +133,14 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
 #pragma unroll
     for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
   const HmLoader L = hm_loader(X, Wf, T, K, M, row0, k_begin, hm_smem);
-  auto load = [&](int s) {  // stage s into ring buffer s % NS
+  auto load = [&](int s) {  // stage s into ring buffer s % HM_NS
     if constexpr (PTRS) hm_load(L, s, s % HM_NS);
     else hm_load_elements(X, Wf, T, K, M, row0, k_begin + (int64_t)s * HM_KC, st[s % HM_NS]);
   };
   for (int s = 0; s < HM_NS - 1 && s < ns; ++s) load(s);
   for (int s = 0; s < ns; ++s) {
-    // stage s has landed: the groups committed after it (at most NS - 2, fewer near the end) may still be in flight
-    const int newer = min(HM_NS - 2, ns - 1 - s);
-    if (newer >= 2) asm volatile("cp.async.wait_group 2;\n" ::);
-    else if (newer == 1) asm volatile("cp.async.wait_group 1;\n" ::);
+    // stage s has landed: the group committed after it (none for the last stage) may still be in flight
+    if (s + 1 < ns) asm volatile("cp.async.wait_group 1;\n" ::);
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
     if (s + HM_NS - 1 < ns) load(s + HM_NS - 1);
@@ -190,23 +187,19 @@ __global__ void hc_mix_sum_kernel(const float* scratch, int64_t n, int S, float*
   out[i] = sum;
 }
 
-template <int NS, bool PTRS>
-void launch_ring(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int64_t T, int64_t K, int M, int ns,
+template <bool PTRS>
+void launch_rows(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int64_t T, int64_t K, int M, int ns,
                  float* out, float* scratch) {
-  const size_t shm = NS * sizeof(HmStage);
+  const size_t shm = HM_NS * sizeof(HmStage);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel<NS, PTRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DS4_CHECK(cudaFuncSetAttribute(hc_mix_rows_kernel<PTRS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)shm));
     shm_set = true;
   }
-  hc_mix_rows_kernel<NS, PTRS><<<grid, HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns, out, scratch);
+  hc_mix_rows_kernel<PTRS><<<grid, HM_THREADS, shm, s>>>(X, Wf, T, K, M, ns, out, scratch);
 }
 
-// $DS4_GPU_HC_MIX_RING (v28, prepared, default 0): 1 four stages in the ring (three in flight: the v3 kernel moves ~24
-// GB/s per SM, about half the copy rate, with two), 0 three. The same bits (only the loads' timing changes).
-// set_hc_mix_ring overrides it (0, 1; -1 the environment).
-EnvSwitch hc_mix_ring_switch{"DS4_GPU_HC_MIX_RING", 1, 0};
 // $DS4_GPU_HC_MIX_PTRS (v29; default 1 since v30): 1 the stage loads from per-thread pointers and masks (HmLoader), 0
 // from each element's index (v28). Measured (v30, bench_hc --prefill-mix): 0.248 -> 0.226 ms at 8192 rows, 0.070 ->
 // 0.065 at 2048. The same bits. set_hc_mix_ptrs overrides it (0, 1; -1 the environment).
@@ -214,7 +207,6 @@ EnvSwitch hc_mix_ptrs_switch{"DS4_GPU_HC_MIX_PTRS", 1, 1};
 
 }  // namespace
 
-void set_hc_mix_ring(int mode) { hc_mix_ring_switch.set(mode); }
 void set_hc_mix_ptrs(int mode) { hc_mix_ptrs_switch.set(mode); }
 
 bool hc_mix_rows_takes(int64_t K, int M) { return K >= HM_KC && K % HM_KC == 0 && M >= 1 && M <= HM_M; }
@@ -238,11 +230,8 @@ void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, i
                                 " column slices and need a scratch of S T M floats (hc_mix_rows_splits)");
   const int ns = (int)(K / HM_KC / S);
   const dim3 grid((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S);
-  const bool ring4 = hc_mix_ring_switch.get() != 0, ptrs = hc_mix_ptrs_switch.get() != 0;
-  if (ring4 && ptrs) launch_ring<4, true>(grid, s, X, Wf, T, K, M, ns, out, scratch);
-  else if (ring4) launch_ring<4, false>(grid, s, X, Wf, T, K, M, ns, out, scratch);
-  else if (ptrs) launch_ring<3, true>(grid, s, X, Wf, T, K, M, ns, out, scratch);
-  else launch_ring<3, false>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  if (hc_mix_ptrs_switch.get() != 0) launch_rows<true>(grid, s, X, Wf, T, K, M, ns, out, scratch);
+  else launch_rows<false>(grid, s, X, Wf, T, K, M, ns, out, scratch);
   DS4_CHECK_LAUNCH("hc_mix_rows");
   if (S > 1) {
     const int64_t n = T * M;
