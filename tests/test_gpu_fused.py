@@ -80,8 +80,8 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ptrs):
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
     leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
     idle, none at 9000 rows; slices of one and two stages included), with the loads from per-thread pointers or per
-    element (DS4_GPU_HC_MIX_PTRS), both with the same bits; a launch that needs a scratch and has none is refused; and in
-    hc_pre (the rows form) under the switch, the float64 ops' bars."""
+    element (DS4_GPU_HC_MIX_PTRS), both with the same bits; a launch that needs a scratch and has none is refused;
+    and in hc_pre (the rows form) under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
 
     g = torch.Generator().manual_seed(T + M)

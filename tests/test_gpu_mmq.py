@@ -460,7 +460,8 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
     """DS4_GPU_MMQ_XPTR=1 (v29): the four-CTA kernels find their activation rows once per CTA, not per stage, against
     the per-stage form: every output bit, for expert tiles full and partial (1, 20, 65 rows) read through a row table
     (the session's form: token rows quantized once) and as gathered rows, the dense form (one partial tile) and the
-    grouped one (8 groups: each group's columns start past the first), with 16-bit and 8-bit activations."""
+    grouped one (8 groups: each group's columns start past the first), with 16-bit and 8-bit activations; and with
+    DS4_GPU_MMQ_PAIRS=1 (v30: the fragments in pairs, one tile-rows test per pair) on top, the same bits again."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
@@ -488,20 +489,23 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
         assert ext.mmq_experts(w, ext.Array.from_numpy(xs), tiles.data_ptr(), tiles.shape[0], y, table)
         return y.numpy()
 
-    def product(mode: int):
+    def product(mode: int, pairs: int = 0):
         ext.set_mmq_xptr(mode)
+        ext.set_mmq_pairs(pairs)
         ext.set_moe_x8(x8)
         try:
             return experts(x, rows.data_ptr()), experts(gathered, 0), run_mmq(w, gathered[:100]), run_mmq(wg, xg, 8)
         finally:
             ext.set_mmq_xptr(-1)
+            ext.set_mmq_pairs(-1)
             ext.set_moe_x8(-1)
 
-    old, new = product(0), product(1)
-    for a, b in zip(old, new):
-        assert np.isfinite(b).all()
-        assert np.array_equal(a, b)
-    assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
+    old = product(0)
+    for new in (product(1), product(1, pairs=1)):
+        for a, b in zip(old, new):
+            assert np.isfinite(b).all()
+            assert np.array_equal(a, b)
+        assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
 
 
 def test_mmq_declines_other_weights_and_checks_shapes():
@@ -567,7 +571,7 @@ def test_mmq_prefill_in_the_session(monkeypatch, small_reference, dense, experts
 
 def test_mmq_row_pointers_in_the_session(small_reference):
     """DS4_GPU_MMQ_XPTR=1 in the session (small, 600 tokens in chunks of 256: the routed experts on mmq): every
-    position's logits bit for bit against the per-stage form."""
+    position's logits bit for bit against the per-stage form; DS4_GPU_MMQ_PAIRS=1 on top of it too."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
@@ -576,14 +580,18 @@ def test_mmq_row_pointers_in_the_session(small_reference):
     m, toks, _ = small_reference
     ext = gpu.load()
 
-    def logits(mode: int) -> np.ndarray:
+    def logits(mode: int, pairs: int = 0) -> np.ndarray:
         ext.set_mmq_xptr(mode)
+        ext.set_mmq_pairs(pairs)
         try:
             return GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
         finally:
             ext.set_mmq_xptr(-1)
+            ext.set_mmq_pairs(-1)
 
-    assert np.array_equal(logits(1), logits(0))
+    base = logits(0)
+    assert np.array_equal(logits(1), base)
+    assert np.array_equal(logits(1, pairs=1), base)
 
 
 class _Counting:

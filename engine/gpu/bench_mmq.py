@@ -3,8 +3,8 @@ default exact path of weights.py (dequant to float16 hi + lo, the activation spl
 weights at Flash shapes for T activation rows. Prints milliseconds per product (the peer with and without its dequant
 pass), the float32-equivalent TFLOP/s and the ratio; for the expert types also the float16 tensor-core kernel on the
 codes as exact integers (mmf.cu, one expert of T rows, its activation split included). `--experts`: the routed
-experts' launches as the session makes them, with DS4_GPU_MMQ_XPTR off and on. Needs a CUDA device and the built
-extension."""
+experts' launches as the session makes them, with DS4_GPU_MMQ_XPTR off and on, and DS4_GPU_MMQ_PAIRS on top. Needs a
+CUDA device and the built extension."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def main(argv=None) -> int:
         ap.add_argument("--experts", action="store_true",
                         help="instead: the routed experts as the session launches them (T tokens x 6 of 256 Flash "
                              "experts: the IQ2_XXS gate through the token-row table, the Q2_K down from the SwiGLU "
-                             "source), each with mmq's rows found per stage and once per CTA (DS4_GPU_MMQ_XPTR 0 / 1)")
+                             "source), each with mmq's rows found per stage and once per CTA (DS4_GPU_MMQ_XPTR 0 / "
+                             "1), and with the fragments in pairs (DS4_GPU_MMQ_PAIRS=1)")
 
     args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows (--experts: tokens)", extra)
     if args is None:
@@ -91,8 +92,9 @@ def main(argv=None) -> int:
 
 
 def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> int:
-    """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on in this process (and whether the
-    two give the same bits); the quantization of the launch's activations is included, as in the session."""
+    """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on and DS4_GPU_MMQ_PAIRS on top, in
+    this process (and whether all give the same bits); the quantization of the launch's activations is included, as
+    in the session."""
     from .moe_gemm import expert_tiles
 
     n_embd, n_ff, n_expert, k = 4096, 2048, 256, 6
@@ -125,22 +127,25 @@ def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> i
     ext.mmq_experts(gate, arr(x), tiles.data_ptr(), tiles.shape[0], arr(u), rows.data_ptr())  # an up stand-in
     print(f"routed experts, {T} tokens x {k} of {n_expert} ({tiles.shape[0]} activation tiles of "
           f"{ext.mmq_tile_rows()} rows): ms per launch")
+    settings = {"XPTR=0": (0, 0), "XPTR=1": (1, 0), "XPTR=1 PAIRS=1": (1, 1)}
     times, outs = {}, {}
     try:
-        for mode in (0, 1):
-            ext.set_mmq_xptr(mode)
-            times[mode] = (time_ms(gate_launch, reps), time_ms(down_launch, reps))
+        for name, (xptr, pairs) in settings.items():
+            ext.set_mmq_xptr(xptr)
+            ext.set_mmq_pairs(pairs)
+            times[name] = (time_ms(gate_launch, reps), time_ms(down_launch, reps))
             torch.cuda.synchronize()
-            outs[mode] = (g.clone(), y.clone())
+            outs[name] = (g.clone(), y.clone())
     finally:
         ext.set_mmq_xptr(-1)
-    same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
-    for mode in (0, 1):
-        tg, td = times[mode]
-        print(f"  DS4_GPU_MMQ_XPTR={mode}: gate (IQ2_XXS) {tg:6.2f}   down (Q2_K) {td:6.2f}   per 43-layer prefill "
-              f"(gate, up, down) {43 * (2 * tg + td):7.1f} ms")
-    (g0, d0), (g1, d1) = times[0], times[1]
-    print(f"  XPTR=1 / XPTR=0: gate {g1 / g0:.3f}, down {d1 / d0:.3f}; the same bits: {'yes' if same else 'NO'}")
+        ext.set_mmq_pairs(-1)
+    base = "XPTR=0"
+    same = all(torch.equal(a, b) for name in settings for a, b in zip(outs[base], outs[name]))
+    for name, (tg, td) in times.items():
+        g0, d0 = times[base]
+        print(f"  DS4_GPU_MMQ_{name:<15} gate (IQ2_XXS) {tg:6.2f}   down (Q2_K) {td:6.2f}   per 43-layer prefill "
+              f"(gate, up, down) {43 * (2 * tg + td):7.1f} ms   against XPTR=0: gate {tg / g0:.3f}, down {td / d0:.3f}")
+    print(f"  the same bits in every setting: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
 

@@ -312,10 +312,13 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 //
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false>
+// PAIRS ($DS4_GPU_MMQ_PAIRS): the partial form's fragments in pairs, one tile-rows test per pair (see the loop).
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
+          bool PAIRS = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
+  static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
   static_assert(!ONEW || MMIN || QT == QT_IQ2_XXS, "ONEW: the MMIN form (118 registers) or IQ2_XXS (128, spills)");
@@ -461,6 +464,17 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
         // fragment's products under this one's epilogue (v13's per-fragment test put a branch and a WARPSYNC there)
 #pragma unroll
         for (int n = 0; n < NN; ++n) frag(n);
+      } else if constexpr (PAIRS) {
+        // the fragments two at a time, one test per pair: between two tests the code is straight, so the compiler can
+        // load the second fragment's operands and start its products under the first one's epilogue (v30's ncu of the
+        // Q2_K down: its IMMA wait on their ldmatrix, short scoreboard 1.30 cycles per instruction against the straight
+        // IQ2_XXS gate's 0.65). A pair's second fragment may lie past the tile: computed, never stored
+#pragma unroll
+        for (int n = 0; n < NN; n += 2) {
+          if (wn + 8 * n >= tl.an_mma) break;
+          frag(n);
+          frag(n + 1);
+        }
       } else {
 #pragma unroll
         for (int n = 0; n < NN; ++n) {
@@ -492,16 +506,17 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
       }
 }
 
-template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false>
+template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
+          bool PAIRS = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP>,
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 // $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
@@ -523,6 +538,16 @@ static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 // 7.77 (not issue-bound: ncu puts it on fixed-latency and shared-load waits at 4 warps per scheduler); an 8192-token
 // prefill 4728 -> 4852 t/s. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
+// $DS4_GPU_MMQ_PAIRS (v30, prepared: not yet run on a GPU; default 0): 1 the four-CTA row-pointer forms (XP) take the
+// tile's fragments in pairs, one tile-rows test per pair instead of per fragment (PAIRS). The same bits.
+// set_mmq_pairs overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 0};
+
+// The PAIRS forms exist for the four-CTA tiles only (NT = 64: ONEW); other NT never call this.
+template <int QT, int NT, bool X8, bool MMIN>
+void launch_pairs(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
+  if constexpr (NT == 64) launch_as<QT, NT, false, X8, MMIN, true, true, true>(a, grid, stream);
+}
 
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
@@ -531,23 +556,27 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
   // planes under 4 GiB, else the per-stage form
   const bool xp = mmq_xptr_switch.get() != 0 && a.x.rows > 0 && a.x.rows * a.x.n < (int64_t{1} << 31) &&
                   a.w.nrows * a.w.qs_row < (int64_t{1} << 32) && a.w.nrows * a.w.sc_row < (int64_t{1} << 32);
+  const bool pairs = xp && mmq_pairs_switch.get() != 0;
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
       if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && pairs) launch_pairs<QT_Q2_K, NT, X8, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q2_K, NT, false, X8, true, true, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q2_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_Q4_K:
-      if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q4_K, NT, false, X8, true, true, true>(a, grid, stream);
+      if (mmin == 2 && NT == 64 && pairs) launch_pairs<QT_Q4_K, NT, X8, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q4_K, NT, false, X8, true, true, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && xp)
+      if (NT == 64 && mmq_four_switch.get() && pairs) launch_pairs<QT_IQ2_XXS, NT, X8, false>(a, grid, stream);
+      else if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
@@ -613,6 +642,7 @@ void set_mmq_straight(int v) { mmq_straight_override() = v < 0 ? -1 : (v != 0); 
 void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
 void set_mmq_four(int mode) { mmq_four_switch.set(mode); }
 void set_mmq_xptr(int mode) { mmq_xptr_switch.set(mode); }
+void set_mmq_pairs(int mode) { mmq_pairs_switch.set(mode); }
 
 int mmq_tile_rows() {
   static const int rows = [] {

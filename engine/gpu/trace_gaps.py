@@ -127,7 +127,10 @@ def host_sync_sites(fn) -> dict[str, int]:
         here = [f for f in traceback.extract_stack()[:-1]
                 if not f.filename.startswith(torch_dir) and f.filename not in (__file__, warnings.__file__)]
         f = here[-1] if here else None
-        site = f"{os.path.basename(f.filename)}:{f.lineno} {(f.line or '').strip()[:90]}" if f else f"{filename}:{lineno}"
+        if f is None:
+            site = f"{filename}:{lineno}"
+        else:
+            site = f"{os.path.basename(f.filename)}:{f.lineno} {(f.line or '').strip()[:90]}"
         sites[site] += 1
 
     with warnings.catch_warnings():
