@@ -199,8 +199,8 @@ void bind_prefill_products(py::module_& m) {
         "1: mmq's four-CTA kernels find their activation rows once per CTA, 0: per stage (the same bits); -1: "
         "$DS4_GPU_MMQ_XPTR again.");
   m.def("set_mmq_pairs", &set_mmq_pairs, py::arg("mode"),
-        "1: mmq's row-pointer kernels take their fragments in pairs (one tile-rows test per pair), 0: one at a time "
-        "(the same bits); -1: $DS4_GPU_MMQ_PAIRS again.");
+        "1: mmq's K-quant row-pointer kernels take their fragments in pairs (one tile-rows test per pair), 0: one at "
+        "a time (the same bits); -1: $DS4_GPU_MMQ_PAIRS again.");
 }
 
 }  // namespace ds4ext

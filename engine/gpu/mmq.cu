@@ -312,7 +312,7 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 //
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
-// PAIRS ($DS4_GPU_MMQ_PAIRS): the partial form's fragments in pairs, one tile-rows test per pair (see the loop).
+// PAIRS ($DS4_GPU_MMQ_PAIRS, the K-quants): the partial form's fragments in pairs, one tile-rows test per pair.
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
           bool PAIRS = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
@@ -538,12 +538,15 @@ static EnvSwitch mmq_four_switch{"DS4_GPU_MMQ_FOUR", 1, 1};
 // 7.77 (not issue-bound: ncu puts it on fixed-latency and shared-load waits at 4 warps per scheduler); an 8192-token
 // prefill 4728 -> 4852 t/s. The same bits. set_mmq_xptr overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
-// $DS4_GPU_MMQ_PAIRS (v30, prepared: not yet run on a GPU; default 0): 1 the four-CTA row-pointer forms (XP) take the
-// tile's fragments in pairs, one tile-rows test per pair instead of per fragment (PAIRS). The same bits.
-// set_mmq_pairs overrides it (0, 1; -1 the environment).
-static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 0};
+// $DS4_GPU_MMQ_PAIRS (v30; default 1): 1 the K-quants' four-CTA row-pointer forms (XP; the routed Q2_K down) take the
+// tile's fragments in pairs, one tile-rows test per pair instead of per fragment (PAIRS). SASS of the Q2_K down's stage
+// loop: 1060 instructions against 1070, the median IMMA 14 instructions after the ldmatrix of its operand against 5,
+// 127 registers and 16 bytes reloaded from the stack per stage. Measured (bench_mmq --experts, v30 call 8): the down
+// 7.69 -> 7.49 ms; IQ2_XXS's gate went 5.47 -> 5.60 that way (its partial tiles' warps), so IQ2_XXS keeps one
+// fragment at a time. The same bits. set_mmq_pairs overrides it (0, 1; -1 the environment).
+static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
 
-// The PAIRS forms exist for the four-CTA tiles only (NT = 64: ONEW); other NT never call this.
+// The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
 template <int QT, int NT, bool X8, bool MMIN>
 void launch_pairs(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   if constexpr (NT == 64) launch_as<QT, NT, false, X8, MMIN, true, true, true>(a, grid, stream);
@@ -575,8 +578,7 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && pairs) launch_pairs<QT_IQ2_XXS, NT, X8, false>(a, grid, stream);
-      else if (NT == 64 && mmq_four_switch.get() && xp)
+      if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
