@@ -8,8 +8,9 @@
 #   bash engine/gpu/device_prepared.sh session   the session-level GPU tests; the session A/Bs at 8192 tokens, one
 #                                                switch at a time and all together
 #   bash engine/gpu/device_prepared.sh chunk     the 32k prompt at chunks of 8192 and 16384, with the peak memory
-# Switches under test (v29; run in v30, all three now on by default, so the A/Bs below set 0 against 1):
-# DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU (each gives the other setting's bits; the tests check that).
+# Switches under test (v29's three, run in v30 and on by default, so the A/Bs below set 0 against 1):
+# DS4_GPU_MMQ_XPTR, DS4_GPU_HC_MIX_PTRS, DS4_GPU_FOLD_SWIGLU, and v30's DS4_GPU_MMQ_PAIRS (on, measured only by
+# bench_mmq: the session A/B is its first session-level run). Each gives the other setting's bits; the tests check that.
 set -u
 PHASE=${1:-kernels}
 case "$PHASE" in kernels|session|chunk) ;; *) echo "usage: $0 kernels|session|chunk" >&2; exit 2 ;; esac
@@ -40,10 +41,10 @@ elif [ "$PHASE" = session ]; then
   tests tests_session.log 200 tests/test_gpu_prefill.py tests/test_gpu_session_cuda.py
   stamp synth; [ -z "$SYN" ] || wait $SYN; tail -2 "$OUT/synth.log"
   stamp session A/B at 8192 tokens
-  for v in "0 0 0" "1 0 0" "0 1 0" "0 0 1" "1 1 1"; do
+  for v in "1 1 1 0" "1 1 1 1" "0 1 1 1" "1 0 1 1" "1 1 0 1"; do
     set -- $v
-    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3"
-    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 timeout 70 $PY -m \
+    echo "DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 DS4_GPU_MMQ_PAIRS=$4"
+    DS4_GPU_MMQ_XPTR=$1 DS4_GPU_HC_MIX_PTRS=$2 DS4_GPU_FOLD_SWIGLU=$3 DS4_GPU_MMQ_PAIRS=$4 timeout 70 $PY -m \
       ds4.engine.gpu.bench_session $G --ctx --prefill 8192 --prefill-runs 3 2>&1 | grep -E "^prefill|copy" | cut -c1-200
   done | tee "$OUT/session_ab.log"
 else
