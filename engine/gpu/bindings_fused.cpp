@@ -305,6 +305,14 @@ void bind_fused_ops(py::module_& m) {
     launch_topk_rows_f32(ptr<const float>(keys), n, ld, rows, k, ptr<const int64_t>(pos), ratio, ptr<int64_t>(sel),
                          stream());
   });
+  m.def("comp_pool_takes", &comp_pool_takes, py::arg("r"), py::arg("width"));
+  m.def("comp_pool_chunk", [](uintptr_t kv, uintptr_t kv_r, uintptr_t sc, uintptr_t sc_r, uintptr_t ape,
+                              uintptr_t s_kv, uintptr_t s_sc, int width, int r, int off, int live0, int64_t n_full,
+                              uintptr_t out) {
+    launch_comp_pool_chunk(ptr<const float>(kv), ptr<const float>(kv_r), ptr<const float>(sc), ptr<const float>(sc_r),
+                           ptr<const float>(ape), ptr<const float>(s_kv), ptr<const float>(s_sc), width, r, off, live0,
+                           n_full, ptr<float>(out), stream());
+  }, "The compressors' pooling of a prefill chunk's finished windows (compress_prefill.cu; device addresses).");
   m.def("index_scores_takes", &index_scores_takes, py::arg("Hi"), py::arg("di"));
   m.def("index_scores", [](uintptr_t q, uintptr_t w, uintptr_t keys, int n, int T, int Hi, int di, uintptr_t n_vis,
                            uintptr_t scores) {

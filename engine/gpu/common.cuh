@@ -470,4 +470,11 @@ void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k,
 bool index_scores_takes(int Hi, int di);
 void launch_index_scores(const float* q, const float* w, const __nv_bfloat16* keys, int n, int T, int Hi, int di,
                          const int64_t* n_vis, float* scores, cudaStream_t s);
+// compress_prefill.cu: the compressors' pooling of a prefill chunk's finished windows (prefill.compress_chunk, v31):
+// out [n_full, d] from the products kv, sc [T, width] (times kv_r / sc_r [T] where given; sc plus ape [r, width]) and
+// the frontier s_kv, s_sc (its live rows from live0, off of them). Ratios >= 2, an even width at ratio 4.
+bool comp_pool_takes(int r, int width);
+void launch_comp_pool_chunk(const float* kv, const float* kv_r, const float* sc, const float* sc_r, const float* ape,
+                            const float* s_kv, const float* s_sc, int width, int r, int off, int live0, int64_t n_full,
+                            float* out, cudaStream_t stream);
 }  // namespace ds4gpu

@@ -455,6 +455,28 @@ class Fused:
         self.ext.topk_rows_f32(_p(scores), n, scores.stride(0), R, int(k), _p(pos), int(ratio), _p(sel))
         return sel
 
+    def comp_pool_chunk(self, kv, kv_r, sc, sc_r, ape, s_kv, s_sc, r: int, off: int, live0: int,
+                        n_full: int) -> torch.Tensor | None:
+        """The pooled rows [n_full, d] of a prefill chunk's finished compressor windows (compress_prefill.cu): the
+        sequence is the frontier's rows live0 .. live0 + off - 1, then the chunk's rows kv * kv_r and sc * sc_r +
+        ape[k % r] (kv, sc [T, width] float32; kv_r, sc_r [T] or [T, 1], or None for 1). None where the kernel does not
+        take the ratio and width."""
+        T, width = kv.shape
+        if not self.ext.comp_pool_takes(int(r), int(width)):
+            return None
+        ts = [t.contiguous() if t is not None else None for t in (kv, kv_r, sc, sc_r, ape, s_kv, s_sc)]
+        if any(t is not None and t.dtype != F32 for t in ts) or sc.shape != kv.shape or ape.shape != (r, width) \
+                or s_kv.shape[1] != width or s_kv.shape != s_sc.shape:
+            raise ValueError(f"comp_pool_chunk: float32 kv, sc [T, {width}], ape [{r}, {width}] and the frontier "
+                             f"[rows, {width}]")
+        if (kv_r is not None and kv_r.numel() != T) or (sc_r is not None and sc_r.numel() != T):
+            raise ValueError(f"comp_pool_chunk: one rescale per row ({T})")
+        d = width // 2 if r == 4 else width
+        out = torch.empty((n_full, d), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.comp_pool_chunk(*(_p(t) for t in ts), int(width), int(r), int(off), int(live0), int(n_full), _p(out))
+        return out
+
     def topk(self, keys: torch.Tensor, k: int, pos: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
         """int64 [k]: the rows of the k largest float64 keys in ascending row order (the same set as
         torch.topk; ties go to the lowest rows, NaN counts as smallest). With pos, when (pos + 1) // ratio <= k

@@ -51,6 +51,10 @@ ATTN_OUT_SPLIT = os.environ.get("DS4_GPU_ATTN_OUT_SPLIT", "1") != "0"
 # v26: where o_a's product runs the float8 corrections, the attention writes their float8 operand in place of the
 # split's lo part (one pack pass over [T, H d] less per layer); 0: lo, packed by the product (A/B)
 ATTN_OUT_FP8 = os.environ.get("DS4_GPU_ATTN_OUT_FP8", "1") != "0"
+# DS4_GPU_COMP_POOL (v31, default 1): the compressors' pooling of a chunk's finished windows in one kernel
+# (compress_prefill.cu) from the GEMMs' unscaled products and the frontier; 0: the torch form (rescale, APE add, the
+# candidates' concatenations, softmax, multiply, sum). Not the torch softmax's bits (the decode step's expressions)
+COMP_POOL = os.environ.get("DS4_GPU_COMP_POOL", "1") != "0"
 INDEX_MODES = ("fused", "torch")
 INDEX_MODE = os.environ.get("DS4_GPU_INDEX_PREFILL", "fused").strip().lower() or "fused"
 if INDEX_MODE not in INDEX_MODES:
@@ -232,6 +236,9 @@ def compress_chunk(ses, li, a, pos0, indexer: bool) -> int:
     st, r = ses.layers[li], ses.cfg.ratio(li)
     if indexer:
         r = 4
+    width = st["idx_kv" if indexer else "comp_kv"].shape[1]
+    if COMP_POOL and ses.K is not None and ses.K.ext.comp_pool_takes(r, width):
+        return compress_chunk_pooled(ses, li, a, pos0, indexer, r)
     T = a.shape[0]
     pos = torch.arange(pos0, pos0 + T, device=ses.device)
     kv, sc = ses._comp_inputs(li, a, pos, indexer)
@@ -273,3 +280,61 @@ def compress_chunk(ses, li, a, pos0, indexer: bool) -> int:
     s_sc.copy_(new_sc)
     return n_rows + n_full
 
+
+
+def compress_chunk_pooled(ses, li, a, pos0, indexer: bool, r: int) -> int:
+    """compress_chunk with the finished windows pooled by one kernel (Fused.comp_pool_chunk) from the products as the
+    GEMMs leave them (unscaled where the hi/lo path leaves the rescale over) and the frontier: no [T, width] rescale,
+    APE add or concatenation. The rows kept in the frontier get the torch form's values (the same elementwise ops on
+    the few rows kept), so the frontier's bits are the same."""
+    st, W = ses.layers[li], ses.W
+    names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE) if indexer else (L.COMP_KV, L.COMP_GATE, L.COMP_APE)
+    kv, kv_r = W.mm_unscaled(C.blk(li, names[0]), a)
+    sc, sc_r = W.mm_unscaled(C.blk(li, names[1]), a)
+    ape = W.vec(C.blk(li, names[2]))
+    s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+        (st["comp_kv"], st["comp_score"], st["comp"])
+    T, width = kv.shape
+    off, n_rows = pos0 % r, pos0 // r
+    live0 = r if r == 4 else 0
+    n_full = (off + T) // r
+
+    def seq(k0: int, k1: int):
+        """Sequence rows [k0, k1) (row k: position pos0 - off + k) as the torch form's seq_kv, seq_sc hold them."""
+        if k1 <= k0:
+            return s_kv[:0], s_sc[:0]
+        parts_kv, parts_sc = [], []
+        if k0 < off:
+            parts_kv.append(s_kv[live0 + k0:live0 + min(k1, off)])
+            parts_sc.append(s_sc[live0 + k0:live0 + min(k1, off)])
+        if k1 > off:
+            t0, t1 = max(k0, off) - off, k1 - off
+            pk, ps = kv[t0:t1], sc[t0:t1]
+            pk = pk if kv_r is None else pk * kv_r[t0:t1]
+            ps = ps if sc_r is None else ps * sc_r[t0:t1]
+            phase = torch.arange(pos0 - off + max(k0, off), pos0 - off + k1, device=ses.device) % r
+            parts_kv.append(pk)
+            parts_sc.append(ps + ape[phase])
+        one = len(parts_kv) == 1
+        return (parts_kv[0], parts_sc[0]) if one else (torch.cat(parts_kv), torch.cat(parts_sc))
+
+    if n_full:
+        if n_rows + n_full > rows.shape[0] - 1:
+            raise SessionError("compressed rows exceed the context the session was built for")
+        pooled = ses.K.comp_pool_chunk(kv, kv_r, sc, sc_r, ape, s_kv, s_sc, r, off, live0, n_full)
+        row_pos = (n_rows + torch.arange(n_full, device=ses.device)) * r
+        rows[n_rows:n_rows + n_full] = ses._finish_rows(li, pooled, row_pos, indexer)
+    rem = off + T - n_full * r
+    new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
+    tail_kv, tail_sc = seq(n_full * r, off + T)
+    if r == 4:
+        if n_full:
+            new_kv[:4], new_sc[:4] = seq(4 * (n_full - 1), 4 * n_full)
+        else:
+            new_kv[:4], new_sc[:4] = s_kv[:4], s_sc[:4]
+        new_kv[4:4 + rem], new_sc[4:4 + rem] = tail_kv, tail_sc
+    else:
+        new_kv[:rem], new_sc[:rem] = tail_kv, tail_sc
+    s_kv.copy_(new_kv)
+    s_sc.copy_(new_sc)
+    return n_rows + n_full

@@ -56,7 +56,8 @@ PF_SIDE = os.environ.get("DS4_GPU_PF_SIDE", "1") != "0"
 # 7.31 / 7.39 ms at 2k / 8k (v18: 7.33 / 7.41 against 7.35 / 7.42)
 NORM_FOLD = os.environ.get("DS4_GPU_NORM_FOLD", "1") == "1"
 # prefill: the q_b GEMM's per-row rescale (weights.mm_unscaled) applied by norm_rope as it loads the rows instead of a
-# separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13.
+# separate pass over [T, 32768] (v12 profile: 34 ms per 8192-token prefill); the same bits. Default since v13. Since
+# v31 the indexer's q_b too (its [T, 8192] multiply: 3.2 ms per 8192-token prefill in v30's profile).
 FOLD_RESCALE = os.environ.get("DS4_GPU_FOLD_RESCALE", "1") == "1"
 # prefill: o_b's and the shared expert's per-row rescales (weights.mm_unscaled) applied by the mHC post as it reads
 # them (hc_post's r1, r2) instead of a torch multiply over [T, 4096] each (call 2's profile: 8.7 ms per 8192-token
@@ -652,8 +653,10 @@ class Session(Timeline):
         cfg, W = self.cfg, self.W
         T, Hi, di = a.shape[0], cfg.indexer_heads, cfg.indexer_dim
         if self.K is not None:
-            q = self.K.norm_rope(W.mm(C.blk(li, L.IDX_Q_B), c), di, Hi, pos, freq=self._freq[True],
-                                 rope_dim=cfg.rope_dim, qat=cfg.indexer_qat).reshape(T, Hi, di)
+            # FOLD_RESCALE: the GEMM's per-row rescale applied by norm_rope as it loads the rows (v31, as for q_b)
+            z, rs = W.mm_unscaled(C.blk(li, L.IDX_Q_B), c) if FOLD_RESCALE else (W.mm(C.blk(li, L.IDX_Q_B), c), None)
+            q = self.K.norm_rope(z, di, Hi, pos, freq=self._freq[True], rope_dim=cfg.rope_dim, qat=cfg.indexer_qat,
+                                 in_scale=rs).reshape(T, Hi, di)
             return q, W.mm(C.blk(li, L.IDX_PROJ), a) * (1.0 / math.sqrt(di * Hi))
         q = W.mm(C.blk(li, L.IDX_Q_B), c).reshape(T, Hi, di)
         cos, sin = ops.cos_sin(self._freq[True], pos)
