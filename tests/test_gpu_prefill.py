@@ -383,3 +383,26 @@ def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
     got = ses.prefill(toks, all_logits=True)
     assert deferred and all(deferred), "the q_b products did not defer their rescale"
     assert np.array_equal(got, want)
+
+
+def test_session_reserves_the_prefill_working_set(monkeypatch, tmp_path) -> None:
+    """Session._reserve_prefill (DS4_GPU_PREFILL_RESERVE): a size in MiB grows torch's cache by that much at
+    construction (freed, so cached: the first long prompt finds it), 0 leaves the cache alone."""
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import session as gpu_session
+    from ds4.engine.model import Model
+
+    quantize_cli("synth", "--preset", "tiny", "--gguf", str(tmp_path / "tiny.gguf"), "--type", "f16", "--mix", "none",
+                 "--quiet")
+    m = Model.load(tmp_path / "tiny.gguf")
+    grown = {}
+    for setting in ("0", "320"):
+        monkeypatch.setattr(gpu_session, "PREFILL_RESERVE", setting)
+        torch.cuda.empty_cache()
+        before, held = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        ses = gpu_session.Session(m, ctx=256, prefill_chunk=128)
+        grown[setting] = torch.cuda.memory_reserved() - before
+        assert torch.cuda.memory_allocated() - held < 64 * 2**20  # the block itself is freed
+        del ses
+    assert grown["320"] >= 320 * 2**20 > grown["0"] + 256 * 2**20
