@@ -38,6 +38,8 @@ def test_times_each_iteration_count_against_the_peer() -> None:
 def test_prefill_mix_times_the_kernel_against_torchs_gemm() -> None:
     r = _run("--prefill-mix", "512")
     assert r.returncode == 0, r.stderr
-    line = r.stdout.strip().splitlines()[-1]
-    assert line.startswith("prefill mix of 512 rows: hc_mix_rows") and "torch float32 GEMM" in line
-    assert float(line.split("max diff from float64 ")[1].split()[0]) < 1e-6
+    lines = r.stdout.strip().splitlines()
+    line = next(ln for ln in lines if ln.startswith("prefill mix of 512 rows: hc_mix_rows"))
+    assert "torch float32 GEMM" in line and float(line.split("max diff from float64 ")[1].split()[0]) < 1e-6
+    pm = next(ln for ln in lines if ln.startswith("prefill post + mix of 512 rows: hc_post_mix"))
+    assert float(pm.split("hc_post_mix ")[1].split()[0]) > 0 and pm.endswith("x")

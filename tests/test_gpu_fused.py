@@ -262,6 +262,53 @@ def test_hc_post_applies_the_row_scales_of_unscaled_products(K):
         K.hc_post(X, ops.Unscaled(z1, r1[:-1]), None, post, comb)
 
 
+@pytest.mark.parametrize("T,D,M", [(70, 4096, 24), (2048, 4096, 24), (9000, 256, 24), (130, 1024, 17)])
+@pytest.mark.parametrize("form", ["tensors", "unscaled", "one_y"])
+def test_hc_post_mix_gives_hc_posts_bits_and_the_mix(K, T, D, M, form):
+    """hc_post_mix (DS4_GPU_HC_POST_MIX): X' bit for bit hc_post's (four-stream kernel) on tensors, ops.Unscaled products
+    or one summand, and the mix of X' within 1e-6 of the float64 product relative to sum |x w| (partial row tiles, column
+    slices with their scratch, none at 9000 rows, an M leaving outputs unused); then hc_post_pre under the switch gives
+    the two-launch form's X' bits and its outputs to float rounding."""
+    from ds4.engine.gpu import fused
+
+    g = torch.Generator().manual_seed(T + D + M + len(form))
+    n = 4
+    X, z1, z2, post, comb = rnd(g, T, n, D), rnd(g, T, D), rnd(g, T, D), rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
+    Wf = rnd(g, M, n * D, scale=0.02)
+    r1, r2 = rnd(g, T, 1).abs() + 0.5, rnd(g, T, 1).abs() * 3.0
+    y1, y2 = {"tensors": (z1, z2), "unscaled": (ops.Unscaled(z1, r1), ops.Unscaled(z2, r2)), "one_y": (z1, None)}[form]
+    assert K.ext.hc_post_mix_takes(n, D, M)
+    Xn, mix = K.hc_post_mix(X, y1, y2, post, comb, Wf)
+    torch.cuda.synchronize()
+    assert torch.equal(Xn, K.hc_post(X, y1, y2, post, comb))
+    flat = Xn.reshape(T, n * D).double()
+    ref, mag = flat @ Wf.double().T, flat.abs() @ Wf.double().abs().T
+    assert torch.isfinite(mix).all() and float(((mix.double() - ref).abs() / mag).max()) < 1e-6
+    if M == 24 and D == 4096:  # the session's call: hc_post_pre's prefill rows with the switch on and off
+        scale, base, nw = rnd(g, 3), rnd(g, M, scale=0.5), rnd(g, D)
+        saved = fused.HC_POST_MIX
+        outs = {}
+        try:
+            for on in (False, True):
+                fused.HC_POST_MIX = on
+                outs[on] = K.hc_post_pre(X, y1, y2, post, comb, Wf, scale, base, nw, 20, 1e-6, 1e-6)
+        finally:
+            fused.HC_POST_MIX = saved
+        assert torch.equal(outs[True][0], outs[False][0])
+        for a, b in zip(outs[True][1:], outs[False][1:]):
+            assert rel(a, b) < 1e-5
+
+
+def test_hc_post_mix_refuses_what_it_cannot_take(K):
+    assert not K.ext.hc_post_mix_takes(2, 4096, 24) and not K.ext.hc_post_mix_takes(4, 1000, 24)
+    assert not K.ext.hc_post_mix_takes(4, 4096, 25)
+    X = torch.zeros(100, 4, 4096, device=DEV)
+    y, out = torch.zeros(100, 4096, device=DEV), torch.zeros(100, 24, device=DEV)
+    with pytest.raises(ValueError, match="scratch"):
+        K.ext.hc_post_mix(X.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(), 0, 0, y.data_ptr(), 100, 4096,
+                          24, X.data_ptr(), out.data_ptr(), 0)
+
+
 def test_swiglu_applies_the_row_scales_of_unscaled_products(K):
     """DS4_GPU_FOLD_SWIGLU: gate and up handed over as ops.Unscaled (z, r) give the bits of swiglu on z * r, with both
     or one of them unscaled; a wrong scale count is refused."""

@@ -77,12 +77,27 @@ def time_prefill_mix(T: int, reps: int = 50, n: int = 4, D: int = 4096, M: int =
         return start.elapsed_time(end) / reps
 
     k_ms, p_ms = ms(kernel), ms(peer)
+    # v31: the previous sublayer's post and this mix in one pass (hc_post_mix) against hc_post4 then hc_mix_rows
+    y, post = torch.randn(T, D, generator=g, device=dev), torch.rand(T, n, generator=g, device=dev)
+    comb = torch.rand(T, n, n, generator=g, device=dev)
+    Xn = torch.empty((T, n * D), device=dev)
+
+    def post_mix(X):
+        ext.hc_post_mix(X.data_ptr(), y.data_ptr(), 0, post.data_ptr(), comb.data_ptr(), 0, 0, Wf.data_ptr(), T, D, M,
+                        Xn.data_ptr(), out.data_ptr(), scratch.data_ptr())
+
+    def post_then_mix(X):
+        ext.hc_post(X.data_ptr(), y.data_ptr(), 0, post.data_ptr(), comb.data_ptr(), T, n, D, Xn.data_ptr(), 0, 0)
+        ext.hc_mix_rows(Xn.data_ptr(), Wf.data_ptr(), T, n * D, M, out.data_ptr(), scratch.data_ptr())
+
+    pm_ms, two_ms = ms(post_mix), ms(post_then_mix)
     kernel(sets[0])
     ref = torch.mm(sets[0].double(), Wf.double().T)
     mag = torch.mm(sets[0].double().abs(), Wf.double().abs().T)
     rel = float(((out.double() - ref).abs() / mag).max())
     gbs = lambda t: T * n * D * 4 / (t * 1e-3) / 1e9  # noqa: E731
-    return {"kernel_ms": k_ms, "peer_ms": p_ms, "kernel_gbs": gbs(k_ms), "peer_gbs": gbs(p_ms), "rel": rel}
+    return {"kernel_ms": k_ms, "peer_ms": p_ms, "kernel_gbs": gbs(k_ms), "peer_gbs": gbs(p_ms), "rel": rel,
+            "post_mix_ms": pm_ms, "post_then_mix_ms": two_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefill mix of {args.prefill_mix} rows: hc_mix_rows {r['kernel_ms']:.3f} ms ({r['kernel_gbs']:.0f} GB/s"
               f" of X), torch float32 GEMM {r['peer_ms']:.3f} ms ({r['peer_gbs']:.0f} GB/s): "
               f"{r['peer_ms'] / r['kernel_ms']:.2f}x; max diff from float64 {r['rel']:.1e} of sum |x w|")
+        print(f"prefill post + mix of {args.prefill_mix} rows: hc_post_mix {r['post_mix_ms']:.3f} ms, hc_post then "
+              f"hc_mix_rows {r['post_then_mix_ms']:.3f} ms: {r['post_then_mix_ms'] / r['post_mix_ms']:.2f}x")
         return 0
     peer = time_hc(0, args.reps)
     print(f"{'iters':>6}  {'us':>7}  {'/ peer (0 iters)':>16}")

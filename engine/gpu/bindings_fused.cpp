@@ -80,6 +80,16 @@ void bind_fused_ops(py::module_& m) {
      "out [T, M] = X [T, K] . Wf [M, K]^T, float32 (device addresses; K a multiple of 128, M <= 24): the mHC's mix of "
      "prefill rows, X read once (DS4_GPU_HC_MIX); scratch: hc_mix_rows_splits(T, K) x T x M floats where that is > 1");
   m.def("hc_mix_rows_takes", &hc_mix_rows_takes, py::arg("K"), py::arg("M"));
+  m.def("hc_post_mix_takes", &hc_post_mix_takes, py::arg("n"), py::arg("D"), py::arg("M"));
+  m.def("hc_post_mix", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post, uintptr_t comb, uintptr_t r1,
+                          uintptr_t r2, uintptr_t Wf, int64_t T, int64_t D, int M, uintptr_t Xo, uintptr_t out,
+                          uintptr_t scratch) {
+    launch_hc_post_mix(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post),
+                       ptr<const float>(comb), ptr<const float>(r1), ptr<const float>(r2), ptr<const float>(Wf), T, D,
+                       M, ptr<float>(Xo), ptr<float>(out), ptr<float>(scratch), stream());
+  }, "Xo = hc_post(X, y1, y2, post, comb) (hc_post's bits) and out [T, M] = Xo . Wf^T in one pass over X (prefill, "
+     "4 streams; device addresses; scratch: hc_mix_rows_splits(T, 4 D) x T x M floats where that is > 1)");
+
   m.def("set_hc_mix_ptrs", &set_hc_mix_ptrs, py::arg("mode"),
         "hc_mix_rows' stage loads from per-thread pointers (1) or from each element's index (0), or as "
         "$DS4_GPU_HC_MIX_PTRS says (-1); the same bits");

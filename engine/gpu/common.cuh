@@ -284,6 +284,12 @@ bool hc_pre_rows_takes(int n, int D, bool head);  // hc_pre with parts = -1 (pre
 bool hc_mix_rows_takes(int64_t K, int M);
 // column slices of a T-row mix (1: none); with S > 1 the launch needs a scratch of S T M floats
 int hc_mix_rows_splits(int64_t T, int64_t K);
+// hc_mix.cu (v31): X' = hc_post(X, y1, y2, post, comb) (hc_post4's bits; r1, r2: the y's per-row rescales or null)
+// and out [T, M] = X' [T, 4 D] . Wf [M, 4 D]^T in one pass (scratch: hc_mix_rows_splits(T, 4 D) planes where > 1).
+bool hc_post_mix_takes(int n, int64_t D, int M);
+void launch_hc_post_mix(const float* X, const float* y1, const float* y2, const float* post, const float* comb,
+                        const float* r1, const float* r2, const float* Wf, int64_t T, int64_t D, int M, float* Xo,
+                        float* out, float* scratch, cudaStream_t s);
 void set_hc_mix_ptrs(int mode);  // 1/0: hc_mix_rows' loads from per-thread pointers, or per element; -1: the env
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);

@@ -25,6 +25,9 @@ HC_GEMM_MIN = int(os.environ.get("DS4_GPU_HC_GEMM_MIN", "64"))
 # DS4_GPU_HC_MIX (v27; default 1 since v28): prefill's mHC mix by hc_mix_rows (X read once) instead of torch's
 # float32 GEMM; 0 the GEMM
 HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "1") == "1"
+# DS4_GPU_HC_POST_MIX (v31, default 1): prefill's mHC post and the next mix in one pass (hc_post_mix: X read once,
+# X' written, its mix made from the stage in shared memory) instead of hc_post4 then hc_mix_rows; 0: the two launches
+HC_POST_MIX = os.environ.get("DS4_GPU_HC_POST_MIX", "1") == "1"
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
@@ -104,9 +107,11 @@ class Fused:
         return y
 
     def hc_pre(self, X: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-               norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False):
+               norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False,
+               mix: torch.Tensor | None = None):
         """X [T, n, D], Wf [M, n·D] float32 (the mHC fn) → (rms_norm(Σ pre_i X_i) * norm_w, post, comb),
-        mix = Wf · rms_norm(flatten(X)) computed in the kernels."""
+        mix = Wf · rms_norm(flatten(X)) computed in the kernels (mix: flatten(X) · Wf^T [T, M] already made by
+        hc_post_mix)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
         if Wf.dtype != F32 or tuple(Wf.shape) != (M, n * D):
@@ -116,7 +121,9 @@ class Fused:
         post = torch.empty((T, n), dtype=F32, device=self.device)
         comb = torch.empty((T, n, n), dtype=F32, device=self.device)
         parts = 0
-        if T >= HC_GEMM_MIN and self.ext.hc_pre_rows_takes(n, D, head):
+        if mix is not None:  # hc_post_mix's: hc_pre_rows takes it (post_mix_takes checked that)
+            part, parts = mix, -1
+        elif T >= HC_GEMM_MIN and self.ext.hc_pre_rows_takes(n, D, head):
             # prefill: the mix as one float32 GEMM; the kernel sums flatten(X)'s squares from the rows it holds
             part = self.hc_mix(X.reshape(T, n * D), Wf)
             parts = -1
@@ -165,6 +172,9 @@ class Fused:
                 or tuple(Wf.shape) != (M, n * D):
             if logits is not None:
                 raise ValueError("hc_post_pre: deferred comb logits need the one-launch kernel's shapes")
+            if self.post_mix_takes(X, Wf, head):
+                Xn, mix = self.hc_post_mix(X, y1, y2, post_in, comb_in, Wf)
+                return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head, mix=mix))
             Xn = self.hc_post(X, y1, y2, post_in, comb_in)
             return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head))
         X, y1, Wf = X.contiguous(), y1.contiguous(), Wf.contiguous()
@@ -188,6 +198,34 @@ class Fused:
             raise ValueError("sinkhorn: logits must be float32 [T, 16] and comb float32 [T, 4, 4]")
         self._stream()
         self.ext.sinkhorn4(_p(logits), T, int(iters), float(eps), _p(comb))
+
+    def post_mix_takes(self, X: torch.Tensor, Wf: torch.Tensor, head: bool) -> bool:
+        """Whether hc_post_pre's prefill rows take hc_post_mix (DS4_GPU_HC_POST_MIX) and hc_pre_rows its mix."""
+        T, n, D = X.shape
+        return HC_POST_MIX and T >= HC_GEMM_MIN and Wf.dtype == F32 and Wf.dim() == 2 and Wf.shape[1] == n * D \
+            and Wf.is_contiguous() \
+            and Wf.data_ptr() % 16 == 0 and self.ext.hc_post_mix_takes(n, D, Wf.shape[0]) \
+            and self.ext.hc_pre_rows_takes(n, D, head)
+
+    def hc_post_mix(self, X: torch.Tensor, y1, y2, post: torch.Tensor, comb: torch.Tensor, Wf: torch.Tensor):
+        """(X', mix): X' = hc_post(X, y1, y2, post, comb) with its bits and mix = flatten(X') · Wf^T [T, M] float32,
+        in one pass (hc_mix.cu; 4 streams; the mix to float rounding of hc_mix's)."""
+        T, n, D = X.shape
+        (y1, r1), (y2, r2) = _unscaled(y1, T), _unscaled(y2, T)
+        X, y1, post, comb = X.contiguous(), y1.contiguous(), post.contiguous(), comb.contiguous()
+        y2 = None if y2 is None else y2.contiguous()
+        if any(t is not None and t.data_ptr() % 16 for t in (X, y1, y2)):  # views of odd offsets: copies align them
+            X, y1 = X.clone(), y1.clone()
+            y2 = None if y2 is None else y2.clone()
+        Xn = torch.empty_like(X)
+        M = Wf.shape[0]
+        out = torch.empty((T, M), dtype=F32, device=self.device)
+        S = self.ext.hc_mix_rows_splits(T, n * D)
+        scratch = torch.empty((S, T, M), dtype=F32, device=self.device) if S > 1 else None
+        self._stream()
+        self.ext.hc_post_mix(_p(X), _p(y1), _p(y2), _p(post), _p(comb), _p(r1), _p(r2), _p(Wf), T, D, M, _p(Xn),
+                             _p(out), _p(scratch))
+        return Xn, out
 
     def hc_post(self, X: torch.Tensor, y1, y2, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X' = post (y1 + y2) + comb^T X per token; y1, y2 tensors [T, D] or ops.Unscaled products, whose per-row

@@ -93,6 +93,10 @@ __device__ __forceinline__ HmLoader hm_loader(const float* X, const float* Wf, i
   return L;
 }
 
+__device__ __forceinline__ float4 hm_scale4(float4 v, float r) {  // hc.cu's hc_scale4: the rescale's bits
+  return make_float4(__fmul_rn(v.x, r), __fmul_rn(v.y, r), __fmul_rn(v.z, r), __fmul_rn(v.w, r));
+}
+
 __device__ __forceinline__ void cp16_at(uint32_t dst, const float* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -114,6 +118,46 @@ __device__ __forceinline__ void hm_load(const HmLoader& L, int s, int b) {
     cp16_at(L.sw + sb + j * row8, ok ? p : L.safe, ok);
   }
   asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// One stage's products: the half-warp's 8 columns from c0 of the stage's x rows l16 + 16 i and w rows, into acc.
+__device__ __forceinline__ void hm_fma_stage(const float (*x)[HM_LD], const float (*w)[HM_LD], int c0, int l16,
+                                             float (&acc)[HM_RPL][HM_M]) {
+#pragma unroll
+  for (int k = c0; k < c0 + HM_HCOLS; k += 4) {
+    float4 xv[HM_RPL];
+#pragma unroll
+    for (int i = 0; i < HM_RPL; ++i) xv[i] = *reinterpret_cast<const float4*>(&x[l16 + 16 * i][k]);
+#pragma unroll
+    for (int o = 0; o < HM_M; ++o) {
+      const float4 wv = *reinterpret_cast<const float4*>(&w[o][k]);
+#pragma unroll
+      for (int i = 0; i < HM_RPL; ++i)
+        acc[i][o] = fmaf(xv[i].w, wv.w, fmaf(xv[i].z, wv.z, fmaf(xv[i].y, wv.y, fmaf(xv[i].x, wv.x, acc[i][o]))));
+    }
+  }
+}
+
+// The 16 half-warps' partial sums added through shared memory (smem: the stages, no longer read), each (row, output)
+// sum to dst[row * M + o].
+__device__ __forceinline__ void hm_store_sums(const float (&acc)[HM_RPL][HM_M], unsigned char* smem, int half, int l16,
+                                              int64_t row0, int64_t T, int M, float* dst) {
+  __syncthreads();  // every warp is done with the stages: they hold the partial sums now
+  float* part = reinterpret_cast<float*>(smem);  // [half][row][HM_RLD]
+#pragma unroll
+  for (int i = 0; i < HM_RPL; ++i)
+#pragma unroll
+    for (int o = 0; o < HM_M; ++o) part[(half * HM_ROWS + l16 + 16 * i) * HM_RLD + o] = acc[i][o];
+  __syncthreads();
+  for (int e = threadIdx.x; e < HM_ROWS * HM_M; e += HM_THREADS) {
+    const int r = e / HM_M, o = e % HM_M;
+    const int64_t row = row0 + r;
+    if (row >= T || o >= M) continue;
+    float sum = part[r * HM_RLD + o];
+#pragma unroll
+    for (int h = 1; h < HM_HALVES; ++h) sum += part[(h * HM_ROWS + r) * HM_RLD + o];
+    dst[row * M + o] = sum;
+  }
 }
 
 // Columns [k_begin, k_begin + ns HM_KC) of rows row0 .. row0 + 63: each (row, output) sum to dst[row * M + o].
@@ -144,38 +188,9 @@ __global__ void __launch_bounds__(HM_THREADS, 1) hc_mix_rows_kernel(const float*
     else asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s for every thread; every thread is done with stage s - 1, whose buffer is refilled next
     if (s + HM_NS - 1 < ns) load(s + HM_NS - 1);
-    const HmStage& S = st[s % HM_NS];
-#pragma unroll
-    for (int k = c0; k < c0 + HM_HCOLS; k += 4) {
-      float4 x[HM_RPL];
-#pragma unroll
-      for (int i = 0; i < HM_RPL; ++i) x[i] = *reinterpret_cast<const float4*>(&S.x[l16 + 16 * i][k]);
-#pragma unroll
-      for (int o = 0; o < HM_M; ++o) {
-        const float4 w = *reinterpret_cast<const float4*>(&S.w[o][k]);
-#pragma unroll
-        for (int i = 0; i < HM_RPL; ++i)
-          acc[i][o] = fmaf(x[i].w, w.w, fmaf(x[i].z, w.z, fmaf(x[i].y, w.y, fmaf(x[i].x, w.x, acc[i][o]))));
-      }
-    }
+    hm_fma_stage(st[s % HM_NS].x, st[s % HM_NS].w, c0, l16, acc);
   }
-  __syncthreads();  // every warp is done with the stages: they hold the partial sums now
-  float* part = reinterpret_cast<float*>(hm_smem);  // [half][row][HM_RLD]
-#pragma unroll
-  for (int i = 0; i < HM_RPL; ++i)
-#pragma unroll
-    for (int o = 0; o < HM_M; ++o) part[(half * HM_ROWS + l16 + 16 * i) * HM_RLD + o] = acc[i][o];
-  __syncthreads();
-  float* dst = gridDim.y == 1 ? out : scratch + (int64_t)blockIdx.y * T * M;
-  for (int e = tid; e < HM_ROWS * HM_M; e += HM_THREADS) {
-    const int r = e / HM_M, o = e % HM_M;
-    const int64_t row = row0 + r;
-    if (row >= T || o >= M) continue;
-    float sum = part[r * HM_RLD + o];
-#pragma unroll
-    for (int h = 1; h < HM_HALVES; ++h) sum += part[(h * HM_ROWS + r) * HM_RLD + o];
-    dst[row * M + o] = sum;
-  }
+  hm_store_sums(acc, hm_smem, half, l16, row0, T, M, gridDim.y == 1 ? out : scratch + (int64_t)blockIdx.y * T * M);
 }
 
 // out[i] = the S slices' sums of element i, added in slice order.
@@ -185,6 +200,152 @@ __global__ void hc_mix_sum_kernel(const float* scratch, int64_t n, int S, float*
   float sum = scratch[i];
   for (int s = 1; s < S; ++s) sum += scratch[s * n + i];
   out[i] = sum;
+}
+
+// ---- v31: the previous sublayer's mHC post and this one's mix in one pass ($DS4_GPU_HC_POST_MIX) ----
+// Prefill ran hc_post4 (X read, X' written: 0.29 ms at 8192 rows on Flash) and then hc_mix_rows (X' read again: 0.23
+// ms), 86 of each per 8192-token prefill. Here a stage holds 32 columns of each of the 4 streams (the 128 flattened
+// columns c + 4096 h): X, y1 and y2 land by cp.async, the post is computed in shared memory in place with hc_post4's
+// expressions (so X' has its bits; written out from there), then the mix's products run on the stage as in
+// hc_mix_rows. The mix sums the columns in another order than hc_mix_rows (the same values to float rounding).
+constexpr int PM_N = 4, PM_C = HM_KC / PM_N;  // streams; columns of each per stage
+constexpr int PM_RC = 24;                      // per row: comb [4][4], post [4], r1, r2, two unused
+struct PmStage {
+  float x[HM_ROWS][HM_LD];  // [row][h * 32 + c]: X, then X' in place
+  float w[HM_M][HM_LD];     // [output][h * 32 + c]
+  float y1[HM_ROWS][PM_C];
+  float y2[HM_ROWS][PM_C];
+};
+constexpr int PM_NS = 3;
+constexpr size_t PM_SMEM = PM_NS * sizeof(PmStage) + HM_ROWS * PM_RC * sizeof(float);
+static_assert(PM_SMEM <= 227 * 1024, "the ring and the row constants fit an SM");
+static_assert(HM_HALVES * HM_ROWS * HM_RLD * sizeof(float) <= PM_NS * sizeof(PmStage), "the partials fit the stages");
+static_assert(HM_ROWS * PM_C / 4 == 2 * HM_THREADS, "two float4 items of y (and of the post) per thread and stage");
+
+struct PmArgs {
+  const float* X;  // [T, 4, D]
+  const float* y1;  // [T, D]
+  const float* y2;  // [T, D] or null
+  const float* post;  // [T, 4]
+  const float* comb;  // [T, 4, 4]
+  const float* r1;  // [T] or null: y1's per-row rescale
+  const float* r2;
+  const float* Wf;  // [M, 4 D]
+  float* Xo;        // [T, 4, D]
+  float* out;       // [T, M] (or the slice scratch)
+  float* scratch;
+  int64_t T, D;
+  int M, ns;
+};
+
+// Stage s of the CTA's columns into ring buffer b: thread (lr, lc) copies X rows lr + 8 j (j < 8) and Wf rows lr + 8 j
+// (j < 3) at stage column lc (stream lc / 32, column lc % 32), and y rows tid / 8 + 32 i (i < 2) at columns 4 (tid % 8).
+__device__ __forceinline__ void pm_load(const PmArgs& a, PmStage& S, int64_t row0, int64_t c) {
+  const int tid = threadIdx.x, lr = tid >> 5, lc = 4 * (tid & 31), h = lc / PM_C, cc = lc % PM_C;
+#pragma unroll
+  for (int j = 0; j < HM_ROWS / 8; ++j) {
+    const int64_t row = row0 + lr + 8 * j;
+    const bool ok = row < a.T;
+    cp16(&S.x[lr + 8 * j][lc], a.X + ((ok ? row : 0) * PM_N + h) * a.D + c + cc, ok);
+  }
+#pragma unroll
+  for (int j = 0; j < HM_M / 8; ++j) {
+    const int o = lr + 8 * j;
+    const bool ok = o < a.M;
+    cp16(&S.w[o][lc], a.Wf + (int64_t)(ok ? o : 0) * PM_N * a.D + h * a.D + c + cc, ok);
+  }
+  const int yq = 4 * (tid & 7);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int yr = (tid >> 3) + 32 * i;
+    const int64_t row = row0 + yr;
+    const bool ok = row < a.T;
+    cp16(&S.y1[yr][yq], a.y1 + (ok ? row : 0) * a.D + c + yq, ok);
+    if (a.y2) cp16(&S.y2[yr][yq], a.y2 + (ok ? row : 0) * a.D + c + yq, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The post on a landed stage, in place (the items of pm_load's y mapping), X' also stored to a.Xo.
+__device__ __forceinline__ void pm_post(const PmArgs& a, PmStage& S, const float (*rc)[PM_RC], int64_t row0,
+                                        int64_t c) {
+  const int tid = threadIdx.x, q = 4 * (tid & 7);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = (tid >> 3) + 32 * i;
+    float x[PM_N][4];
+#pragma unroll
+    for (int h = 0; h < PM_N; ++h) {
+      const float4 v = *reinterpret_cast<const float4*>(&S.x[r][h * PM_C + q]);
+      x[h][0] = v.x; x[h][1] = v.y; x[h][2] = v.z; x[h][3] = v.w;
+    }
+    float y[4];
+    {
+      float4 v = *reinterpret_cast<const float4*>(&S.y1[r][q]);
+      if (a.r1) v = hm_scale4(v, rc[r][20]);
+      y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
+    }
+    if (a.y2) {
+      float4 v = *reinterpret_cast<const float4*>(&S.y2[r][q]);
+      if (a.r2) v = hm_scale4(v, rc[r][21]);
+      y[0] += v.x; y[1] += v.y; y[2] += v.z; y[3] += v.w;
+    }
+    const int64_t row = row0 + r;
+#pragma unroll
+    for (int b = 0; b < PM_N; ++b) {
+      float o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // hc_post4's expressions, in its order
+        float sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < PM_N; ++h) sum += rc[r][h * PM_N + b] * x[h][j];
+        o[j] = rc[r][16 + b] * y[j] + sum;
+      }
+      const float4 v = make_float4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<float4*>(&S.x[r][b * PM_C + q]) = v;
+      if (row < a.T) *reinterpret_cast<float4*>(a.Xo + (row * PM_N + b) * a.D + c + q) = v;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(HM_THREADS, 1) hc_post_mix_kernel(const __grid_constant__ PmArgs a) {
+  extern __shared__ __align__(16) unsigned char pm_smem[];
+  PmStage* st = reinterpret_cast<PmStage*>(pm_smem);
+  float (*rc)[PM_RC] = reinterpret_cast<float (*)[PM_RC]>(pm_smem + PM_NS * sizeof(PmStage));
+  const int tid = threadIdx.x, lane = tid & 31, half = tid >> 4, l16 = lane & 15;
+  const int c0 = half * HM_HCOLS;
+  const int64_t row0 = (int64_t)blockIdx.x * HM_ROWS, c_begin = (int64_t)blockIdx.y * a.ns * PM_C;
+  pdl_begin();
+  for (int e = tid; e < HM_ROWS * PM_RC; e += HM_THREADS) {
+    const int r = e / PM_RC, f = e % PM_RC;
+    const int64_t row = row0 + r;
+    float v = 0.0f;
+    if (row < a.T) {
+      if (f < 16) v = a.comb[row * 16 + f];
+      else if (f < 20) v = a.post[row * PM_N + f - 16];
+      else if (f == 20 && a.r1) v = a.r1[row];
+      else if (f == 21 && a.r2) v = a.r2[row];
+    }
+    rc[r][f] = v;
+  }
+  float acc[HM_RPL][HM_M];
+#pragma unroll
+  for (int i = 0; i < HM_RPL; ++i)
+#pragma unroll
+    for (int o = 0; o < HM_M; ++o) acc[i][o] = 0.0f;
+  for (int s = 0; s < PM_NS - 1 && s < a.ns; ++s) pm_load(a, st[s], row0, c_begin + (int64_t)s * PM_C);
+  for (int s = 0; s < a.ns; ++s) {
+    if (s + 1 < a.ns) asm volatile("cp.async.wait_group 1;\n" ::);
+    else asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // stage s (and the row constants) for every thread; stage s - 1's products are done
+    if (s + PM_NS - 1 < a.ns) pm_load(a, st[(s + PM_NS - 1) % PM_NS], row0, c_begin + (int64_t)(s + PM_NS - 1) * PM_C);
+    PmStage& S = st[s % PM_NS];
+    pm_post(a, S, rc, row0, c_begin + (int64_t)s * PM_C);
+    __syncthreads();  // X' of the stage for every thread
+    hm_fma_stage(S.x, S.w, c0, l16, acc);
+  }
+  hm_store_sums(acc, pm_smem, half, l16, row0, a.T, a.M,
+                gridDim.y == 1 ? a.out : a.scratch + (int64_t)blockIdx.y * a.T * a.M);
 }
 
 template <bool PTRS>
@@ -237,6 +398,35 @@ void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, i
     const int64_t n = T * M;
     hc_mix_sum_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(scratch, n, S, out);
     DS4_CHECK_LAUNCH("hc_mix_rows (slice sums)");
+  }
+}
+
+bool hc_post_mix_takes(int n, int64_t D, int M) { return n == PM_N && D >= PM_C && D % PM_C == 0 && M >= 1 && M <= HM_M; }
+
+void launch_hc_post_mix(const float* X, const float* y1, const float* y2, const float* post, const float* comb,
+                        const float* r1, const float* r2, const float* Wf, int64_t T, int64_t D, int M, float* Xo,
+                        float* out, float* scratch, cudaStream_t s) {
+  if (!hc_post_mix_takes(PM_N, D, M)) throw std::invalid_argument("hc_post_mix: 4 streams, D a multiple of 32, M <= 24");
+  if (((uintptr_t)X | (uintptr_t)y1 | (uintptr_t)y2 | (uintptr_t)Wf | (uintptr_t)Xo) & 15)
+    throw std::invalid_argument("hc_post_mix: X, y1, y2, Wf and Xo 16-byte aligned");
+  if (T <= 0) return;
+  const int64_t K = PM_N * D;
+  const int S = hc_mix_rows_splits(T, K);
+  if (S > 1 && !scratch)
+    throw std::invalid_argument("hc_post_mix: " + std::to_string(T) + " rows take " + std::to_string(S) +
+                                " column slices and need a scratch of S T M floats (hc_mix_rows_splits)");
+  static bool shm_set = false;
+  if (!shm_set) {
+    DS4_CHECK(cudaFuncSetAttribute(hc_post_mix_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)PM_SMEM));
+    shm_set = true;
+  }
+  const PmArgs a{X, y1, y2, post, comb, r1, r2, Wf, Xo, out, scratch, T, D, M, (int)(D / PM_C / S)};
+  launch_k(hc_post_mix_kernel, dim3((unsigned)((T + HM_ROWS - 1) / HM_ROWS), S), dim3(HM_THREADS), PM_SMEM, s, a);
+  DS4_CHECK_LAUNCH("hc_post_mix");
+  if (S > 1) {
+    const int64_t n = T * M;
+    hc_mix_sum_kernel<<<(unsigned)((n + 255) / 256), 256, 0, s>>>(scratch, n, S, out);
+    DS4_CHECK_LAUNCH("hc_post_mix (slice sums)");
   }
 }
 
