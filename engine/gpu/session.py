@@ -139,9 +139,10 @@ class Session(Timeline):
 
     def _reserve_prefill(self) -> None:
         """Grow torch's cache once to a prefill chunk's working set (DS4_GPU_PREFILL_RESERVE: `auto`, MiB, or 0):
-        the first long prompt otherwise pays the allocator's growth inside its layers (v31: 13 cudaMalloc calls in
-        the first 8192-token prefill, ~45 ms; later runs none). One allocation, freed at once: it stays cached
-        (torch splits it for the chunk's tensors and returns it to the device on an out-of-memory retry)."""
+        the first long prompt otherwise pays the allocator's growth inside its layers (13 cudaMalloc calls in the
+        first 8192-token prefill, later runs none; v31 call 2: that first prefill 4976 -> 5000 t/s, 2048 tokens 4126
+        -> 4159). One allocation, freed at once: it stays cached (torch splits it for the chunk's tensors and returns
+        it to the device on an out-of-memory retry)."""
         if self.device.type != "cuda" or PREFILL_RESERVE == "0":
             return
         if PREFILL_RESERVE == "auto":  # 11 residual streams' bytes per token: v30's torch peak 5.7 GiB at 8192, Flash
