@@ -199,10 +199,13 @@ def test_deferred_sinkhorn_gives_the_same_bits(K):
 
 
 @pytest.mark.parametrize("scale_x", [1.0, 0.0, 1e-30])  # 0: out all zero (amax 0); 1e-30: tiny values
-def test_hc_post_pre_quantizes_out_as_quantize_x_into(K, scale_x):
+def test_hc_post_pre_quantizes_out_as_quantize_x_into(K, scale_x, monkeypatch):
     """DS4_GPU_HC_XQ: the cluster kernel's quantized out planes (hi, lo, scales, 16-column sums) are byte for byte what
     quantize_x_into writes from out, with the deferred Sinkhorn's logits and without, for one and two tokens; out, X',
     post and comb keep their bits."""
+    from ds4.engine.gpu import fused
+
+    monkeypatch.setattr(fused, "HC_XQ", 1)
     g = torch.Generator().manual_seed(17)
     n, D = 4, 4096
     M = (2 + n) * n
@@ -231,9 +234,11 @@ def test_hc_post_pre_quantizes_out_as_quantize_x_into(K, scale_x):
                       xq=torch.empty(K.ext.xq_bytes(70, D), dtype=torch.uint8, device=DEV))
 
 
-def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(tmp_path):
-    """DS4_GPU_HC_XQ in the session: decode's logits bit for bit those of the quantize_x_into path (the step captured,
-    then replayed from the CUDA graph), and with the switch on no quantize_x_into launch is left in the step."""
+@pytest.mark.parametrize("mode", [1, 2])
+def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(tmp_path, mode):
+    """DS4_GPU_HC_XQ in the session (1: the shared expert's branch forked after the router; 2: at the mHC): decode's
+    logits bit for bit those of the quantize_x_into path (the step captured, then replayed from the CUDA graph), and
+    with the switch on no quantize_x_into launch is left in the step."""
     from conftest import quantize_cli
 
     from ds4.engine.gpu import fused
@@ -247,7 +252,7 @@ def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(tmp_path):
     out = {}
     try:
         for on in (False, True):
-            fused.HC_XQ = on
+            fused.HC_XQ = mode if on else 0
             ses = gpu_session.Session(m, ctx=256, prefill_chunk=64)
             ses.sync(toks[:30])
             calls = []

@@ -28,9 +28,12 @@ HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "1") == "1"
 # DS4_GPU_HC_POST_MIX (v31, default 1): prefill's mHC post and the next mix in one pass (hc_post_mix: X read once,
 # X' written, its mix made from the stage in shared memory) instead of hc_post4 then hc_mix_rows; 0: the two launches
 HC_POST_MIX = os.environ.get("DS4_GPU_HC_POST_MIX", "1") == "1"
-# DS4_GPU_HC_XQ (v31, prepared): decode's FFN mHC pre (the cluster kernel) also writes the routed experts' quantized x
-# (quantize_x's bits), so no quantize launch sits between it and the routed gate/up; 0: quantize_x_into on the side
-HC_XQ = os.environ.get("DS4_GPU_HC_XQ", "0") == "1"
+# DS4_GPU_HC_XQ (v31, prepared; 0 the default): decode's FFN mHC pre (the cluster kernel) also writes the routed
+# experts' quantized x (quantize_x's bits), so no quantize launch sits between the router and the routed gate/up. 1: the
+# shared expert's branch forked after the router (it waited for the router through the quantize before: v23 item 5);
+# 2: forked at the mHC as before (v31 call 5: 5.98 against 5.88 ms at 2k, lost); 0: quantize_x_into on the branch
+_HC_XQ_ENV = os.environ.get("DS4_GPU_HC_XQ", "0").strip()
+HC_XQ = int(_HC_XQ_ENV) if _HC_XQ_ENV in ("0", "1", "2") else 0
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
@@ -199,7 +202,8 @@ class Fused:
         """Whether hc_post_pre(X, ..., xq=) quantizes out for the routed experts (DS4_GPU_HC_XQ: the cluster kernel)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
-        return HC_XQ and not head and self.ext.hc_one_launch_takes(T, n, D, head) and self.ext.hc_cluster_takes(n, D, M)
+        return HC_XQ != 0 and not head and self.ext.hc_one_launch_takes(T, n, D, head) \
+            and self.ext.hc_cluster_takes(n, D, M)
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float, comb: torch.Tensor) -> None:
         """comb [T, 4, 4] = Sinkhorn of the logits [T, 16] hc_post_pre(..., logits=) wrote: its one-launch arithmetic."""

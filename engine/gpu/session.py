@@ -560,7 +560,8 @@ class Session(Timeline):
             forked = self._in_step and "ffn" in self._branches
             xq, xq_ready = self._xq_pre, None  # the planes the mHC pre wrote (DS4_GPU_HC_XQ), or none yet
             self._xq_pre = 0
-            if forked:  # the shared expert beside the router and the routed experts
+            after_router = forked and bool(xq) and fused.HC_XQ == 1  # the branch's start where the quantize put it
+            if forked and not after_router:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
                     if not xq and fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
@@ -573,6 +574,9 @@ class Session(Timeline):
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one
+            if after_router:  # forked now: the branch waits for the router, as it did for the quantize behind it
+                with self.side.fork():
+                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             if xq_ready is not None:
                 self.side.wait(xq_ready)
             out = W.moe(li, b, ids, w, limit, xq=xq)
