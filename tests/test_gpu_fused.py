@@ -235,7 +235,7 @@ def test_hc_post_pre_quantizes_out_as_quantize_x_into(K, scale_x, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [1, 2])
-def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(tmp_path, mode):
+def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(K, tmp_path, mode):
     """DS4_GPU_HC_XQ in the session (1: the shared expert's branch forked after the router; 2: at the mHC): decode's
     logits bit for bit those of the quantize_x_into path (the step captured, then replayed from the CUDA graph), and
     with the switch on no quantize_x_into launch is left in the step."""
