@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -196,77 +195,6 @@ def test_deferred_sinkhorn_gives_the_same_bits(K):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rcp={rcp} cluster={cluster}"
     with pytest.raises(ValueError, match="float32"):
         K.sinkhorn(torch.empty((T, 8), device=DEV), 20, 1e-6, got[3])
-
-
-@pytest.mark.parametrize("scale_x", [1.0, 0.0, 1e-30])  # 0: out all zero (amax 0); 1e-30: tiny values
-def test_hc_post_pre_quantizes_out_as_quantize_x_into(K, scale_x, monkeypatch):
-    """DS4_GPU_HC_XQ: the cluster kernel's quantized out planes (hi, lo, scales, 16-column sums) are byte for byte what
-    quantize_x_into writes from out, with the deferred Sinkhorn's logits and without, for one and two tokens; out, X',
-    post and comb keep their bits."""
-    from ds4.engine.gpu import fused
-
-    monkeypatch.setattr(fused, "HC_XQ", 1)
-    g = torch.Generator().manual_seed(17)
-    n, D = 4, 4096
-    M = (2 + n) * n
-    for T in (1, 2):
-        X, y1, y2 = rnd(g, T, n, D, scale=scale_x), rnd(g, T, D, scale=scale_x), rnd(g, T, D, scale=scale_x)
-        post_in, comb_in = rnd(g, T, n), rnd(g, T, n, n, scale=0.5)
-        Wf = rnd(g, M, n * D, scale=0.02)
-        scale, base, nw = rnd(g, 3), rnd(g, M, scale=0.5), rnd(g, D, scale=3.0)
-        if not K.hc_xq_takes(X):
-            pytest.skip("the cluster kernel does not run here")
-        nbytes = K.ext.xq_bytes(T, D)
-        for deferred in (False, True):
-            kw = {"logits": torch.empty((T, 16), device=DEV)} if deferred else {}
-            want = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, **kw)
-            xq = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=DEV)
-            got = K.hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, nw, 20, 1e-6, 1e-6, xq=xq, **kw)
-            ref = torch.full_like(xq, 0x5A)
-            K.ext.quantize_x_into(got[1].data_ptr(), T, D, ref.data_ptr())
-            torch.cuda.synchronize()
-            assert torch.equal(xq, ref), (T, deferred)
-            for a, b in zip(want, got):
-                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    with pytest.raises(ValueError, match="one-launch"):  # prefill rows take the two-launch form: no planes there
-        Xr = rnd(g, 70, n, D)
-        K.hc_post_pre(Xr, rnd(g, 70, D), None, rnd(g, 70, n), rnd(g, 70, n, n), Wf, scale, base, nw, 20, 1e-6, 1e-6,
-                      xq=torch.empty(K.ext.xq_bytes(70, D), dtype=torch.uint8, device=DEV))
-
-
-@pytest.mark.parametrize("mode", [1, 2])
-def test_session_decode_with_the_mhc_pres_planes_gives_the_same_bits(K, tmp_path, mode):
-    """DS4_GPU_HC_XQ in the session (1: the shared expert's branch forked after the router; 2: at the mHC): decode's
-    logits bit for bit those of the quantize_x_into path (the step captured, then replayed from the CUDA graph), and
-    with the switch on no quantize_x_into launch is left in the step."""
-    from conftest import quantize_cli
-
-    from ds4.engine.gpu import fused
-    from ds4.engine.gpu import session as gpu_session
-    from ds4.engine.model import Model
-
-    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
-    m = Model.load(tmp_path / "small.gguf")
-    toks = list(range(5, 45))
-    saved = fused.HC_XQ
-    out = {}
-    try:
-        for on in (False, True):
-            fused.HC_XQ = mode if on else 0
-            ses = gpu_session.Session(m, ctx=256, prefill_chunk=64)
-            ses.sync(toks[:30])
-            calls = []
-            real = ses.W.quantize_x_into
-            ses.W.quantize_x_into = lambda *a: calls.append(1) or real(*a)
-            logits = [np.asarray(ses.decode(t)).copy() for t in toks[30:34]]  # captured, then graph replays
-            taken = ses.K.hc_xq_takes(torch.zeros(1, m.config.n_hc, m.config.n_embd, device=DEV))
-            out[on] = logits, taken, len(calls)
-    finally:
-        fused.HC_XQ = saved
-    assert out[True][1], "the cluster kernel does not take small's shapes: nothing was tested"
-    assert out[False][2] > 0 and out[True][2] == 0, (out[False][2], out[True][2])
-    for a, b in zip(out[False][0], out[True][0]):
-        assert np.array_equal(a, b)
 
 
 def test_hc_post_pre_refuses_in_place(K):

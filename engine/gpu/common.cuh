@@ -296,8 +296,7 @@ void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, i
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr,
-                        const XQ* xq = nullptr);
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr);
 // logits (non-null, n = 4, not head): comb's 16 logits per token go there and comb is not written; launch_sinkhorn4
 // makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn).
 void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s);

@@ -28,12 +28,6 @@ HC_MIX = os.environ.get("DS4_GPU_HC_MIX", "1") == "1"
 # DS4_GPU_HC_POST_MIX (v31, default 1): prefill's mHC post and the next mix in one pass (hc_post_mix: X read once,
 # X' written, its mix made from the stage in shared memory) instead of hc_post4 then hc_mix_rows; 0: the two launches
 HC_POST_MIX = os.environ.get("DS4_GPU_HC_POST_MIX", "1") == "1"
-# DS4_GPU_HC_XQ (v31, prepared; 0 the default): decode's FFN mHC pre (the cluster kernel) also writes the routed
-# experts' quantized x (quantize_x's bits), so no quantize launch sits between the router and the routed gate/up. 1: the
-# shared expert's branch forked after the router (it waited for the router through the quantize before: v23 item 5);
-# 2: forked at the mHC as before (v31 call 5: 5.98 against 5.88 ms at 2k, lost); 0: quantize_x_into on the branch
-_HC_XQ_ENV = os.environ.get("DS4_GPU_HC_XQ", "0").strip()
-HC_XQ = int(_HC_XQ_ENV) if _HC_XQ_ENV in ("0", "1", "2") else 0
 TOPK_KERNEL_MAX_ROWS = 65536  # attn_step's indexer top-k: our kernel up to here, torch.topk above
 # decode: the F16 router matvec and the routing in one launch (router.cu; Fused.router_one), read once. Default 1
 # since v23 (the cluster kernel, DS4_GPU_ROUTER_CLUSTER: 6.12 -> 6.02 ms at 2k); 0: the router matvec, then the routing
@@ -164,12 +158,11 @@ class Fused:
     def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
                     comb_in: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                     norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False,
-                    logits: torch.Tensor | None = None, xq: torch.Tensor | None = None):
+                    logits: torch.Tensor | None = None):
         """X' = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of X': (X', out, post, comb). One launch for
         decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise.
         logits ([T, 16] float32, one launch only): comb's logits are written there and comb is left for sinkhorn()
-        (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER). xq (uint8, ext.xq_bytes(T, D) bytes; where
-        hc_xq_takes): out is also quantized into it as Weights.quantize_x_into would (DS4_GPU_HC_XQ)."""
+        (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
         if self.ext.hc_one_launch_takes(T, n, D, bool(head)):  # the one launch takes tensors: rescale them first
@@ -177,8 +170,8 @@ class Fused:
         aligned = all(t is None or isinstance(t, ops.Unscaled) or t.data_ptr() % 16 == 0 for t in (X, y1, y2))
         if not (aligned and self.ext.hc_one_launch_takes(T, n, D, bool(head))) or Wf.dtype != F32 \
                 or tuple(Wf.shape) != (M, n * D):
-            if logits is not None or xq is not None:
-                raise ValueError("hc_post_pre: deferred comb logits and quantized planes need the one-launch kernel")
+            if logits is not None:
+                raise ValueError("hc_post_pre: deferred comb logits need the one-launch kernel's shapes")
             if self.post_mix_takes(X, Wf, head):
                 Xn, mix = self.hc_post_mix(X, y1, y2, post_in, comb_in, Wf)
                 return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head, mix=mix))
@@ -195,15 +188,8 @@ class Fused:
         self._stream()
         self.ext.hc_post_pre(_p(X), _p(y1), _p(y2), _p(post_in), _p(comb_in), _p(Xn), _p(Wf), _p(part), _p(scale),
                              _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms), float(eps_hc), bool(head),
-                             _p(out), _p(post), _p(comb), 0 if logits is None else _p(logits), _p(xq))
+                             _p(out), _p(post), _p(comb), 0 if logits is None else _p(logits))
         return Xn, out, post, comb
-
-    def hc_xq_takes(self, X: torch.Tensor, head: bool = False) -> bool:
-        """Whether hc_post_pre(X, ..., xq=) quantizes out for the routed experts (DS4_GPU_HC_XQ: the cluster kernel)."""
-        T, n, D = X.shape
-        M = n if head else (2 + n) * n
-        return HC_XQ != 0 and not head and self.ext.hc_one_launch_takes(T, n, D, head) \
-            and self.ext.hc_cluster_takes(n, D, M)
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float, comb: torch.Tensor) -> None:
         """comb [T, 4, 4] = Sinkhorn of the logits [T, 16] hc_post_pre(..., logits=) wrote: its one-launch arithmetic."""

@@ -581,7 +581,7 @@ bool hc_one_launch_takes(int T, int n, int D, bool head) {
 void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s, float* logits, const XQ* xq) {
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits) {
   if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
   if (logits && (head || n != 4)) throw std::invalid_argument("hc_post_pre: deferred comb logits need n = 4, no head");
   // the blocks read all streams of X at their columns while others write X': never in place
@@ -602,11 +602,6 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
   hp.comb = comb_in;
   hp.Xo = Xo;
   const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
-  if (xq) {
-    if (!hc_cluster_takes(n, D, M) || xq->n != D || xq->rows < T)
-      throw std::invalid_argument("hc_post_pre: quantized out planes need the cluster kernel and planes of T x D");
-    hp.xq_hi = xq->hi, hp.xq_lo = xq->lo, hp.xq_scale = xq->scale, hp.xq_sum16 = xq->sum16;
-  }
   if (hc_cluster_takes(n, D, M)) {
     launch_hc_cluster(X, Wf, M, scale, base, norm_w, T, D, iters, eps_rms, eps_hc, head, out, post, comb, hp, s,
                       logits);

@@ -13,12 +13,6 @@ struct HcPost {
   const float* post = nullptr;
   const float* comb = nullptr;
   float* Xo = nullptr;  // X' = post(X), [T, n, D]
-  // v31 ($DS4_GPU_HC_XQ, decode): out also quantized as quantize_x_kernel quantizes it (the routed experts' x planes,
-  // xq_at's layout for T rows of D), by the cluster kernel only; null: not written
-  int8_t* xq_hi = nullptr;
-  int8_t* xq_lo = nullptr;
-  float* xq_scale = nullptr;
-  float* xq_sum16 = nullptr;
 };
 
 #if defined(__CUDACC__)

@@ -49,30 +49,6 @@ __device__ __forceinline__ float warp_reduce_scatter32(float (&v)[32]) {
   return v[0];
 }
 
-// out's 32 columns of this warp (one x block, column = lane) quantized with quantize_x_kernel's arithmetic (repack.cu):
-// the same amax, hi / lo rounding and scale, and its 16-column sums' addition tree (column bit 3, then bit 2, then bits
-// 1 and 0), so the routed experts read the planes a quantize_x launch would write.
-__device__ __forceinline__ void hcc_quantize32(float v, const HcPost& hp, int64_t col, int lane) {
-  constexpr unsigned full = 0xffffffffu;
-  float amax = fabsf(v);
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(full, amax, o));
-  const float s = amax / 127.0f;
-  int h = 0, l = 0;
-  if (amax > 0.0f) {
-    const float t = v / s, hr = rintf(t);
-    h = (int)hr;
-    l = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
-  }
-  float a = v + __shfl_xor_sync(full, v, 8);
-  a += __shfl_xor_sync(full, a, 4);
-  a += __shfl_xor_sync(full, a, 2);
-  a += __shfl_xor_sync(full, a, 1);
-  hp.xq_hi[col] = (int8_t)h;
-  hp.xq_lo[col] = (int8_t)l;
-  if (lane == 0) hp.xq_scale[col / 32] = s / 254.0f;
-  if ((lane & 15) == 0) hp.xq_sum16[col / 16] = a;
-}
-
 __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREADS, 1)
     hc_cluster_kernel(const float* X, const float* Wf, int M, const float* scale, const float* base,
                       const float* norm_w, int D, int iters, float eps_rms, float eps_hc, bool head, float* out,
@@ -171,9 +147,7 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
                    2.0f * ((pre[0] * pre[1] * G[1] + pre[0] * pre[2] * G[2]) + (pre[0] * pre[3] * G[3] + pre[1] * pre[2] * G[5]) +
                            (pre[1] * pre[3] * G[6] + pre[2] * pre[3] * G[8]));
   const float r2 = rsqrtf(su / (float)D + eps_rms);
-  const float o = u * r2 * (early ? nw : (norm_w ? __ldg(norm_w + d) : 1.0f));
-  out[(int64_t)t * D + d] = o;
-  if (hp.xq_hi) hcc_quantize32(o, hp, (int64_t)t * D + d, lane);  // uniform: every lane of the warp holds a column
+  out[(int64_t)t * D + d] = u * r2 * (early ? nw : (norm_w ? __ldg(norm_w + d) : 1.0f));
   if (c == 0 && warp == 0 && !head) {  // post and comb, after this warp's out columns
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(s_tot[n + lane] * r * scale[1] + base[n + lane]);
     if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these

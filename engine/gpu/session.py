@@ -114,7 +114,6 @@ class Session(Timeline):
         self._next = torch.zeros(1, dtype=torch.long, device=self.device)
         self._idx_proj: dict[int, torch.Tensor] = {}  # fused.compress_steps -> fused.index_select, per layer
         self._xq: torch.Tensor | None = None  # _xq_buf
-        self._xq_pre = 0  # _hc_pre -> _moe: the routed experts' x planes written by the mHC pre (DS4_GPU_HC_XQ)
         self._graph = None
         self._graph_logits: torch.Tensor | None = None
         # torch.compile fuses the elementwise chains of the decode step (Sinkhorn, roundings, RoPE)
@@ -505,20 +504,16 @@ class Session(Timeline):
 
     def _hc_pre(self, li, X, fn, scale, base, norm, pending=None):
         """The previous sublayer's mHC post (pending: y1, y2, post, comb), then the mHC pre of this one and its
-        RMS norm: (X after the post, normalized input, post, comb). Decode's FFN pre under DS4_GPU_HC_XQ also
-        quantizes its output for the routed experts (self._xq_pre: the planes' address, for _moe)."""
+        RMS norm: (X after the post, normalized input, post, comb)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         if self.K is not None:  # the mix and the RMS of flatten(X) are computed in the kernels
             args = (W.dense(C.blk(li, fn)), W.vec(C.blk(li, scale)), W.vec(C.blk(li, base)), W.vec(C.blk(li, norm)),
                     cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
             if pending is not None:
-                xq = self._xq_buf(D) if fn == L.HC_FFN_FN and self._in_step and T == 1 and self.route_hook is None \
-                    and W.moe_takes_xq(li, 1) and self.K.hc_xq_takes(X) else None
-                self._xq_pre = 0 if xq is None else xq.data_ptr()
                 if self.hc_defer is not None and self._in_step and T == 1 and n == 4:
-                    return self.hc_defer.post_pre(X, pending, args, xq=xq)
-                return self.K.hc_post_pre(X, *pending, *args, xq=xq)
+                    return self.hc_defer.post_pre(X, pending, args)
+                return self.K.hc_post_pre(X, *pending, *args)
             return (X, *self.K.hc_pre(X, *args))
         if pending is not None:
             X = self._hc_post(X, *pending)
@@ -558,12 +553,10 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
-            xq, xq_ready = self._xq_pre, None  # the planes the mHC pre wrote (DS4_GPU_HC_XQ), or none yet
-            self._xq_pre = 0
-            after_router = forked and bool(xq) and fused.HC_XQ == 1  # the branch's start where the quantize put it
-            if forked and not after_router:  # the shared expert beside the router and the routed experts
+            xq, xq_ready = 0, None
+            if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
-                    if not xq and fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # x's planes beside the router
+                    if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
@@ -574,9 +567,6 @@ class Session(Timeline):
             if one is None:  # two launches: the matvec, then the router kernel on its logits
                 one = (None, *self.K.router(W.mm(gate_inp, b) if logits is None else logits, *route))
             _, ids, w = one
-            if after_router:  # forked now: the branch waits for the router, as it did for the quantize behind it
-                with self.side.fork():
-                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             if xq_ready is not None:
                 self.side.wait(xq_ready)
             out = W.moe(li, b, ids, w, limit, xq=xq)
