@@ -88,14 +88,34 @@ class Fused:
     def _stream(self) -> None:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def argmax_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[0] = torch.argmax(x) (int64; NaN counts as the largest value, ties go to the first index)."""
+    def argmax_into(self, x: torch.Tensor, out: torch.Tensor, pos: torch.Tensor | None = None,
+                    hist: torch.Tensor | None = None) -> None:
+        """out[0] = torch.argmax(x) (int64; NaN counts as the largest value, ties go to the first index). With pos
+        (one int64), also pos[0] += 1 and then hist[p] = out[0] at p = pos[0] clamped to hist's indices: greedy
+        decode's next step fed on the device (its token in out, its position in pos, the output list in hist)."""
         if not (ARGMAX and x.dtype == F32 and out.dtype == torch.long and x.numel() > 0):
             out.copy_(torch.argmax(x).view(1))
+            if pos is not None:
+                pos += 1
+                if hist is not None:  # index_copy_ with a device index stays on the device (graph capture)
+                    hist.index_copy_(0, pos.clamp(0, hist.numel() - 1), out)
             return
         x = x.contiguous()
         self._stream()
-        self.ext.argmax(_p(x), x.numel(), _p(out))
+        self.ext.argmax(_p(x), x.numel(), _p(out), _p(pos), _p(hist), 0 if hist is None else hist.numel())
+
+    def embed(self, emb: torch.Tensor, tok: torch.Tensor, n_hc: int) -> torch.Tensor:
+        """X [T, n_hc, D]: every residual stream of token t starts as float32(emb[tok[t]]) (torch's emb[tok].to(float32)
+        expanded, the same bits); a token id out of range gives a row of NaN. emb: [vocab, D] float16 or float32."""
+        if emb.dtype not in (torch.float16, F32) or emb.dim() != 2 or tok.dtype != torch.long:
+            raise ValueError(f"embed takes a float16/float32 [vocab, D] table and int64 ids, got {emb.dtype} "
+                             f"{tuple(emb.shape)} and {tok.dtype}")
+        emb, tok = emb.contiguous(), tok.reshape(-1).contiguous()
+        X = torch.empty((tok.numel(), n_hc, emb.shape[1]), dtype=F32, device=self.device)
+        self._stream()
+        self.ext.embed(_p(emb), emb.dtype == torch.float16, emb.shape[0], emb.shape[1], _p(tok), tok.numel(), n_hc,
+                       _p(X))
+        return X
 
     # ---- row-wise ops ------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:

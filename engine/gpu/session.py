@@ -111,7 +111,8 @@ class Session(Timeline):
         self._logits: torch.Tensor | None = None
         self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._next = torch.zeros(1, dtype=torch.long, device=self.device)
+        # greedy's output list on the device: the argmax after the step at position p writes the token of p + 1 here
+        self._hist = torch.zeros(self.ctx + 1, dtype=torch.long, device=self.device)
         self._idx_proj: dict[int, torch.Tensor] = {}  # fused.compress_steps -> fused.index_select, per layer
         self._xq: torch.Tensor | None = None  # _xq_buf
         self._graph = None
@@ -300,14 +301,16 @@ class Session(Timeline):
         self._tokens.append(token)
         return self._logits
 
-    def _step_from_buffers(self) -> None:
-        """One decode step reading the token from self._tok at position self.pos (device-only)."""
-        self._pos.fill_(self.pos)
+    def _step_from_buffers(self, fill_pos: bool = True) -> None:
+        """One decode step reading the token from self._tok at position self.pos (device-only). Its argmax feeds the
+        next step (self._argmax_feed); fill_pos=False: self._pos already holds self.pos (greedy: the feed put it)."""
+        if fill_pos:
+            self._pos.fill_(self.pos)
         try:
             with torch.no_grad():
                 if not self.graphs:
                     self._logits = self._step(self._tok, self._pos)
-                    self._argmax_next(self._logits)
+                    self._argmax_feed(self._logits)
                 elif self._graph is None:
                     self._capture()
                 else:
@@ -323,13 +326,13 @@ class Session(Timeline):
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             logits = self._step(self._tok, self._pos)
-            self._argmax_next(logits)
+            self._argmax_feed(logits)
         torch.cuda.current_stream(self.device).wait_stream(s)
         self._logits = logits.clone()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = self._step(self._tok, self._pos)
-            self._argmax_next(out)
+            self._argmax_feed(out)
         self._graph, self._graph_logits = g, out
 
     def _xq_buf(self, n: int) -> torch.Tensor:
@@ -338,12 +341,15 @@ class Session(Timeline):
             self._xq = torch.empty(self.W.ext.xq_bytes(1, n), dtype=torch.uint8, device=self.device)
         return self._xq
 
-    def _argmax_next(self, logits: torch.Tensor) -> None:
-        """self._next = the argmax of the logits, on the device (the fused kernel where there is one)."""
+    def _argmax_feed(self, logits: torch.Tensor) -> None:
+        """Greedy's next step, on the device: self._tok = the argmax of the logits, self._pos += 1, and the token
+        recorded at self._hist[self._pos] (one launch of the fused kernel where there is one)."""
         if self.K is not None:
-            self.K.argmax_into(logits.reshape(-1), self._next)
+            self.K.argmax_into(logits.reshape(-1), self._tok, self._pos, self._hist)
         else:
-            self._next.copy_(torch.argmax(logits).view(1))
+            self._tok.copy_(torch.argmax(logits).view(1))
+            self._pos += 1
+            self._hist.index_copy_(0, self._pos.clamp(0, self._hist.numel() - 1), self._tok)
 
     def greedy(self, n: int) -> list[int]:
         """Decode n tokens greedily from the current logits; argmax stays on the device."""
@@ -351,14 +357,13 @@ class Session(Timeline):
             raise SessionError("greedy needs a prompt first")
         if self.pos + n > self.ctx:
             raise SessionError(f"context full ({self.ctx} tokens)")
-        out = torch.empty(n, dtype=torch.long, device=self.device)
-        self._argmax_next(self._logits)
-        for i in range(n):
-            out[i:i + 1].copy_(self._next)
-            self._tok.copy_(self._next)
-            self._step_from_buffers()
+        p0 = self.pos
+        self._pos.fill_(p0 - 1)
+        self._argmax_feed(self._logits)  # the token of p0 into self._tok and self._hist[p0]; self._pos = p0
+        for _ in range(n):  # each step's argmax feeds the next one: a graph replay per token and nothing else
+            self._step_from_buffers(fill_pos=False)
             self._tokens.append(-1)  # filled below (host learns the ids once, at the end)
-        ids = out.cpu().tolist()
+        ids = self._hist[p0:p0 + n].cpu().tolist()
         self._tokens[len(self._tokens) - n:] = ids
         return ids
 
@@ -442,8 +447,10 @@ class Session(Timeline):
         """The residual streams X before the last sublayer's mHC post, and that post's inputs (y1, y2, post,
         comb): each sublayer's post is applied by the next mHC pre, in the same launch where it can be."""
         cfg, W = self.cfg, self.W
-        e = W.embedding()[tok].to(F32)
-        X = e[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
+        if self.K is not None and W.embedding().dtype in (torch.float16, F32):  # one launch (the step's first kernel)
+            X = self.K.embed(W.embedding(), tok, cfg.n_hc)
+        else:
+            X = W.embedding()[tok].to(F32)[:, None, :].expand(-1, cfg.n_hc, -1).contiguous()
         pending = None
         on = not self._in_step  # profiler labels of the prefill phases (bench_session --gaps)
         for li in range(cfg.n_layer):

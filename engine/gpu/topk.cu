@@ -1,5 +1,5 @@
 // Top-k of the indexer keys in one block per row (decode: one row of float64 keys; prefill: a row of float32 scores
-// per query): radix select, then an ordered compaction. At the end of the file: greedy decode's argmax.
+// per query): radix select, then an ordered compaction. (Greedy decode's argmax: step_edges.cu.)
 //
 // Result: the k largest keys' row indices in ascending index order. Among keys equal to the k-th
 // largest the lowest indices win, NaN counts as smaller than everything, -0.0 equals +0.0. No atomic
@@ -267,72 +267,6 @@ void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int 
 void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio,
                           int64_t* sel, cudaStream_t s) {
   launch_rows(keys, n, ld, rows, k, pos, ratio, sel, s);
-}
-
-// ---- greedy decode's argmax (a top-1 with torch.argmax's rules) -------------------------------------------------
-
-namespace {
-
-// Greedy decode's argmax over the logits in one block: torch.argmax's answer (the first NaN if there is one, else the
-// first of the largest values). Each thread keeps its best (value, index) over a strided float4 walk, then a warp
-// and a block reduction with the same rule. One launch where torch's reduction took ~28 us of the decode step.
-constexpr int ARGMAX_THREADS = 1024;
-__device__ __forceinline__ bool argmax_better(float v, int64_t i, float bv, int64_t bi) {
-  if (v != v) return bv == bv || i < bi;  // NaN beats numbers; among NaNs the first
-  if (bv != bv) return false;
-  return v > bv || (v == bv && i < bi);
-}
-__device__ __forceinline__ void argmax_warp(float& bv, int64_t& bi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (argmax_better(ov, oi, bv, bi)) bv = ov, bi = oi;
-  }
-}
-__global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float* x, int64_t n, int64_t* out) {
-  pdl_begin();
-  __shared__ float s_v[ARGMAX_THREADS / 32];
-  __shared__ int64_t s_i[ARGMAX_THREADS / 32];
-  float bv = -INFINITY;
-  int64_t bi = n;  // past the end: any real element at -inf still beats it
-  const int64_t n4 = (((uintptr_t)x & 15) == 0) ? n / 4 : 0;
-  constexpr int U = 8;  // float4 loads in flight per thread before any comparison (v16 first form: one, 16.6 us)
-  for (int64_t q0 = threadIdx.x; q0 < n4; q0 += U * ARGMAX_THREADS) {
-    float4 f[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t q = q0 + (int64_t)u * ARGMAX_THREADS;
-      f[u] = q < n4 ? __ldg((const float4*)x + q) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t q = q0 + (int64_t)u * ARGMAX_THREADS;
-      const float fv[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c)  // past n4 the padding is -inf at indices >= 4 n4: it never beats a real element
-        if (q < n4 && argmax_better(fv[c], 4 * q + c, bv, bi)) bv = fv[c], bi = 4 * q + c;
-    }
-  }
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += ARGMAX_THREADS)
-    if (argmax_better(x[i], i, bv, bi)) bv = x[i], bi = i;
-  argmax_warp(bv, bi);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) s_v[warp] = bv, s_i[warp] = bi;
-  __syncthreads();
-  if (warp == 0) {
-    bv = s_v[lane];
-    bi = s_i[lane];
-    argmax_warp(bv, bi);
-    if (lane == 0) *out = bi;
-  }
-}
-
-}  // namespace
-
-void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s) {
-  if (n < 1) throw std::invalid_argument("argmax: empty input");
-  launch_k(argmax_kernel, dim3(1), dim3(ARGMAX_THREADS), 0, s, x, n, out);
-  DS4_CHECK_LAUNCH("argmax");
 }
 
 }  // namespace ds4gpu

@@ -1,0 +1,113 @@
+"""The decode step's two ends (engine/gpu/step_edges.cu, NOTES v32): the embedding rows in one launch (the bits of
+torch's emb[tok].to(float32) expanded over the residual streams) and greedy's argmax read by a grid, which also feeds
+the next step on the device (token, position, output list), so a greedy step is one graph replay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from ds4.engine import gpu  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and gpu.available()),
+                                                  reason="needs a CUDA device and the built extension")]
+
+
+@pytest.fixture(scope="module")
+def K():
+    from ds4.engine.gpu.fused import Fused
+
+    ext = gpu.load()
+    yield Fused(ext, torch.device("cuda"))
+    ext.reset_stream()
+
+
+@pytest.mark.parametrize("n", [1023, 1024 * 127 + 5, 600_001])
+def test_argmax_grid_is_torch_argmax_across_cta_slices(K, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).cuda()
+    out = torch.full((1,), -7, dtype=torch.long, device="cuda")
+    for a, b in ((1, n - 1), (n // 2 - 1, n // 2), (n - 2, 3)):  # ties in other CTAs' slices: the first index wins
+        y = x.clone()
+        y[a] = y[b] = float(y.max()) + 1.0
+        K.argmax_into(y, out)
+        assert int(out) == int(torch.argmax(y)) == min(a, b)
+    y = x.clone()
+    y[n - 3] = y[n // 3] = float("nan")
+    K.argmax_into(y, out)
+    assert int(out) == int(torch.argmax(y)) == n // 3
+
+
+def test_argmax_feeds_the_next_step(K):
+    x = torch.randn(129280, device="cuda")
+    tok = torch.zeros(1, dtype=torch.long, device="cuda")
+    pos = torch.full((1,), 9, dtype=torch.long, device="cuda")
+    hist = torch.full((12,), -1, dtype=torch.long, device="cuda")
+    K.argmax_into(x, tok, pos, hist)
+    want = int(torch.argmax(x))
+    assert int(tok) == want and int(pos) == 10 and hist[10].item() == want
+    assert (hist[:10] == -1).all() and hist[11].item() == -1
+    K.argmax_into(x, tok, pos, hist)
+    K.argmax_into(x, tok, pos, hist)  # position 12 is past the list: clamped to its last entry
+    assert int(pos) == 12 and hist[11].item() == want
+    graph = torch.cuda.CUDAGraph()
+    pos.fill_(0)
+    with torch.cuda.graph(graph):  # each replay advances the position and records its own argmax
+        K.argmax_into(x, tok, pos, hist)
+    for i, j in enumerate((5, 77_777, 129_279)):
+        x[j] = 1e6 + i
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(tok) == j and int(pos) == i + 1 and hist[i + 1].item() == j
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("T,D", [(1, 4096), (5, 1000), (3, 4)])
+def test_embed_is_torch_gather_expanded(K, dtype, T, D):
+    g = torch.Generator().manual_seed(T * D)
+    emb = (torch.randn(50, D, generator=g) * 3).to(dtype).cuda()
+    tok = torch.randint(0, 50, (T,), generator=g).cuda()
+    X = K.embed(emb, tok, 4)
+    want = emb[tok].to(torch.float32)[:, None, :].expand(-1, 4, -1)
+    assert X.shape == (T, 4, D) and torch.equal(X, want)
+    bad = tok.clone()
+    bad[-1] = 50
+    Xb = K.embed(emb, bad, 4)
+    assert torch.isnan(Xb[-1]).all() and torch.equal(Xb[:-1], want[:-1])
+
+
+def test_embed_refuses_other_tables(K):
+    with pytest.raises(ValueError, match="float16/float32"):
+        K.embed(torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda"), torch.zeros(1, dtype=torch.long,
+                                                                                     device="cuda"), 4)
+
+
+def test_greedy_graph_eager_and_host_tokens_agree(tiny_gguf):
+    """Greedy with graph replays (the argmax feeding each replay), greedy without graphs, and decode() of host tokens
+    give the same ids and logits; a decode() of a host token between two greedy runs takes its place."""
+    from ds4.engine.gpu.session import Session
+    from ds4.engine.model import Model
+
+    m = Model.load(tiny_gguf).with_numerics(fp8_kv=False, indexer_qat=False)
+    rng = np.random.default_rng(5)
+    toks = rng.integers(2, m.config.vocab_size, 40).tolist()
+    runs = {}
+    for graphs in (True, False):
+        s = Session(m, ctx=128, graphs=graphs)
+        s.sync(toks)
+        a = s.greedy(6)
+        s.decode(a[-1] ^ 1)  # a host token that greedy would not have chosen
+        b = s.greedy(5)
+        runs[graphs] = (a, b, s.tokens, s.logits)
+    assert runs[True][:3] == runs[False][:3]
+    np.testing.assert_array_equal(runs[True][3], runs[False][3])
+    a, b, tokens, _ = runs[True]
+    assert tokens == toks + a + [a[-1] ^ 1] + b
+    s = Session(m, ctx=128, graphs=True)
+    logits = s.sync(toks)
+    for i, t in enumerate(tokens[len(toks):]):  # the same timeline by host tokens: greedy's picks were the argmax
+        if i != 6:  # (6: the host token)
+            assert t == int(np.argmax(logits))
+        logits = s.decode(t)
+    np.testing.assert_array_equal(logits, runs[True][3])
