@@ -5,7 +5,8 @@ Frontiers: f_0 = ctx_start; f_{k+1} = f_k + step_incr (step_mul == 1) or max(cei
   1. time `session.sync(tokens[:f])` — the session already holds the previous prefix, so only the
      interval [prev, f) is prefilled;
   2. snapshot the session (untimed);
-  3. time `gen_tokens` greedy decode steps, each the argmax excluding EOS;
+  3. time `gen_tokens` greedy decode steps, each the argmax excluding EOS (a session with `greedy_on_device`, the
+     CUDA engine's, runs them as `greedy(gen_tokens, banned=EOS)`: the same tokens, no logits copied to the host);
   4. restore the snapshot (untimed) and go on.
 """
 
@@ -76,6 +77,7 @@ def sweep(session: BenchSession, tokens, fronts, gen_tokens: int, eos_id: int | 
     excluded from nothing: the timings include throttle sleeps only when one is installed."""
     rows: list[BenchRow] = []
     prev = 0
+    on_device = getattr(session, "greedy_on_device", False) and throttle_step is None  # the throttle runs per step
     tokens = list(tokens)
     for f in fronts:
         if f > len(tokens):
@@ -86,11 +88,14 @@ def sweep(session: BenchSession, tokens, fronts, gen_tokens: int, eos_id: int | 
         snap = session.snapshot()
         size = kv_bytes(snap) if kv_bytes else snapshot_bytes(snap)
         t0 = time.perf_counter()
-        for _ in range(gen_tokens):
-            tok = argmax_excluding(np.asarray(logits), eos_id)
-            logits = session.decode(tok)
-            if throttle_step is not None:
-                throttle_step()
+        if on_device:
+            session.greedy(gen_tokens, banned=eos_id)
+        else:
+            for _ in range(gen_tokens):
+                tok = argmax_excluding(np.asarray(logits), eos_id)
+                logits = session.decode(tok)
+                if throttle_step is not None:
+                    throttle_step()
         t_gen = time.perf_counter() - t0
         session.restore(snap)
         row = BenchRow(ctx_tokens=f, prefill_tokens=f - prev,

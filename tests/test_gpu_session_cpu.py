@@ -120,6 +120,25 @@ def test_restore_round_trip_and_greedy(tiny):
     assert ids == want and g.tokens == toks + want
 
 
+def test_greedy_banned_token_is_never_chosen(tiny):
+    """The torch form of greedy's device feed with a banned id (ds4-bench's EOS): argmax_excluding's tokens."""
+    from ds4.speed_bench.frontier import argmax_excluding
+
+    m = tiny.with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = _prompt(m.config, 40, seed=4)
+    c = CpuSession(m, ctx=128)
+    logits = c.sync(toks)
+    banned = int(np.argmax(logits))
+    g = GpuSession(m, ctx=128, device="cpu")
+    g.restore(c.snapshot())
+    ids = g.greedy(6, banned=banned)
+    want = []
+    for _ in range(6):
+        want.append(argmax_excluding(logits, banned))
+        logits = c.decode(want[-1])
+    assert ids == want and banned not in ids
+
+
 def test_hooks_are_refused(tiny):
     from ds4.engine.session import SessionError
 

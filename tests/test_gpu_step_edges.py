@@ -111,3 +111,41 @@ def test_greedy_graph_eager_and_host_tokens_agree(tiny_gguf):
             assert t == int(np.argmax(logits))
         logits = s.decode(t)
     np.testing.assert_array_equal(logits, runs[True][3])
+
+
+def test_argmax_banned_index_counts_as_minus_inf_and_graphs_follow_it(K):
+    x = torch.randn(129280, device="cuda")
+    order = torch.argsort(x, descending=True)
+    out = torch.zeros(1, dtype=torch.long, device="cuda")
+    banned = torch.full((1,), int(order[0]), dtype=torch.long, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    K.argmax_into(x, out, banned=banned)
+    assert int(out) == int(order[1])
+    with torch.cuda.graph(graph):
+        K.argmax_into(x, out, banned=banned)
+    for b, want in ((-1, order[0]), (int(order[1]), order[0]), (int(order[0]), order[1]), (129280, order[0])):
+        banned.fill_(b)  # -1 and an index past the end ban nothing
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(out) == int(want)
+
+
+def test_greedy_banned_is_argmax_excluding_and_the_sweep_runs_on_the_device(tiny_gguf):
+    from ds4.engine.gpu.session import Session
+    from ds4.engine.model import Model
+    from ds4.speed_bench.frontier import argmax_excluding, sweep
+
+    m = Model.load(tiny_gguf).with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(6).integers(2, m.config.vocab_size, 40).tolist()
+    s = Session(m, ctx=128)
+    logits = s.sync(toks)
+    banned = int(np.argmax(logits))  # the first pick is banned: greedy must take the runner-up
+    got = s.greedy(8, banned=banned)
+    h = Session(m, ctx=128)
+    logits, want = h.sync(toks), []
+    for _ in range(8):
+        want.append(argmax_excluding(logits, banned))
+        logits = h.decode(want[-1])
+    assert got == want and banned not in got
+    rows = sweep(Session(m, ctx=128), toks + got, [32, 40], 6, banned)
+    assert [r.ctx_tokens for r in rows] == [32, 40] and all(r.gen_tps > 0 and r.prefill_tps > 0 for r in rows)

@@ -208,11 +208,14 @@ void bind_fused_ops(py::module_& m) {
   m.def("prefill_attn_bf16_takes", &prefill_attn_bf16_takes, py::arg("d"), py::arg("pk_dims"), py::arg("out_hpg"),
         "whether prefill attention form 3 takes these shapes (out_hpg: the split output's heads per group, 0: none)");
   m.def("prefill_attn_takes", &prefill_attn_takes, py::arg("H"), py::arg("d"));
-  m.def("argmax", [](uintptr_t x, int64_t n, uintptr_t out, uintptr_t pos, uintptr_t hist, int64_t hist_len) {
-    launch_argmax(ptr<const float>(x), n, ptr<int64_t>(out), stream(), ptr<int64_t>(pos), ptr<int64_t>(hist), hist_len);
+  m.def("argmax", [](uintptr_t x, int64_t n, uintptr_t out, uintptr_t pos, uintptr_t hist, int64_t hist_len,
+                     uintptr_t banned) {
+    launch_argmax(ptr<const float>(x), n, ptr<int64_t>(out), stream(), ptr<int64_t>(pos), ptr<int64_t>(hist), hist_len,
+                  ptr<const int64_t>(banned));
   }, py::arg("x"), py::arg("n"), py::arg("out"), py::arg("pos") = 0, py::arg("hist") = 0, py::arg("hist_len") = 0,
+        py::arg("banned") = 0,
         "out[0] = the argmax of x[:n] (torch.argmax's answer); pos non-zero: also pos[0] += 1 and hist[p] = out[0] at "
-        "p = pos[0] clamped to [0, hist_len) (greedy decode's next step, fed on the device)");
+        "p = pos[0] clamped to [0, hist_len) (greedy decode's next step, fed on the device); banned non-zero: x[banned[0]] counts as -inf");
   m.def("embed", [](uintptr_t emb, bool f16, int64_t vocab, int D, uintptr_t tok, int T, int n_hc, uintptr_t X) {
     launch_embed(ptr<const void>(emb), f16, vocab, D, ptr<const int64_t>(tok), T, n_hc, ptr<float>(X), stream());
   }, py::arg("emb"), py::arg("f16"), py::arg("vocab"), py::arg("D"), py::arg("tok"), py::arg("T"), py::arg("n_hc"),

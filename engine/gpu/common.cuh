@@ -322,10 +322,10 @@ void launch_swiglu(const float* g, const float* u, int64_t n, float limit, float
                    const float* row_w = nullptr, int64_t width = 0, const int64_t* row_of = nullptr,
                    const float* g_scale = nullptr, const float* u_scale = nullptr);
 // step_edges.cu. argmax: out[0] = torch.argmax(x[:n]); with pos, also pos[0] += 1 and hist[p] = out[0] at p = pos[0]
-// clamped to [0, hist_len): greedy decode's next step fed on the device. embed: X[t, h] = float32(emb[tok[t]]) for h < n_hc
+// clamped to [0, hist_len); with banned, x[banned[0]] counts as -inf: greedy decode's next step fed on the device. embed: X[t, h] = float32(emb[tok[t]]) for h < n_hc
 // (emb float16 or float32, vocab rows of D; a token id out of range gives NaN).
 void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s, int64_t* pos = nullptr,
-                   int64_t* hist = nullptr, int64_t hist_len = 0);
+                   int64_t* hist = nullptr, int64_t hist_len = 0, const int64_t* banned = nullptr);
 void launch_embed(const void* emb, bool f16, int64_t vocab, int D, const int64_t* tok, int T, int n_hc, float* X,
                   cudaStream_t s);
 // One compressor's decode step (fused.cu compress_step_kernel); pos is shared by the jobs of a launch.

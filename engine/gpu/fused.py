@@ -89,11 +89,15 @@ class Fused:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def argmax_into(self, x: torch.Tensor, out: torch.Tensor, pos: torch.Tensor | None = None,
-                    hist: torch.Tensor | None = None) -> None:
+                    hist: torch.Tensor | None = None, banned: torch.Tensor | None = None) -> None:
         """out[0] = torch.argmax(x) (int64; NaN counts as the largest value, ties go to the first index). With pos
         (one int64), also pos[0] += 1 and then hist[p] = out[0] at p = pos[0] clamped to hist's indices: greedy
-        decode's next step fed on the device (its token in out, its position in pos, the output list in hist)."""
+        decode's next step fed on the device (its token in out, its position in pos, the output list in hist).
+        banned (one int64, read when the kernel runs, so a graph follows it): x[banned[0]] counts as -inf where it is
+        an index of x (ds4-bench's EOS, so a speed probe never stops early; -1: none)."""
         if not (ARGMAX and x.dtype == F32 and out.dtype == torch.long and x.numel() > 0):
+            if banned is not None:
+                x = torch.where(torch.arange(x.numel(), device=x.device) == banned, -math.inf, x)
             out.copy_(torch.argmax(x).view(1))
             if pos is not None:
                 pos += 1
@@ -102,7 +106,8 @@ class Fused:
             return
         x = x.contiguous()
         self._stream()
-        self.ext.argmax(_p(x), x.numel(), _p(out), _p(pos), _p(hist), 0 if hist is None else hist.numel())
+        self.ext.argmax(_p(x), x.numel(), _p(out), _p(pos), _p(hist), 0 if hist is None else hist.numel(),
+                        _p(banned))
 
     def embed(self, emb: torch.Tensor, tok: torch.Tensor, n_hc: int) -> torch.Tensor:
         """X [T, n_hc, D]: every residual stream of token t starts as float32(emb[tok[t]]) (torch's emb[tok].to(float32)

@@ -84,6 +84,7 @@ def parse_prefetch(spec: str) -> dict[str, float]:
     return out
 
 class Session(Timeline):
+    greedy_on_device = True  # ds4-bench's sweep times greedy(n, banned=EOS): no logits cross to the host per token
     def __init__(self, model, ctx: int = 4096, prefill_chunk: int = 8192, hooks=None, impl: str | None = None,
                  progress=None, device: str | torch.device | None = None, graphs: bool | None = None,
                  weights: Weights | None = None):
@@ -113,6 +114,7 @@ class Session(Timeline):
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
         # greedy's output list on the device: the argmax after the step at position p writes the token of p + 1 here
         self._hist = torch.zeros(self.ctx + 1, dtype=torch.long, device=self.device)
+        self._banned = torch.full((1,), -1, dtype=torch.long, device=self.device)  # greedy(banned=): never chosen
         self._idx_proj: dict[int, torch.Tensor] = {}  # fused.compress_steps -> fused.index_select, per layer
         self._xq: torch.Tensor | None = None  # _xq_buf
         self._graph = None
@@ -345,19 +347,23 @@ class Session(Timeline):
         """Greedy's next step, on the device: self._tok = the argmax of the logits, self._pos += 1, and the token
         recorded at self._hist[self._pos] (one launch of the fused kernel where there is one)."""
         if self.K is not None:
-            self.K.argmax_into(logits.reshape(-1), self._tok, self._pos, self._hist)
+            self.K.argmax_into(logits.reshape(-1), self._tok, self._pos, self._hist, self._banned)
         else:
-            self._tok.copy_(torch.argmax(logits).view(1))
+            x = logits.reshape(-1)
+            self._tok.copy_(torch.argmax(torch.where(torch.arange(x.numel(), device=x.device) == self._banned,
+                                                     -math.inf, x)).view(1))
             self._pos += 1
             self._hist.index_copy_(0, self._pos.clamp(0, self._hist.numel() - 1), self._tok)
 
-    def greedy(self, n: int) -> list[int]:
-        """Decode n tokens greedily from the current logits; argmax stays on the device."""
+    def greedy(self, n: int, banned: int | None = None) -> list[int]:
+        """Decode n tokens greedily from the current logits; argmax stays on the device. banned: a token id never
+        chosen (ds4-bench's EOS: the next best instead, as speed_bench.frontier.argmax_excluding)."""
         if self._logits is None:
             raise SessionError("greedy needs a prompt first")
         if self.pos + n > self.ctx:
             raise SessionError(f"context full ({self.ctx} tokens)")
         p0 = self.pos
+        self._banned.fill_(-1 if banned is None else int(banned))
         self._pos.fill_(p0 - 1)
         self._argmax_feed(self._logits)  # the token of p0 into self._tok and self._hist[p0]; self._pos = p0
         for _ in range(n):  # each step's argmax feeds the next one: a graph replay per token and nothing else

@@ -79,6 +79,7 @@ __device__ __forceinline__ void argmax_block(float& bv, int64_t& bi) {
 }
 
 struct ArgmaxFeed {
+  const int64_t* banned;  // non-null: the index banned[0] counts as -inf (a speed probe's EOS: ds4-bench never stops)
   int64_t* pos;   // non-null: pos[0] += 1 (the position of the step the token feeds)
   int64_t* hist;  // non-null: hist[p] = the token, p = pos[0] after the increment clamped to [0, hist_len)
   int64_t hist_len;
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float* x, 
   pdl_begin();
   float bv = -INFINITY;
   int64_t bi = n;  // past the end: any real element at -inf still beats it
+  const int64_t banned = feed.banned ? *feed.banned : -1;
   const int64_t n4 = (((uintptr_t)x & 15) == 0) ? n / 4 : 0;
   const int64_t tid = (int64_t)blockIdx.x * ARGMAX_THREADS + threadIdx.x, nt = (int64_t)gridDim.x * ARGMAX_THREADS;
   for (int64_t q0 = tid; q0 < n4; q0 += ARGMAX_LOADS * nt) {
@@ -103,12 +105,16 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_kernel(const float* x, 
       const int64_t q = q0 + u * nt;
       const float fv[4] = {f[u].x, f[u].y, f[u].z, f[u].w};
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (q < n4 && argmax_better(fv[c], 4 * q + c, bv, bi)) bv = fv[c], bi = 4 * q + c;
+      for (int c = 0; c < 4; ++c) {
+        const float v = 4 * q + c == banned ? -INFINITY : fv[c];
+        if (q < n4 && argmax_better(v, 4 * q + c, bv, bi)) bv = v, bi = 4 * q + c;
+      }
     }
   }
-  for (int64_t i = 4 * n4 + tid; i < n; i += nt)
-    if (argmax_better(__ldcg(x + i), i, bv, bi)) bv = __ldcg(x + i), bi = i;
+  for (int64_t i = 4 * n4 + tid; i < n; i += nt) {
+    const float v = i == banned ? -INFINITY : __ldcg(x + i);
+    if (argmax_better(v, i, bv, bi)) bv = v, bi = i;
+  }
   argmax_block(bv, bi);
   __shared__ bool s_last;
   if (threadIdx.x == 0) {
@@ -148,12 +154,12 @@ void launch_embed(const void* emb, bool f16, int64_t vocab, int D, const int64_t
 }
 
 void launch_argmax(const float* x, int64_t n, int64_t* out, cudaStream_t s, int64_t* pos, int64_t* hist,
-                   int64_t hist_len) {
+                   int64_t hist_len, const int64_t* banned) {
   if (n < 1) throw std::invalid_argument("argmax: empty input");
   // ~1024 logits per CTA (one float4 load per thread), at most ARGMAX_MAX_CTAS: 127 CTAs for Flash's 129280
   const int64_t ctas = std::min<int64_t>(ARGMAX_MAX_CTAS, std::max<int64_t>(1, (n + 4 * ARGMAX_THREADS - 1) /
                                                                                   (4 * ARGMAX_THREADS)));
-  launch_k(argmax_kernel, dim3((unsigned)ctas), dim3(ARGMAX_THREADS), 0, s, x, n, out, ArgmaxFeed{pos, hist, hist_len});
+  launch_k(argmax_kernel, dim3((unsigned)ctas), dim3(ARGMAX_THREADS), 0, s, x, n, out, ArgmaxFeed{banned, pos, hist, hist_len});
   DS4_CHECK_LAUNCH("argmax");
 }
 
