@@ -149,3 +149,22 @@ def test_greedy_banned_is_argmax_excluding_and_the_sweep_runs_on_the_device(tiny
     assert got == want and banned not in got
     rows = sweep(Session(m, ctx=128), toks + got, [32, 40], 6, banned)
     assert [r.ctx_tokens for r in rows] == [32, 40] and all(r.gen_tps > 0 and r.prefill_tps > 0 for r in rows)
+
+
+def test_ds4_bench_on_cuda_gives_the_cpu_backends_rows_shape(tiny_gguf, tmp_path):
+    """ds4-bench --backend cuda end to end (its warm-up on the timed session itself: one copy of the weights; the
+    generation through greedy(n, banned=EOS) on the device), with the bandwidth floor in the header."""
+    import subprocess
+    import sys
+
+    from ds4.speed_bench.csvio import read_csv
+
+    out = tmp_path / "cuda.csv"
+    r = subprocess.run([sys.executable, "-m", "ds4.speed_bench.cli", "-m", str(tiny_gguf), "--backend", "cuda",
+                        "--ctx-start", "16", "--ctx-max", "70", "--step-incr", "24", "--gen-tokens", "5", "--csv",
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    run = read_csv(out)
+    assert run.meta["backend"] == "cuda" and float(run.meta["floor_ms"]) > 0 and "of the floor" in r.stderr
+    assert [row.ctx_tokens for row in run.rows] == [16, 40, 64, 70]
+    assert all(row.gen_tokens == 5 and row.gen_tps > 0 and row.prefill_tps > 0 for row in run.rows)
