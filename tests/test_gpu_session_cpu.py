@@ -287,3 +287,25 @@ def test_an_unknown_gpu_switch_value_is_a_cli_error_not_a_fallback():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "CliError: DS4_GPU_PREFILL_GEMM='fp16': unknown mode (known: fp8, exact, f16, mmq)" in out.stdout
+
+
+def test_sessions_of_one_model_share_one_upload(tiny):
+    """Weights.shared: a session opened while another lives reuses its weights (Flash q2 does not fit an H200
+    twice); a model with other numerics, or one whose sessions are all gone, gets its own upload."""
+    import gc
+
+    a = GpuSession(tiny, ctx=64, device="cpu")
+    b = GpuSession(tiny, ctx=128, device="cpu")
+    other = tiny.with_numerics(fp8_kv=False, indexer_qat=False)
+    c = GpuSession(other, ctx=64, device="cpu")
+    assert a.W is b.W and c.W is not a.W
+    toks = _prompt(tiny.config, 20, seed=7)
+    np.testing.assert_array_equal(a.sync(toks), b.sync(toks))  # sharing changes nothing in the arithmetic
+    import weakref
+
+    upload = weakref.ref(a.W)
+    del a, b
+    gc.collect()
+    assert upload() is None  # the cache holds no session's weights alive
+    d = GpuSession(tiny, ctx=64, device="cpu")
+    np.testing.assert_array_equal(d.sync(toks), GpuSession(tiny, ctx=64, device="cpu", weights=d.W).sync(toks))

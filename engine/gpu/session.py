@@ -102,7 +102,7 @@ class Session(Timeline):
         self.device = torch.device(device) if device is not None else default_device()
         self.graphs = (self.device.type == "cuda" and os.environ.get("DS4_GPU_GRAPHS", "1") != "0") \
             if graphs is None else graphs
-        self.W = weights if weights is not None else Weights(model, self.device)  # share uploads between sessions
+        self.W = weights if weights is not None else Weights.shared(model, self.device)  # one upload per model
         cfg = self.cfg
         self._freq = {c: torch.from_numpy(inv_freq(cfg, c)).to(self.device) for c in (False, True)}
         self.raw_window = min(cfg.sliding_window, self.ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -90,8 +91,27 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Weights.shared: (model, device) -> the upload some session still holds
+_SHARED: dict[tuple[int, str], tuple[weakref.ref, weakref.ref]] = {}
+
+
 class Weights:
     """Weights on the device: extension tensors for the matrices it can multiply, torch otherwise."""
+
+    @classmethod
+    def shared(cls, model, device: torch.device) -> Weights:
+        """The weights of this model already on this device while any session holds them, else a new upload. Why:
+        a tool that opens a session while another is alive (the REPL's /ctx, a case per session, a warm-up session)
+        would hold a second copy of the weights, and Flash q2's 81 GiB do not fit an H200 twice."""
+        key = (id(model), str(device))
+        model_ref, w_ref = _SHARED.get(key, (None, None))
+        w = w_ref() if w_ref is not None and model_ref() is model else None
+        if w is None:
+            w = cls(model, device)
+            for k in [k for k, (m, x) in _SHARED.items() if m() is None or x() is None]:
+                del _SHARED[k]  # uploads no session holds any more (and ids that may be reused)
+            _SHARED[key] = (weakref.ref(model), weakref.ref(w))
+        return w
 
     def __init__(self, model, device: torch.device, emulate_kernels: bool = False):
         self.model, self.device = model, device
