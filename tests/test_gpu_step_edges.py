@@ -159,10 +159,11 @@ def test_ds4_bench_on_cuda_gives_the_cpu_backends_rows_shape(tiny_gguf, tmp_path
 
     from ds4.speed_bench.csvio import read_csv
 
-    out = tmp_path / "cuda.csv"
+    out, text = tmp_path / "cuda.csv", tmp_path / "prompt.txt"
+    text.write_text(" ".join(f"word{i} and some more text, line {i}." for i in range(200)))  # no data dir needed
     r = subprocess.run([sys.executable, "-m", "ds4.speed_bench.cli", "-m", str(tiny_gguf), "--backend", "cuda",
                         "--ctx-start", "16", "--ctx-max", "70", "--step-incr", "24", "--gen-tokens", "5", "--csv",
-                        str(out)], capture_output=True, text=True, timeout=600)
+                        str(out), "--prompt-file", str(text)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     run = read_csv(out)
     assert run.meta["backend"] == "cuda" and float(run.meta["floor_ms"]) > 0 and "of the floor" in r.stderr
