@@ -25,7 +25,7 @@ constexpr int EMBED_THREADS = 256;  // 4 columns per thread: 4 CTAs per token ro
 template <typename E>
 __global__ void __launch_bounds__(EMBED_THREADS) embed_kernel(const E* emb, int64_t vocab, int D, const int64_t* tok,
                                                               int n_hc, float* X) {
-  pdl_begin();  // tok may come from the kernel before (greedy's argmax of the previous step, eagerly)
+  pdl_begin();  // launched without PDL (launch_embed): the wait returns at once; the trigger lets the step's chain go
   const int t = blockIdx.y;
   const int64_t id = tok[t];
   const bool ok = id >= 0 && id < vocab;
@@ -146,10 +146,15 @@ void launch_embed(const void* emb, bool f16, int64_t vocab, int D, const int64_t
                   cudaStream_t s) {
   if (T < 1 || D < 1 || n_hc < 1 || vocab < 1) throw std::invalid_argument("embed: empty shape");
   const dim3 grid((unsigned)((D + EMBED_THREADS * 4 - 1) / (EMBED_THREADS * 4)), (unsigned)T);
+  // Not under PDL: the step's kernels read the position before their griddepcontrol.wait ($DS4_GPU_PREWAIT), which is
+  // safe only if nothing of the step starts before whatever wrote it has ended. In a graph replay that is the previous
+  // replay; in eager greedy decode it is the previous step's argmax (the feed), and under PDL a chain of early
+  // launches could run ahead of it. A kernel launched without PDL starts after its predecessor has completed.
   if (f16)
-    launch_k(embed_kernel<__half>, grid, dim3(EMBED_THREADS), 0, s, (const __half*)emb, vocab, D, tok, n_hc, X);
+    launch_pdl(false, embed_kernel<__half>, grid, dim3(EMBED_THREADS), 0, s, (const __half*)emb, vocab, D, tok, n_hc,
+               X);
   else
-    launch_k(embed_kernel<float>, grid, dim3(EMBED_THREADS), 0, s, (const float*)emb, vocab, D, tok, n_hc, X);
+    launch_pdl(false, embed_kernel<float>, grid, dim3(EMBED_THREADS), 0, s, (const float*)emb, vocab, D, tok, n_hc, X);
   DS4_CHECK_LAUNCH("embed");
 }
 
