@@ -607,6 +607,12 @@ PYBIND11_MODULE(_ext, m) {
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");
+  m.def("set_mv_grid_cap", &set_mv_grid_cap, py::arg("ctas"),
+        "Caps the streaming matvec's persistent grid at this many CTAs in all for the launches that follow (0: no cap); "
+        "read when a launch is made or captured; the same sums");
+  m.def("set_gateup_dyn", &set_gateup_dyn, py::arg("mode"),
+        "the routed gate/up rows kernel takes its units from a counter (1) or by the static deal (0; -1: "
+        "$DS4_GPU_GU_DYN); the same bits");
   m.def("set_mv_tma", &set_mv_tma, py::arg("mode"),
         "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
         "but q_b-like and grouped ones), the "

@@ -568,7 +568,7 @@ class Session(Timeline):
             forked = self._in_step and "ffn" in self._branches
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
-                with self.side.fork():
+                with self.side.fork(branches.SIDE_CTAS):
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
