@@ -169,3 +169,36 @@ def test_ds4_bench_on_cuda_gives_the_cpu_backends_rows_shape(tiny_gguf, tmp_path
     assert run.meta["backend"] == "cuda" and float(run.meta["floor_ms"]) > 0 and "of the floor" in r.stderr
     assert [row.ctx_tokens for row in run.rows] == [16, 40, 64, 70]
     assert all(row.gen_tokens == 5 and row.gen_tps > 0 and row.prefill_tps > 0 for row in run.rows)
+
+
+def test_a_graph_captured_before_the_scratch_moved_is_captured_again(tiny_gguf):
+    """ds4-bench's order: a warm-up captures the decode graph, the timeline is dropped, then each frontier is a fresh
+    prefill in several chunks, a snapshot, greedy on the device and a restore. Every frontier's tokens and logits
+    must be those of a session that never saw the warm-up (one that captures its graph after the prefill). Between
+    the two, the extension's scratch moves, as a longer prefill chunk makes it do: the graph captured before points
+    into the freed buffer (on Flash, an illegal address at ds4-bench's second frontier) and must be captured again."""
+    from ds4.engine.gpu.session import Session
+    from ds4.engine.model import Model
+
+    m = Model.load(tiny_gguf).with_numerics(fp8_kv=False, indexer_qat=False)
+    toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 700).tolist()
+    s = Session(m, ctx=777, prefill_chunk=256)
+    logits = s.sync(toks[:300])
+    for _ in range(2):
+        logits = s.decode(int(np.argmax(logits)))
+    s.invalidate()
+    ext, g0, n = s.W.ext, s.W.ext.scratch_generation(), 128 << 20
+    while ext.scratch_generation() == g0:  # what a longer prefill chunk does: the ops' shared scratch moves
+        ext.reserve_scratch(n)
+        n *= 2
+    for f in (256, 640):
+        s.sync(toks[:f])
+        snap = s.snapshot()
+        got = s.greedy(12, banned=1)
+        got_logits = s.logits
+        s.restore(snap)
+        fresh = Session(m, ctx=777, prefill_chunk=256)
+        fresh.sync(toks[:f])
+        assert got == fresh.greedy(12, banned=1), f"frontier {f}"
+        np.testing.assert_array_equal(got_logits, fresh.logits)
+        assert s.tokens == toks[:f]

@@ -77,6 +77,7 @@ void* device_alloc(size_t n, const std::string& what) {
 }
 
 Scratch g_scratch;
+Scratch g_prefill_scratch;
 
 size_t xq_bytes(int64_t nvec, int64_t n) {
   return 2 * align256(nvec * n) + align256(nvec * n / 32 * 4) + align256(nvec * n / 16 * 4);
@@ -94,12 +95,12 @@ XQ xq_at(uint8_t* base, int64_t nvec, int64_t n) {
   return q;
 }
 
-XQ take_xq(int64_t nvec, int64_t n) {
+XQ take_xq(int64_t nvec, int64_t n, Scratch& from) {
   XQ q;
-  q.hi = (int8_t*)g_scratch.take(nvec * n);
-  q.lo = (int8_t*)g_scratch.take(nvec * n);
-  q.scale = (float*)g_scratch.take(nvec * n / 32 * 4);
-  q.sum16 = (float*)g_scratch.take(nvec * n / 16 * 4);
+  q.hi = (int8_t*)from.take(nvec * n);
+  q.lo = (int8_t*)from.take(nvec * n);
+  q.scale = (float*)from.take(nvec * n / 32 * 4);
+  q.sum16 = (float*)from.take(nvec * n / 16 * 4);
   q.n = (int)n;
   q.rows = nvec;
   return q;
@@ -289,9 +290,10 @@ bool matvec(const Tensor& w, const Array& x, Array& y, int groups, uintptr_t nor
   }
   XQ xq;
   if (w.qtype != QT_F16) {
-    g_scratch.reserve(xq_bytes(B * groups, n));
-    g_scratch.begin();
-    xq = take_xq(B * groups, n);
+    Scratch& sc = scratch_for(B);
+    sc.reserve(xq_bytes(B * groups, n));
+    sc.begin();
+    xq = take_xq(B * groups, n, sc);
   }
   launch_matvec(w.p, x_in, xq, (int)B, groups, y.f(), stream());
   return false;
@@ -305,12 +307,13 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
     throw std::invalid_argument("moe: x, y are [T, n_embd]; ids, weights are [T, k]");
   int64_t T = x.shape[0], k = ids.shape[1], D = gate.p.ncols, F = gate.ne[1];
   if (ids.shape[0] != T || x.shape[1] != D) throw std::invalid_argument("moe: shapes of x/ids disagree with the experts");
-  g_scratch.reserve(xq_bytes(T, D) + align256(T * k * F * 4) + xq_bytes(T * k, F));
-  g_scratch.begin();
+  Scratch& sc = scratch_for(T);
+  sc.reserve(xq_bytes(T, D) + align256(T * k * F * 4) + xq_bytes(T * k, F));
+  sc.begin();
   MoeScratch s;
-  s.xq_in = take_xq(T, D);
-  s.h = (float*)g_scratch.take(T * k * F * 4);
-  s.xq_h = take_xq(T * k, F);
+  s.xq_in = take_xq(T, D, sc);
+  s.h = (float*)sc.take(T * k * F * 4);
+  s.xq_h = take_xq(T * k, F, sc);
   if (xq_in) {  // x already quantized (quantize_x_into, e.g. on a side stream beside the router)
     if (gate.qtype == QT_F16 || T != 1) throw std::invalid_argument("moe: a quantized x takes one token and quantized experts");
     s.xq_in = xq_at(reinterpret_cast<uint8_t*>(xq_in), T, D);
@@ -329,10 +332,11 @@ void moe_gateup(const Tensor& gate, const Tensor& up, const Array& x, const Arra
   int64_t T = x.shape[0], k = ids.shape[1], D = gate.p.ncols, F = gate.ne[1];
   if (ids.shape[0] != T || x.shape[1] != D || h.shape[0] != T * k || h.shape[1] != F)
     throw std::invalid_argument("moe_gateup: shapes of x/ids/h disagree with the experts");
-  g_scratch.reserve(xq_bytes(T, D));
-  g_scratch.begin();
+  Scratch& sc = scratch_for(T);
+  sc.reserve(xq_bytes(T, D));
+  sc.begin();
   MoeScratch s;
-  s.xq_in = take_xq(T, D);
+  s.xq_in = take_xq(T, D, sc);
   s.h = h.f();
   launch_moe_gateup(gate.p, up.p, n_expert, x.f(), ids.i(), weights.f(), (int)T, (int)k, clamp, s, stream());
 }
@@ -353,9 +357,10 @@ void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& 
   }
   XQ xq;
   if (any_q) {
-    g_scratch.reserve(xq_bytes(B, n));
-    g_scratch.begin();
-    xq = take_xq(B, n);
+    Scratch& sc = scratch_for(B);
+    sc.reserve(xq_bytes(B, n));
+    sc.begin();
+    xq = take_xq(B, n, sc);
     launch_quantize_x(x.f(), (int)B, (int)n, xq, stream());
   }
   for (size_t i = 0; i < ws.size(); ++i) launch_matvec(ws[i]->p, x.f(), xq, (int)B, 1, ys[i]->f(), stream(), false);
@@ -607,12 +612,6 @@ PYBIND11_MODULE(_ext, m) {
   m.def("set_mv_cap", &set_mv_cap, py::arg("ctas_per_sm"),
         "Caps the streaming matvec's persistent grid at this many CTAs per SM for the launches that follow "
         "(0: back to $DS4_GPU_MV_PER_SM); read when a launch is made or captured.");
-  m.def("set_mv_grid_cap", &set_mv_grid_cap, py::arg("ctas"),
-        "Caps the streaming matvec's persistent grid at this many CTAs in all for the launches that follow (0: no cap); "
-        "read when a launch is made or captured; the same sums");
-  m.def("set_gateup_dyn", &set_gateup_dyn, py::arg("mode"),
-        "the routed gate/up rows kernel takes its units from a counter (1) or by the static deal (0; -1: "
-        "$DS4_GPU_GU_DYN); the same bits");
   m.def("set_mv_tma", &set_mv_tma, py::arg("mode"),
         "Batch-1 Q8_0 matvecs on the bulk-copy kernel (1: all, 2: launches of at most $DS4_GPU_MV_TMA_MAX_MB, 3: all "
         "but q_b-like and grouped ones), the "
@@ -673,6 +672,8 @@ PYBIND11_MODULE(_ext, m) {
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.
   bind_fused_ops(m);
   m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
+  m.def("scratch_generation", []() { return g_scratch.generation; },
+        "how many times the one-token ops' scratch buffer has moved (a decode graph captured before it moved is stale)");
   m.def("capture_begin", &capture_begin);
   m.def("capture_end", &capture_end);
   m.def("synchronize", []() { DS4_CHECK(cudaStreamSynchronize(stream())); });

@@ -28,6 +28,9 @@ struct Scratch {
   uint8_t* base = nullptr;
   size_t cap = 0;
   size_t used = 0;
+  // Bumped whenever base moves: a CUDA graph captured before holds pointers into the freed buffer, so its owner
+  // compares generations before a replay and captures again (Session._graph_fresh).
+  uint64_t generation = 0;
   void reserve(size_t n) {
     if (n <= cap) return;
     if (capturing())
@@ -41,6 +44,7 @@ struct Scratch {
     cap = 0;
     base = (uint8_t*)device_alloc(n, "for scratch");
     cap = n;
+    ++generation;
   }
   // Sub-allocations of one op; call begin() first.
   void begin() { used = 0; }
@@ -50,10 +54,14 @@ struct Scratch {
     return p;
   }
 };
+// Two scratch buffers, so that a prefill's growth never moves the one a decode graph points into: ops of one token
+// (the decode step) take g_scratch, ops of more rows (prefill products) g_prefill_scratch.
 extern Scratch g_scratch;
+extern Scratch g_prefill_scratch;
+inline Scratch& scratch_for(int64_t tokens) { return tokens == 1 ? g_scratch : g_prefill_scratch; }
 
 size_t xq_bytes(int64_t nvec, int64_t n);  // scratch bytes of take_xq
-XQ take_xq(int64_t nvec, int64_t n);       // quantized-activation planes for nvec vectors of n columns, from scratch
+XQ take_xq(int64_t nvec, int64_t n, Scratch& from = g_scratch);  // quantized-activation planes: nvec vectors of n columns
 XQ xq_at(uint8_t* base, int64_t nvec, int64_t n);  // the same planes laid out from base (xq_bytes(nvec, n) bytes)
 
 struct Tensor {

@@ -21,9 +21,9 @@ bool mmq(const Tensor& w, const Array& x, Array& y, int groups) {
                                 "] and y [T, " + std::to_string(w.p.nrows) + "]");
   const int64_t T = x.shape[0], n = x.shape[1];
   if (T < 1 || T > (int64_t)65535 * 64) throw std::invalid_argument("mmq: 1 .. 4194240 rows of x");
-  g_scratch.reserve(xq_bytes(T, n));
-  g_scratch.begin();
-  XQ xq = take_xq(T, n);
+  g_prefill_scratch.reserve(xq_bytes(T, n));
+  g_prefill_scratch.begin();
+  XQ xq = take_xq(T, n, g_prefill_scratch);
   launch_quantize_x(x.f(), (int)T, (int)n, xq, stream());
   launch_mmq(w.p, xq, (int)T, groups, y.f(), stream());
   return true;
@@ -63,9 +63,9 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   // the R = k T gathered rows ($DS4_GPU_MMQ_XROWS=0: the copy)
   const bool direct = rows && !big && mmq_xrows_default();
   const int64_t Rq = direct ? x.shape[0] : R;
-  g_scratch.reserve(xq_bytes(Rq, n));
-  g_scratch.begin();
-  XQ xq = take_xq(Rq, n);
+  g_prefill_scratch.reserve(xq_bytes(Rq, n));
+  g_prefill_scratch.begin();
+  XQ xq = take_xq(Rq, n, g_prefill_scratch);
   XSwiglu sw;
   if (up) sw = XSwiglu{up->f(), limit, (const float*)row_w, (const int64_t*)row_of};
   launch_quantize_x(x.f(), (int)Rq, (int)n, xq, stream(), direct ? nullptr : (const int64_t*)rows, big ? 256 : 32, sw);

@@ -8,10 +8,7 @@ into the CUDA graph, the fork and join become graph edges.
 
 $DS4_GPU_BRANCH: branch names separated by "," or "+" (default `ffn,comp`, the fastest set measured on the
 H200; empty: none). $DS4_GPU_SIDE_PER_SM: CTAs per SM of the streaming matvecs launched on a side branch
-(default 0: as many as fit), so the main branch's kernels find room beside them. $DS4_GPU_SIDE_CTAS (prepared in
-v32, default 0: no cap): the most CTAs in all of each streaming matvec on the `ffn` branch, so the shared expert
-leaves whole SMs to the routed gate/up (with $DS4_GPU_GU_DYN=1, whose CTAs then take the units as they start). Read
-once.
+(default 0: as many as fit), so the main branch's kernels find room beside them. Read once.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ def parse_branches(spec: str) -> frozenset[str]:
 
 BRANCHES = parse_branches(os.environ.get("DS4_GPU_BRANCH", "ffn,comp"))
 SIDE_PER_SM = int(os.environ.get("DS4_GPU_SIDE_PER_SM", "0") or 0)
-SIDE_CTAS = int(os.environ.get("DS4_GPU_SIDE_CTAS", "0") or 0)
 
 
 # $DS4_GPU_HC_DEFER (default 1 since v22; 0 off): decode's mHC Sinkhorn beside the chain (DeferredSinkhorn). v21 measured
@@ -92,8 +88,7 @@ class SideStream:
         self.ext.set_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     @contextmanager
-    def fork(self, grid_cap: int = 0):
-        """Work inside runs on the side stream; grid_cap > 0: its streaming matvecs take at most that many CTAs."""
+    def fork(self):
         main = torch.cuda.current_stream(self.device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
@@ -103,14 +98,10 @@ class SideStream:
                 self._route()
                 if SIDE_PER_SM:
                     self.ext.set_mv_cap(SIDE_PER_SM)
-                if grid_cap:
-                    self.ext.set_mv_grid_cap(grid_cap)
                 yield
         finally:
             if SIDE_PER_SM:
                 self.ext.set_mv_cap(0)
-            if grid_cap:
-                self.ext.set_mv_grid_cap(0)
             self._route()  # back to the main stream
             self.pending = True
 

@@ -224,8 +224,6 @@ bool launch_matvec_multi(const Packed* const* ws, float* const* ys, int nw, cons
 // latency-bound kernels before it). mode 0: bulk prefetch (TMA), 1: one prefetch.global.L2 per 128-byte line.
 constexpr int PF_MAX_RANGES = 16;
 void set_mv_cap(int ctas_per_sm);  // 0: back to $DS4_GPU_MV_PER_SM (matvec_stream.cu)
-void set_mv_grid_cap(int ctas);     // the most CTAs of a streaming matvec launch in all; 0: no cap (matvec_stream.cu)
-void set_gateup_dyn(int mode);      // the routed gate/up's units from a counter: 1, 0 static, -1 $DS4_GPU_GU_DYN (moe.cu)
 void set_pair_split(int mode);  // matvec_pair_kernel warps split by type: 0, 1, or -1 ($DS4_GPU_PAIR_SPLIT)
 void set_mv_tma(int mode);  // matvec_tma.cu: 1 all / 2 small / 3 all but q_b, o_a / 0 no Q8_0 launches on it; -1: env
 int64_t mv_tma_launches();  // matvec_tma.cu: launches of that kernel so far in this process

@@ -156,9 +156,7 @@ static void launch_rc(const MvArgs& a, int groups, int threads, size_t smem, boo
   }
   const int W = threads / 32;
   const int per_sm = mv_ctas_per_sm() > 0 ? std::min(mv_ctas_per_sm(), it->second) : it->second;
-  const int64_t all = mv_grid_cap_override() > 0 ? std::min<int64_t>(mv_grid_cap_override(), (int64_t)per_sm * sm_count())
-                                                 : (int64_t)per_sm * sm_count();
-  const int64_t per_group = std::max<int64_t>(1, all / groups);
+  const int64_t per_group = std::max<int64_t>(1, (int64_t)per_sm * sm_count() / groups);
   const unsigned gx = (unsigned)std::min<int64_t>((a.tiles + W - 1) / W, per_group);
   launch_pdl(pdl, matvec_stream_kernel<QT, R, C>, dim3(gx, (unsigned)groups), dim3((unsigned)threads), smem, stream, a);
 }
@@ -179,7 +177,6 @@ int mv_tma_mode();
 bool launch_matvec_tma(MvArgs a, int groups, bool pdl, cudaStream_t stream);
 
 void set_mv_cap(int ctas_per_sm) { mv_cap_override() = ctas_per_sm > 0 ? ctas_per_sm : 0; }
-void set_mv_grid_cap(int ctas) { mv_grid_cap_override() = ctas > 0 ? ctas : 0; }
 
 bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, const float* x, const XQ* xq, int groups,
                           int x_op, float clamp, cudaStream_t stream, bool pdl, const float* norm_w, float eps) {

@@ -107,31 +107,8 @@ __device__ __forceinline__ void gu_quantize_h_block(const float* h, const XQ& xq
   if (lane == 0) g_gu_h_count[hb] = 0u;  // every arrival of this launch is in: no one counts it again
 }
 
-// $DS4_GPU_GU_DYN=1 (prepared, v32): the warps take their units from a counter (g_gu_units[0], one atomicAdd per unit,
-// asked for one unit ahead so its round trip hides under the current unit) instead of the static round-robin. Why:
-// the grid is persistent and its CTAs get SMs only as the shared expert's streaming grid (launched earlier on the side
-// stream under PDL) leaves them, ~9 us after the router in the v32 trace; with a static deal every CTA owns 1 / grid of
-// the work, so a late CTA ends the kernel late, and a side grid capped to fewer SMs ($DS4_GPU_SIDE_CTAS) could not give
-// the routed gate/up the rest of the SMs at once. With the counter the CTAs that start first take more units. Each
-// unit's arithmetic is the same wherever it runs, so the same bits. The last warp out (g_gu_units[1]) zeroes both
-// counters for the next launch: one launch at a time per device, as the router's ticket.
-__device__ unsigned int g_gu_units[2] = {0u, 0u};
-__device__ __forceinline__ int gu_take_unit(int lane) {
-  unsigned u = 0;
-  if (lane == 0) u = atomicAdd(&g_gu_units[0], 1u);
-  return (int)__shfl_sync(0xffffffffu, u, 0);
-}
-__device__ __forceinline__ void gu_leave(int lane) {
-  if (lane != 0) return;
-  // this warp's last take has returned (its value ended the loop), so every take of the launch is in once all are out
-  if (atomicAdd(&g_gu_units[1], 1u) == gridDim.x * (unsigned)GU_WARPS - 1u) {
-    atomicExch(&g_gu_units[0], 0u);
-    atomicExch(&g_gu_units[1], 0u);
-  }
-}
-
 // XM == GU_X_QUANT: x is the token's float32 x (xq.n holds n_embd) and xq_h receives h quantized; otherwise
-// both are unused. dyn: units from g_gu_units (above) instead of the static deal.
+// both are unused.
 // LUT (IQ2_XXS, $DS4_GPU_GU_LUT=1 or 2, the default): the 16-replica grid and sign-mask tables (Iq2LutTables) instead of
 // the 32-replica grid with the signs computed: the same codes, so the same bits.
 // LUT 3 (v21, the default): the same tables read by byte offsets from a uniform base (Iq2LutTablesU), 2 CTAs per SM.
@@ -150,7 +127,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
                                                                      int units, float* h, const float* x,
-                                                                     XQ xq_h, bool dyn) {
+                                                                     XQ xq_h) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
   constexpr bool XS = XM != GU_X_GLOBAL;
   extern __shared__ __align__(16) uint2 s_rep[];  // IQ2_XXS: the replicated grid (and LUT: sign masks); then x (XS)
@@ -172,10 +149,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
   const int groups = (n_ff + RH - 1) / RH;
   const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
-  const int stride = gridDim.x * GU_WARPS;
-  int unit = dyn ? gu_take_unit(lane) : blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
-  while (unit < units) {
-    const int next = dyn ? gu_take_unit(lane) : unit + stride;  // asked for now: its round trip hides under this unit
+  for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
     const int pair = unit / groups, f0 = (unit - pair * groups) * RH, token = pair / k;
     const int e = ids[pair];
     const bool bad = e < 0 || e >= n_expert;
@@ -208,9 +182,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
     if constexpr (XM == GU_X_QUANT)
       if (xq_h.hi) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);  // null: mode 2
-    unit = next;
   }
-  if (dyn) gu_leave(lane);
 }
 
 template <int QT, bool X8 = false>
@@ -274,9 +246,6 @@ static int resident_ctas(K kernel, int threads, size_t smem) {
   DS4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   return std::max(1, per_sm) * sms;
 }
-
-static EnvSwitch g_gateup_dyn{"DS4_GPU_GU_DYN", 1, 0};  // prepared (v32): see g_gu_units
-void set_gateup_dyn(int mode) { g_gateup_dyn.set(mode); }
 
 static bool gateup_x_shared() {  // $DS4_GPU_GU_XS=1: stage the one token's x in shared memory (A/B)
   static const bool v = [] {
@@ -352,8 +321,7 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   if (it == resident.end())
     it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
   launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
-           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h,
-           g_gateup_dyn.get() == 1);
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
 template <int QT>

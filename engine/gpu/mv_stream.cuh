@@ -499,13 +499,6 @@ inline int& mv_cap_override() {
   static int v = 0;
   return v;
 }
-// mv_grid_cap_override() (ext.set_mv_grid_cap, prepared in v32): while > 0, the most CTAs a streaming matvec launch
-// takes in all (matvec_stream.cu launch_rc), so a side branch's grid leaves whole SMs to the main branch
-// ($DS4_GPU_SIDE_CTAS, with the gate/up's counter $DS4_GPU_GU_DYN). The rows' sums do not depend on the grid.
-inline int& mv_grid_cap_override() {
-  static int v = 0;
-  return v;
-}
 inline int mv_ctas_per_sm() {
   static const int v = [] {
     const char* e = getenv("DS4_GPU_MV_PER_SM");

@@ -119,6 +119,7 @@ class Session(Timeline):
         self._xq: torch.Tensor | None = None  # _xq_buf
         self._graph = None
         self._graph_logits: torch.Tensor | None = None
+        self._graph_scratch = -1  # the extension's scratch generation the graph was captured under
         # torch.compile fuses the elementwise chains of the decode step (Sinkhorn, roundings, RoPE)
         # into a few kernels each; DS4_GPU_COMPILE=0 turns it off, and any compile error does too.
         self._compile = self.device.type == "cuda" and os.environ.get("DS4_GPU_COMPILE", "1") != "0"
@@ -313,7 +314,7 @@ class Session(Timeline):
                 if not self.graphs:
                     self._logits = self._step(self._tok, self._pos)
                     self._argmax_feed(self._logits)
-                elif self._graph is None:
+                elif not self._graph_fresh():
                     self._capture()
                 else:
                     self._graph.replay()
@@ -321,6 +322,15 @@ class Session(Timeline):
         except BaseException:
             self.invalidate()
             raise
+
+    def _scratch_generation(self) -> int:
+        return self.W.ext.scratch_generation() if self.W.ext is not None else 0
+
+    def _graph_fresh(self) -> bool:
+        """Whether the decode graph may be replayed: it exists, and the extension's shared scratch (which a longer
+        prefill chunk or another session may have grown since, freeing the buffer the graph points into) is the one
+        it was captured with. A stale graph is captured again, from the same buffers, by the next step."""
+        return self._graph is not None and self._graph_scratch == self._scratch_generation()
 
     def _capture(self) -> None:
         """Run the first decode eagerly (it is a real step), then capture the next one's graph."""
@@ -336,6 +346,7 @@ class Session(Timeline):
             out = self._step(self._tok, self._pos)
             self._argmax_feed(out)
         self._graph, self._graph_logits = g, out
+        self._graph_scratch = self._scratch_generation()
 
     def _xq_buf(self, n: int) -> torch.Tensor:
         """The routed experts' pre-quantized x (one token of n columns), allocated once per session."""
@@ -568,7 +579,7 @@ class Session(Timeline):
             forked = self._in_step and "ffn" in self._branches
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
-                with self.side.fork(branches.SIDE_CTAS):
+                with self.side.fork():
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
                     sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
