@@ -72,6 +72,42 @@ def test_hc_pre(K, head, T, D):
     check_hc_pre(X.double(), Wf, scale, base, nw, head, out, post, comb)
 
 
+def fewest_wave_splits(T: int, K_cols: int, sms: int, max_splits: int = 8) -> int:
+    """hc_mix.cu's column slices by the rule its comment states (one CTA per SM, 64-row blocks, 128-column stages):
+    the power of two S of the fewest stage rounds per SM, ceil(blocks S / SMs) x stages / S, ties to the smaller S."""
+    blocks, stages = -(-T // 64), K_cols // 128
+    best, S, s = -(-blocks // sms) * stages, 1, 2
+    while s <= max_splits and stages % s == 0:
+        cost = -(-(blocks * s) // sms) * (stages // s)
+        if cost < best:
+            best, S = cost, s
+        s *= 2
+    return S
+
+
+def test_hc_mix_splits_fill_the_waves(K):
+    """DS4_GPU_HC_SPLIT_WAVES: 1 (default) the fewest stage waves, 0 the v30 rule (S doubles while 2 S blocks fit one
+    wave). A 6144-row chunk (96 blocks on 132 SMs) ran one wave on 96 SMs under the v30 rule; under the default it is
+    cut in 4. At 2048, 4096 and 8192 rows both rules agree."""
+    sms = K.ext.device_info()["sms"]
+    try:
+        K.ext.set_hc_split_waves(0)
+        old = {T: K.ext.hc_mix_rows_splits(T, 16384) for T in (2048, 4096, 6144, 8192)}
+        K.ext.set_hc_split_waves(1)
+        new = {T: K.ext.hc_mix_rows_splits(T, 16384) for T in (2048, 4096, 6144, 8192)}
+    finally:
+        K.ext.set_hc_split_waves(-1)
+    for T in old:
+        blocks, S = -(-T // 64), 1
+        while S < 8 and blocks * 2 * S <= sms:
+            S *= 2
+        assert old[T] == S
+        assert new[T] == fewest_wave_splits(T, 16384, sms)
+    if sms == 132:  # the H200
+        assert (old[6144], new[6144]) == (1, 4)
+        assert all(old[T] == new[T] for T in (2048, 4096, 8192))
+
+
 @pytest.mark.parametrize("ptrs", [0, 1])
 @pytest.mark.parametrize("T,K_cols,M", [(1, 128, 24), (70, 16384, 24), (200, 4096, 4), (64, 1024, 17),
                                          (9000, 256, 24)])
@@ -79,7 +115,8 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ptrs):
     """hc_mix_rows (DS4_GPU_HC_MIX): the mHC's mix of prefill rows, X [T, K] . Wf [M, K]^T in float32, within 1e-6 of
     the float64 product relative to sum |x w| per output (one row, partial row tiles, the head's 4 outputs, an M that
     leaves part of a thread's outputs unused; column slices with their scratch where few row blocks would leave SMs
-    idle, none at 9000 rows; slices of one and two stages included), with the loads from per-thread pointers or per
+    idle, two at 9000 rows of two stages (141 row blocks: 3 waves of one stage against 2 of two); slices of one and
+    two stages included), with the loads from per-thread pointers or per
     element (DS4_GPU_HC_MIX_PTRS), both with the same bits; a launch that needs a scratch and has none is refused;
     and in hc_pre (the rows form) under the switch, the float64 ops' bars."""
     from ds4.engine.gpu import fused
@@ -88,7 +125,7 @@ def test_hc_mix_rows_matches_float64(K, T, K_cols, M, ptrs):
     X, Wf = rnd(g, T, K_cols, scale=2.0), rnd(g, M, K_cols, scale=0.02)
     out = torch.full((T, M), float("nan"), device=DEV)
     S = K.ext.hc_mix_rows_splits(T, K_cols)
-    assert (S > 1) == (T < 9000 and K_cols >= 256)
+    assert S == fewest_wave_splits(T, K_cols, K.ext.device_info()["sms"])
     scratch = torch.full((S, T, M), float("nan"), device=DEV)
     other = torch.full_like(out, float("nan"))
     try:
@@ -262,12 +299,13 @@ def test_hc_post_applies_the_row_scales_of_unscaled_products(K):
         K.hc_post(X, ops.Unscaled(z1, r1[:-1]), None, post, comb)
 
 
-@pytest.mark.parametrize("T,D,M", [(70, 4096, 24), (2048, 4096, 24), (9000, 256, 24), (130, 1024, 17)])
+@pytest.mark.parametrize("T,D,M", [(70, 4096, 24), (2048, 4096, 24), (6144, 4096, 24), (9000, 256, 24),
+                                   (130, 1024, 17)])
 @pytest.mark.parametrize("form", ["tensors", "unscaled", "one_y"])
 def test_hc_post_mix_gives_hc_posts_bits_and_the_mix(K, T, D, M, form):
     """hc_post_mix (DS4_GPU_HC_POST_MIX): X' bit for bit hc_post's (four-stream kernel) on tensors, ops.Unscaled products
     or one summand, and the mix of X' within 1e-6 of the float64 product relative to sum |x w| (partial row tiles, column
-    slices with their scratch, none at 9000 rows, an M leaving outputs unused); then hc_post_pre under the switch gives
+    slices with their scratch, four at 6144 rows, an M leaving outputs unused); then hc_post_pre under the switch gives
     the two-launch form's X' bits and its outputs to float rounding."""
     from ds4.engine.gpu import fused
 
@@ -635,6 +673,39 @@ def test_decode_attention(K, use_sel, p, H, n_comp):
     cos, sin = ops.cos_sin(freq, pos)
     ref = ops.apply_tail(o[None].float(), cos, sin, rd, inverse=True)[0]
     assert rel(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("p", [2, 300, 1203])
+def test_decode_attention_skips_chunks_past_the_visible_rows(K, p):
+    """Compressed rows in order (no selection: the ratio-128 layers) in a buffer sized for a longer context: the chunks
+    past the visible rows are empty (their rows hold NaN here: never read) and the output is bit for bit that of a
+    buffer of just the visible rows plus a few (a partly visible last chunk); none visible at p = 2."""
+    g = torch.Generator().manual_seed(50 + p)
+    d, rd, cap, r, H = 512, 64, 128, 4, 64
+    n_vis = (p + 1) // r
+    q, raw, comp = rnd(g, H, d), rnd(g, cap, d), rnd(g, 2050, d)
+    comp[n_vis:] = float("nan")
+    sinks, freq, pos = rnd(g, H), freq_table(rd, 160000.0), torch.tensor([p], device=DEV)
+    whole = K.attention(q, raw, comp, None, r, pos, sinks, freq, rd)
+    short = K.attention(q, raw, comp[:n_vis + 5].contiguous(), None, r, pos, sinks, freq, rd)
+    torch.cuda.synchronize()
+    assert torch.isfinite(whole).all()
+    assert torch.equal(whole, short)
+
+
+def test_index_keys_past_the_visible_rows_are_minus_inf(K):
+    """index_keys over a buffer sized for a longer context (2050 rows, 301 visible, NaN past them): the visible keys
+    bit for bit those of a buffer of just the visible rows plus a few, every later key -inf."""
+    g = torch.Generator().manual_seed(10)
+    Hi, di = 64, 128
+    q, w, idx = rnd(g, Hi, di), rnd(g, Hi), rnd(g, 2050, di)
+    pos = torch.tensor([1203], device=DEV)
+    idx[301:] = float("nan")
+    whole = K.index_keys(q, w, idx, pos, 4, 0.01)
+    short = K.index_keys(q, w, idx[:310].contiguous(), pos, 4, 0.01)
+    torch.cuda.synchronize()
+    assert torch.equal(whole[:310], short)
+    assert torch.isfinite(whole[:301]).all() and bool((whole[301:] == -math.inf).all())
 
 
 def test_index_keys(K):

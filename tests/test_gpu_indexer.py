@@ -74,14 +74,16 @@ def test_topk_rows_of_float32_scores(K, n):
 
 
 def test_topk_rows_strided_rows_and_visible_shortcut(K):
-    """Rows of a wider buffer (the row stride), and pos: rows whose (pos + 1) // ratio <= k take 0..k-1."""
+    """Rows of a wider buffer (the row stride), and pos: rows whose (pos + 1) // ratio <= k take 0..k-1, the others
+    select among their first (pos + 1) // ratio columns only (the visible rows)."""
     rng = np.random.default_rng(5)
     buf = torch.from_numpy(rng.standard_normal((6, 700)).astype(np.float32)).to(DEV)
     scores = buf[:, :600]
     pos = torch.tensor([0, 2047, 2051, 2099, 9000, 100], device=DEV)
     got = K.topk_rows(scores, 512, pos=pos, ratio=4).cpu().numpy()
     for r, p in enumerate(pos.tolist()):
-        want = np.arange(512) if (p + 1) // 4 <= 512 else topk_rows_reference(scores[r].double().cpu().numpy(), 512)
+        n_vis = (p + 1) // 4
+        want = np.arange(512) if n_vis <= 512 else topk_rows_reference(scores[r, :n_vis].double().cpu().numpy(), 512)
         assert np.array_equal(got[r], want), r
 
 

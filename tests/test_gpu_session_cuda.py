@@ -225,3 +225,21 @@ def test_deferred_sinkhorn_leaves_the_logits_bitwise_equal(models, monkeypatch):
         got = np.stack([g.decode(t) for t in toks])
         assert g.hc_defer.stream is not None, "no Sinkhorn was deferred"
         assert np.array_equal(got, want), f"graphs={graphs}"
+
+
+def test_a_longer_context_gives_the_same_bits(models):
+    """A session's decode graph and buffers are sized for its whole context, and the kernels skip what lies past the
+    position (the ratio-128 layers' chunks of compressed rows, the index keys' blocks and the top-k's candidates past
+    the visible rows): a session of 16x the context gives the prefill's and every decoded token's logits bit for bit,
+    eagerly and graph-replayed (past the indexer's top-k: 150 visible rows against 64)."""
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m = models["small"]
+    toks = _prompt(m.config, 616, seed=21)
+    base = GpuSession(m, ctx=640)
+    want = [base.sync(toks[:600])] + [base.decode(t) for t in toks[600:]]
+    for graphs in (False, True):
+        g = GpuSession(m, ctx=10240, weights=base.W, graphs=graphs)
+        got = [g.sync(toks[:600])] + [g.decode(t) for t in toks[600:]]
+        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not np.array_equal(a, b)]
+        assert not bad, f"graphs={graphs}: logits differ at steps {bad}"

@@ -33,10 +33,12 @@ def topk_rows_model(keys: np.ndarray, k: int, pos: int | None = None, ratio: int
     """The exact algorithm of topk_rows_kernel: radix select over 8-bit digits from the top (early exit once
     the threshold's whole bucket is taken or all its codes are equal), then the compaction positions from
     exclusive prefix counts."""
-    n = len(keys)
-    assert 1 <= k <= n
+    assert 1 <= k <= len(keys)
     if pos is not None and (pos + 1) // ratio <= k:
         return np.arange(k)
+    if pos is not None:  # rows at or past the visible ones are no candidates
+        keys = keys[:(pos + 1) // ratio]
+    n = len(keys)
     code = order_codes(keys)
     prefix, gt, shift = 0, 0, 64
     for p in range(8):
@@ -153,6 +155,22 @@ def test_topk_rows_visible_shortcut_and_args(K):
         with pytest.raises(ValueError, match="topk_rows"):
             K.topk(keys, bad)
             torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("n,p", [(8210, 2399), (8210, 2402), (530, 2111)])
+def test_topk_with_pos_never_picks_rows_past_the_visible_ones(K, n, p):
+    """With pos, rows at or past (pos + 1) // ratio are no candidates (a decode graph is sized for the session's whole
+    context: 8210 rows at 32k, 600 visible at position 2399): larger values and NaN there are never picked, and the
+    selection is that of the visible rows alone; and the model says the same."""
+    rng = np.random.default_rng(n + p)
+    keys_np = rng.standard_normal(n)
+    n_vis = min(n, (p + 1) // 4)
+    keys_np[n_vis:] = 1e300
+    keys_np[n_vis + 1:n_vis + 3] = np.nan
+    got = K.topk(torch.from_numpy(keys_np).to(DEV), 512, torch.tensor([p], device=DEV), 4).cpu().numpy()
+    want = topk_rows_reference(keys_np[:n_vis], 512)
+    assert np.array_equal(got, want)
+    assert np.array_equal(topk_rows_model(keys_np, 512, pos=p, ratio=4), want)
 
 
 def test_topk_rows_in_cuda_graph(K):

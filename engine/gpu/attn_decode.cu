@@ -182,8 +182,21 @@ __global__ void __launch_bounds__(ATT_THREADS) attn_partial_kernel(const float* 
   pdl_trigger();
   const int64_t p_early = pre ? *pos : 0;
   pdl_wait();
-  attn_partial_block(q, L, n_keys, d, hb, gridDim.y * hb, blockIdx.x, blockIdx.y, pre ? p_early : *pos, scale, part_o,
-                     part_ml, sh);
+  const int64_t p = pre ? p_early : *pos;
+  const int H = gridDim.y * hb;
+  // A chunk of compressed rows (in order, no selection) that are all past the visible ones is empty: it writes only
+  // m = -inf, l = 0, and the combine gives it weight 0 and reads none of its outputs. A decode graph is sized for the
+  // session's whole context; this makes its cost follow the position (v34: a 32k session's ratio-128 layers at 2k
+  // ran 25 chunks for 10 with keys). The other chunks' partials and so the output keep their bits.
+  if (!L.sel && L.comp && (int64_t)blockIdx.x * ATT_KEYS >= L.cap + (p + 1) / L.ratio) {
+    if (threadIdx.x < hb) {
+      float* ml = part_ml + ((int64_t)blockIdx.x * H + blockIdx.y * hb + threadIdx.x) * 2;
+      ml[0] = -INFINITY;
+      ml[1] = 0.0f;
+    }
+    return;
+  }
+  attn_partial_block(q, L, n_keys, d, hb, H, blockIdx.x, blockIdx.y, p, scale, part_o, part_ml, sh);
 }
 
 // Pass 2: combine the chunks of heads h0..h0+nh-1 with the sinks, then row_post (the inverse RoPE on the tail).
@@ -273,8 +286,8 @@ __device__ void attn_combine_heads(const float* part_o, const float* part_ml, in
     for (int c0 = 0; c0 < n_chunks; c0 += ATT_CHUNKS_AT_ONCE, src += ATT_CHUNKS_AT_ONCE * cstride4) {
       float4 x[ATT_CHUNKS_AT_ONCE];
 #pragma unroll
-      for (int k = 0; k < ATT_CHUNKS_AT_ONCE; ++k)
-        x[k] = c0 + k < n_chunks ? __ldcg(src + k * cstride4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int k = 0; k < ATT_CHUNKS_AT_ONCE; ++k)  // a chunk of weight 0 adds +-0 to a sum that is never -0: skipped
+        x[k] = c0 + k < n_chunks && w[c0 + k] != 0.0f ? __ldcg(src + k * cstride4) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < ATT_CHUNKS_AT_ONCE; ++k) {
         if (c0 + k >= n_chunks) break;

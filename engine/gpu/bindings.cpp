@@ -672,6 +672,11 @@ PYBIND11_MODULE(_ext, m) {
   // Fused layer ops on raw device pointers (torch data_ptr()); see fused.cu and hc.cu for the semantics.
   bind_fused_ops(m);
   m.def("reserve_scratch", [](size_t n) { g_scratch.reserve(n); }, py::arg("nbytes"));
+  m.def("reserve_prefill_scratch", [](size_t n) { g_prefill_scratch.reserve(n); }, py::arg("nbytes"),
+        "grow the prefill ops' scratch buffer to at least nbytes now (each later growth synchronizes the device)");
+  m.def("prefill_scratch_bytes", []() { return g_prefill_scratch.cap; });
+  m.def("prefill_scratch_generation", []() { return g_prefill_scratch.generation; },
+        "how many times the prefill ops' scratch buffer has grown (each growth synchronizes the device)");
   m.def("scratch_generation", []() { return g_scratch.generation; },
         "how many times the one-token ops' scratch buffer has moved (a decode graph captured before it moved is stale)");
   m.def("capture_begin", &capture_begin);

@@ -93,6 +93,9 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_hc_mix_ptrs", &set_hc_mix_ptrs, py::arg("mode"),
         "hc_mix_rows' stage loads from per-thread pointers (1) or from each element's index (0), or as "
         "$DS4_GPU_HC_MIX_PTRS says (-1); the same bits");
+  m.def("set_hc_split_waves", &set_hc_split_waves, py::arg("mode"),
+        "hc_mix_rows_splits by the fewest stage waves (1), by the v30 doubling rule (0), or as $DS4_GPU_HC_SPLIT_WAVES "
+        "says (-1); the mix to float rounding, not the same bits");
   m.def("hc_mix_rows_splits", &hc_mix_rows_splits, py::arg("T"), py::arg("K"),
         "column slices hc_mix_rows cuts a T-row mix into (1: none; more: it needs that many T x M scratch planes)");
   m.def("hc_pre_rows_takes", &hc_pre_rows_takes, py::arg("n"), py::arg("D"), py::arg("head"),

@@ -290,6 +290,7 @@ bool hc_post_mix_takes(int n, int64_t D, int M);
 void launch_hc_post_mix(const float* X, const float* y1, const float* y2, const float* post, const float* comb,
                         const float* r1, const float* r2, const float* Wf, int64_t T, int64_t D, int M, float* Xo,
                         float* out, float* scratch, cudaStream_t s);
+void set_hc_split_waves(int mode);  // 1/0: hc_mix_rows_splits by the fewest waves, or the v30 doubling rule; -1
 void set_hc_mix_ptrs(int mode);  // 1/0: hc_mix_rows' loads from per-thread pointers, or per element; -1: the env
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);

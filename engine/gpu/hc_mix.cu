@@ -366,17 +366,34 @@ void launch_rows(dim3 grid, cudaStream_t s, const float* X, const float* Wf, int
 // 0.065 at 2048. The same bits. set_hc_mix_ptrs overrides it (0, 1; -1 the environment).
 EnvSwitch hc_mix_ptrs_switch{"DS4_GPU_HC_MIX_PTRS", 1, 1};
 
+// $DS4_GPU_HC_SPLIT_WAVES (v34; default 1): 1 the slices S that run the fewest stages per SM, 0 the v30 doubling rule
+// (S doubles while 2 S blocks still fit one wave). Both kernels hold one CTA per SM, so a launch of `blocks` S CTAs
+// runs ceil(blocks S / SMs) waves of stages / S stages each. The doubling rule left a chunk of 6144 rows (96 blocks)
+// at S = 1: one wave on 96 of 132 SMs, the same time as 8192 rows (v34 call 1: hc_post_mix 34.8 ms per 6144-row
+// chunk, 35.5 per 8192); S = 4 runs it in 3 waves of a quarter. Ties go to the fewer slices (one sum pass less).
+// Other slices sum the same products in another order: the mix to float rounding, not the same bits.
+EnvSwitch hc_split_waves_switch{"DS4_GPU_HC_SPLIT_WAVES", 1, 1};
+
 }  // namespace
 
 void set_hc_mix_ptrs(int mode) { hc_mix_ptrs_switch.set(mode); }
+void set_hc_split_waves(int mode) { hc_split_waves_switch.set(mode); }
 
 bool hc_mix_rows_takes(int64_t K, int M) { return K >= HM_KC && K % HM_KC == 0 && M >= 1 && M <= HM_M; }
 
 int hc_mix_rows_splits(int64_t T, int64_t K) {
   if (T <= 0 || K < HM_KC || K % HM_KC) return 1;
-  const int64_t blocks = (T + HM_ROWS - 1) / HM_ROWS, stages = K / HM_KC;
+  const int64_t blocks = (T + HM_ROWS - 1) / HM_ROWS, stages = K / HM_KC, sms = sm_count();
   int S = 1;
-  while (S < HM_MAX_SPLITS && blocks * 2 * S <= sm_count() && stages % (2 * S) == 0) S *= 2;
+  if (hc_split_waves_switch.get() == 0) {
+    while (S < HM_MAX_SPLITS && blocks * 2 * S <= sms && stages % (2 * S) == 0) S *= 2;
+    return S;
+  }
+  int64_t best = (blocks + sms - 1) / sms * stages;  // stage rounds per SM: waves x stages per CTA
+  for (int s = 2; s <= HM_MAX_SPLITS && stages % s == 0; s *= 2) {
+    const int64_t cost = (blocks * s + sms - 1) / sms * (stages / s);
+    if (cost < best) best = cost, S = s;
+  }
   return S;
 }
 

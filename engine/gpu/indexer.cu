@@ -246,12 +246,18 @@ __global__ void __launch_bounds__(256) index_keys_v2_kernel(const float* q, cons
   int64_t p = pre ? *pos : 0;
   float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   bool have_r = false;
-  if (pre && c < n_rows && !((p + 1) % ratio == 0 && c == (p + 1) / ratio - 1)) {
+  if (pre && c < n_rows && c < (p + 1) / ratio && !((p + 1) % ratio == 0 && c == (p + 1) / ratio - 1)) {
     r = __ldg((const float4*)(idx + (int64_t)c * IK2_DI) + lane);
     have_r = true;
   }
   pdl_wait();
   if (!pre) p = *pos;
+  // A block whose rows are all past the visible ones writes their -inf and stops before staging the query (v34: a
+  // decode graph sized for a 32k session at position 2048 ran 1026 blocks for 65 blocks of visible rows).
+  if ((int64_t)blockIdx.x * IK2_ROWS >= (p + 1) / ratio) {
+    if (lane == 0 && c < n_rows) keys[c] = -INFINITY;
+    return;
+  }
   float wv[IK2_MAX_H / 32];  // the heads' weights (this step's), loaded with q instead of inside the head loop
 #pragma unroll
   for (int i = 0; i < IK2_MAX_H / 32; ++i) wv[i] = pre && 32 * i + lane < Hi ? w[32 * i + lane] : 0.0f;

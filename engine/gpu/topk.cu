@@ -122,6 +122,10 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
       for (int i = tid; i < k; i += blockDim.x) sel[i] = i;
       return;
     }
+    // Rows at or past n_vis are no candidates (index_keys writes -inf there): a decode graph sized for the session's
+    // whole context selects among the visible rows only, so its cost follows the position, not the capacity (v34:
+    // ds4-bench's 32k session decoding at 2k ran 8208 keys where 512 are visible).
+    n = (int)min((int64_t)n, n_vis);
   }
   // blocked ownership: thread t has rows [begin, end)
   const int chunk = REG ? REG : (n + (int)blockDim.x - 1) / (int)blockDim.x;
