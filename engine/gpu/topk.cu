@@ -130,6 +130,9 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
   // blocked ownership: thread t has rows [begin, end)
   const int chunk = REG ? REG : (n + (int)blockDim.x - 1) / (int)blockDim.x;
   const int begin = min(tid * chunk, n), end = min(begin + chunk, n);
+  // Warps that own no key (a decode graph sized for the whole context: 17 warps for 8208 keys, 2 holding the 530
+  // visible ones at 2k) skip the key loops and only meet the barriers: the same counts, so the same selection.
+  const bool busy = REG == 0 || (tid & ~31) * chunk < n;
   uint64_t code[REG ? REG : 1];
   if (REG) {
 #pragma unroll
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
     if (tid < 2) sh_or[cur ^ 1][tid] = 0, sh_and[cur ^ 1][tid] = ~0u;
     uint64_t ov = 0, av = ~0ull;
     bool any = false;
-    if (REG) {
+    if (REG && busy) {
 #pragma unroll
       for (int j = 0; j < (REG ? REG : 1); ++j) {
         const uint64_t c = code[j];
@@ -158,7 +161,7 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
         hist_add(h, cand, (unsigned)(c >> s) & 255u);
         if (cand) ov |= c, av &= c, any = true;
       }
-    } else {
+    } else if (!REG) {
       const int n_up = (n + (int)blockDim.x - 1) / (int)blockDim.x * (int)blockDim.x;  // same trip count per warp
       for (int i = tid; i < n_up; i += blockDim.x) {
         const uint64_t c = i < n ? order_code(keys[i]) : 0;
@@ -207,16 +210,19 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
   // compaction in ascending index order
   const uint64_t need = (uint64_t)(k - gt);
   uint64_t n_gt = 0, n_eq = 0;
+  if (busy) {
 #pragma unroll
-  for (int j = 0; j < (REG ? REG : chunk); ++j) {
-    if (begin + j < end) {
-      const uint64_t c = (REG ? code[REG ? j : 0] : order_code(keys[begin + j])) >> shift;
-      n_gt += c > prefix;
-      n_eq += c == prefix;
+    for (int j = 0; j < (REG ? REG : chunk); ++j) {
+      if (begin + j < end) {
+        const uint64_t c = (REG ? code[REG ? j : 0] : order_code(keys[begin + j])) >> shift;
+        n_gt += c > prefix;
+        n_eq += c == prefix;
+      }
     }
   }
   const uint64_t before = block_exclusive_scan(n_gt << 32 | n_eq, warp_tot);
   uint64_t gt_before = before >> 32, eq_before = before & 0xffffffffu;
+  if (!busy) return;
 #pragma unroll
   for (int j = 0; j < (REG ? REG : chunk); ++j) {
     if (begin + j < end) {
