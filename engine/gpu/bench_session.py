@@ -124,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--ctx", type=int, nargs="*", default=[2048, 8192], help="decode contexts (none: no decode)")
     ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--decode-capacity", type=int, default=0, metavar="N",
+                    help="decode in sessions of context N (ds4-bench's is ctx-max + gen + 1) instead of P + decode + 8: "
+                         "the graph is sized for the whole context, so this shows what a large --ctx costs")
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
@@ -141,6 +144,9 @@ def main(argv=None) -> int:
                          " and which lines made the host wait")
     ap.add_argument("--gaps-trace", help="with --gaps: keep that chrome trace here (gzip if it ends in .gz)")
     args = ap.parse_args(argv)
+    if args.decode_capacity < 0:
+        print("bench_session: --decode-capacity must be >= 0", file=sys.stderr)
+        return 2
     if not 1 <= args.profile_top <= 1000:
         print("bench_session: --profile-top must be in 1..1000", file=sys.stderr)
         return 2
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
               f"{peak_gib:.1f} GiB, GPU mem {(total - free) / 2**30:.1f} GiB)", flush=True)
         del s
     for P in args.ctx:
-        s = Session(model, ctx=P + args.decode + 8, weights=W)
+        s = Session(model, ctx=max(P + args.decode + 8, args.decode_capacity), weights=W)
         s.sync([5, 6, 7, 8])
         s._tokens = list(rng.integers(2, cfg.vocab_size, P).tolist())  # fast-forward the timeline
         s.greedy(2)  # eager first step + graph capture
@@ -215,11 +221,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         dt = time.time() - t
         free, total = torch.cuda.mem_get_info()
-        row = {"ctx": P, "tokens": args.decode, "ms_per_token": dt / args.decode * 1e3, "tps": args.decode / dt,
+        row = {"ctx": P, "capacity": s.ctx, "tokens": args.decode, "ms_per_token": dt / args.decode * 1e3, "tps": args.decode / dt,
                "fraction_of_floor": floor_ms / (dt / args.decode * 1e3), "gpu_mem_used_gib": (total - free) / 2**30,
                "kv_bytes": s.kv_bytes()}
         res["decode"].append(row)
-        print(f"decode @{P}: {row['ms_per_token']:.2f} ms/token, {row['tps']:.1f} t/s, "
+        print(f"decode @{P} (session ctx {s.ctx}): {row['ms_per_token']:.2f} ms/token, {row['tps']:.1f} t/s, "
               f"{row['fraction_of_floor']:.2f} of floor, GPU mem {row['gpu_mem_used_gib']:.1f} GiB", flush=True)
         del s
     if args.count_kernels:
