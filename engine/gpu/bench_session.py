@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, nargs="*", default=[2048, 8192], help="decode contexts (none: no decode)")
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--decode-capacity", type=int, default=0, metavar="N",
-                    help="decode in sessions of context N (ds4-bench's is ctx-max + gen + 1) instead of P + decode + 8: "
-                         "the graph is sized for the whole context, so this shows what a large --ctx costs")
+                    help="decode in sessions of context N (ds4-bench's is ctx-max + gen + 1) instead of P + decode + "
+                         "8: the graph is sized for the whole context, so this shows what a large --ctx costs")
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--json")
     ap.add_argument("--count-kernels", action="store_true", help="profile one eager decode step: kernels per token")
@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         dt = time.time() - t
         free, total = torch.cuda.mem_get_info()
-        row = {"ctx": P, "capacity": s.ctx, "tokens": args.decode, "ms_per_token": dt / args.decode * 1e3, "tps": args.decode / dt,
+        row = {"ctx": P, "capacity": s.ctx, "tokens": args.decode, "ms_per_token": dt / args.decode * 1e3,
+               "tps": args.decode / dt,
                "fraction_of_floor": floor_ms / (dt / args.decode * 1e3), "gpu_mem_used_gib": (total - free) / 2**30,
                "kv_bytes": s.kv_bytes()}
         res["decode"].append(row)

@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--ctx", type=int, default=2048, help="context the step decodes at")
     ap.add_argument("--steps", type=int, default=4, help="graph replays profiled (the last one is reported)")
+    ap.add_argument("--capacity", type=int, default=0, metavar="N",
+                    help="the session's context (default: --ctx + steps + 16); ds4-bench's is ctx-max + gen + 1")
     ap.add_argument("--layer", type=int, nargs="*", default=[10, 11], help="layers whose kernels are listed")
     ap.add_argument("--list-steps", type=int, default=2, help="steps whose layer slices are listed (the last ones)")
     ap.add_argument("--trace", help="write the profiled kernels (name, start, duration, stream) as JSON here")
@@ -126,7 +128,7 @@ def main(argv=None) -> int:
     model = Model.load(args.model)
     cfg = model.config
     W = Weights(model, torch.device("cuda"))
-    s = Session(model, ctx=args.ctx + args.steps + 16, weights=W)
+    s = Session(model, ctx=max(args.ctx + args.steps + 16, args.capacity), weights=W)
     s.sync([5, 6, 7, 8])
     rng = np.random.default_rng(0)
     s._tokens = list(rng.integers(2, cfg.vocab_size, args.ctx).tolist())  # fast-forward, as bench_session
