@@ -543,7 +543,8 @@ class Fused:
     def topk(self, keys: torch.Tensor, k: int, pos: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
         """int64 [k]: the rows of the k largest float64 keys in ascending row order (the same set as
         torch.topk; ties go to the lowest rows, NaN counts as smallest). With pos, when (pos + 1) // ratio <= k
-        rows are visible: 0..k-1 (the attention masks the rows not yet visible)."""
+        rows are visible: 0..k-1 (the attention masks the rows not yet visible); else the top-k of the visible rows
+        only (index_keys writes -inf past them; the keys there are not read)."""
         if keys.dtype != torch.float64 or keys.dim() != 1:
             raise ValueError(f"topk: keys must be 1-D float64, got {keys.dtype} {tuple(keys.shape)}")
         keys = keys.contiguous()
