@@ -47,3 +47,41 @@ def test_sign_tables_give_the_same_bits() -> None:
             assert np.isnan(got[-1]).all()
             assert np.isfinite(got[:-1]).all() and (got[:-1] != 123.0).any()
             assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), f"T={T} mode {mode}"
+
+
+@pytest.mark.parametrize("x8", [0, 1])
+@pytest.mark.parametrize("n_embd, n_ff", [(4096, 2048), (1024, 512)])
+def test_staged_gateup_gives_the_rows_kernels_bits(x8: int, n_embd: int, n_ff: int) -> None:
+    """DS4_GPU_GU_STAGE=1: each warp's next unit of rows copied into shared memory while it computes the current one
+    gives the rows kernel's h bit for bit: Flash's expert shapes and a smaller one, 1, 3 and 6 tokens (36 pairs: past
+    the staged kernel's 32, so the rows kernel runs in both), an expert id out of range, 16- and 8-bit activations."""
+    ext = gpu.load()
+    ext.reset_stream()
+    n_expert, k = 12, 6
+    rng = np.random.default_rng(29 + n_embd)
+    gate = gpu.upload("stage.gate_exps", Q.IQ2_XXS, (n_embd, n_ff, n_expert),
+                      random_blocks(Q.IQ2_XXS, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1))
+    up = gpu.upload("stage.up_exps", Q.IQ2_XXS, (n_embd, n_ff, n_expert),
+                    random_blocks(Q.IQ2_XXS, n_expert * n_ff, n_embd, rng).reshape(n_expert, n_ff, -1))
+    ext.set_moe_x8(x8)
+    try:
+        for T in (1, 3, 6):
+            x = ext.Array.from_numpy((rng.standard_normal((T, n_embd)) * 2.0).astype(np.float32))
+            ids_np = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(T)]).astype(np.int32)
+            ids_np[-1, -1] = n_expert  # out of range: NaN-poisoned h rows
+            ids = ext.Array.from_numpy(ids_np)
+            wts = ext.Array.from_numpy(rng.uniform(0.1, 0.5, (T, k)).astype(np.float32))
+            outs = []
+            for mode in (0, 1):
+                ext.set_gateup_stage(mode)
+                h = ext.Array.empty([T * k, n_ff])
+                h.fill(123.0)
+                ext.moe_gateup(gate, up, x, ids, wts, h, 10.0)
+                ext.synchronize()
+                outs.append(h.numpy())
+            ref, got = outs
+            assert np.isnan(got[-1]).all() and np.isfinite(got[:-1]).all() and (got[:-1] != 123.0).all()
+            assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), f"T={T}"
+    finally:
+        ext.set_gateup_stage(-1)
+        ext.set_moe_x8(-1)
