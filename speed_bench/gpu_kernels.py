@@ -120,11 +120,9 @@ def bench_moe(ex: Experts, tokens: int, k: int = 6, iters: int = 10) -> tuple[fl
     return ms, tokens * k * ex.per_expert
 
 
-def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 10,
-                 stage: int = -1) -> tuple[float, int]:
+def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 10) -> tuple[float, int]:
     """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel or the int8
-    mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu); stage: the rows kernel's staged form on (1) or off (0)
-    ($DS4_GPU_GU_STAGE; -1 the environment); returns (ms, distinct gate+up bytes per call)."""
+    mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu); returns (ms, distinct gate+up bytes per call)."""
     ext = gpu.load()
     rng = np.random.default_rng(1)
     n_calls = 32
@@ -135,12 +133,10 @@ def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 1
     h = ext.Array.empty([tokens * k, ex.gate.ne[1]])
     g, u = ex.gate.tensors[0], ex.up.tensors[0]
     ext.set_gateup_mma(mma)  # the kernel is chosen when the graph is captured
-    ext.set_gateup_stage(stage)
     try:
         ms = time_graph(lambda i: ext.moe_gateup(g, u, x, ids[i % n_calls], wts, h, 10.0), n_calls, iters)
     finally:
         ext.set_gateup_mma(None)
-        ext.set_gateup_stage(-1)
     return ms, tokens * k * (ex.gate.nbytes + ex.up.nbytes) // ex.n_expert
 
 
@@ -357,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
             ms, nbytes = bench_moe(ex, b, iters=iters)
             add(f"routed MoE k=6 ({mix})", "IQ2+Q2K" if mix == "q2" else "Q4_K", b, ms, nbytes)
     for b in args.batch if moe_rows else []:  # IQ2_XXS gate/up alone: the rows kernel, the int8 mma one, then the MoE
-        for label, mma, stage in (("rows", False, 0), ("staged", False, 1), ("mma", True, -1)):
-            ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters, stage=stage)
-            add(f"IQ2_XXS gate/up k=6 ({label})", "IQ2_XXS", b, ms, nbytes)
+        for mma in (False, True):
+            ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters)
+            add(f"IQ2_XXS gate/up k=6 ({'mma' if mma else 'rows'})", "IQ2_XXS", b, ms, nbytes)
         ext.set_gateup_mma(True)
         try:
             ms, nbytes = bench_moe(experts["q2"], b, iters=iters)

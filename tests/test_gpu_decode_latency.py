@@ -8,8 +8,6 @@
 - index_keys_v2_kernel (DS4_GPU_INDEX_KEYS=2): lanes over the dims and the query's RoPE/QAT folded into its staging;
   its scores sum in another order, so it is held to the v15 kernel by tolerance and to norm_rope's query bitwise, at
   Flash's indexer shape (64 heads of 128; the `small` preset's 16 heads are a shape it declines).
-- moe_gateup_staged_kernel (DS4_GPU_GU_STAGE=1, v35): the IQ2_XXS gate/up with each warp's next unit of rows staged
-  in shared memory by cp.async (its kernel-level test: test_gpu_moe_lut.py);
 - matvec_tma_kernel (DS4_GPU_MV_TMA, v17; default 2: launches of at most 7 MB): the batch-1 Q8_0 products with the
   weights streamed by bulk copies (its kernel-level tests: test_gpu_matvec_tma.py).
 The switches are read once per process, so the session comparison runs each setting in a subprocess."""
@@ -32,7 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 
 # each switch and its value other than the default
 SWITCHES = {"DS4_GPU_ARGMAX": "0", "DS4_GPU_EARLY_XQ": "0", "DS4_GPU_COMPRESS_REGS": "0", "DS4_GPU_EARLY_IDX_PROJ": "1",
-            "DS4_GPU_MV_TMA": "1", "DS4_GPU_GU_STAGE": "1"}
+            "DS4_GPU_MV_TMA": "1"}
 # DS4_GPU_MV_TMA's default is 2 (small launches only): flipped to 1 every Q8_0 launch takes the bulk-copy kernel
 
 
@@ -165,7 +163,6 @@ def test_index_keys_v2_folds_the_querys_norm_rope_bitwise(K, qat):
     want = _keys_v2(K, staged, w, idx, pos)
     got = _keys_v2(K, q, w, idx, pos, post)
     assert torch.equal(got.view(torch.int64), want.view(torch.int64))
-
 
 
 SESSION = r"""

@@ -602,9 +602,6 @@ PYBIND11_MODULE(_ext, m) {
         "IQ2_XXS gate/up rows kernel with the sign-mask tables (1: 3 CTAs per SM, 2: 2, 3 (default): 2 read by byte offsets), "
         "without (0) or as "
         "$DS4_GPU_GU_LUT says (-1).");
-  m.def("set_gateup_stage", &set_gateup_stage, py::arg("mode"),
-        "IQ2_XXS gate/up (sign-mask tables) with each warp's next unit of rows staged in shared memory by cp.async (1), "
-        "the rows kernel (0), or as $DS4_GPU_GU_STAGE says (-1); the same bits");
   m.def("set_moe_x8", &set_moe_x8, py::arg("mode"),
         "Routed experts' activations at 8 bits, hi plane only, as ds4 (1), at ~16 bits, hi + lo (0), or as "
         "$DS4_GPU_MOE_X8 says (-1).");

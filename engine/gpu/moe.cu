@@ -9,7 +9,6 @@
 #include <map>
 #include <type_traits>
 
-#include "mma_ops.cuh"
 #include "moe_mma.cuh"
 #include "mv_core.cuh"
 #include "xquant.cuh"
@@ -186,129 +185,6 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   }
 }
 
-// $DS4_GPU_GU_STAGE=1 (v35): the IQ2_XXS gate/up with each warp's next unit of rows copied into shared memory
-// (cp.async) while it computes the current one. Why: the rows kernel above loads one x block ahead in registers, 1 KB
-// per warp, and drains at every unit (4 steps of 32 blocks for Flash's 4096 columns, ~3 units per warp): ~16 KB in
-// flight per SM, ~2 TB/s at DRAM latency, where the 26 MB need the card's 4.3. Here a warp has its next unit's
-// 4.2 KB in flight through the whole current unit and its epilogue. Each unit's rows stage whole (qs then scales, the
-// planes' bytes), and every x block decodes from them exactly as load_xb would give it, in the same order: the same
-// bits as the rows kernel. 16 warps in one CTA per SM share one copy of the LUT tables (49 KB) beside 16 x 8.4 KB of
-// ring. The expert ids (at most 32 pairs) sit one per lane, so staging a unit never waits for a global load.
-constexpr int GUS_THREADS = 512, GUS_WARPS = GUS_THREADS / 32, GUS_MAX_PAIRS = 32;
-
-// One warp's staged unit: R rows of qs (qs_bytes each), then R rows of scales (sc_bytes each).
-struct GusLayout {
-  int qs_bytes, sc_bytes, unit_bytes;
-};
-__host__ __device__ inline GusLayout gus_layout(int ncols, int R) {
-  const int qs = ncols / 32 * 8, sc = ncols / 256 * 2;
-  return {qs, sc, ((qs + sc) * R + 15) / 16 * 16};
-}
-__device__ __forceinline__ void cp4(void* dst, const void* src) {
-  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
-}
-
-template <int R>
-__device__ __forceinline__ void gus_stage(unsigned char* dst, const uint8_t* const (&qrow)[R],
-                                          const uint8_t* const (&srow)[R], const GusLayout& g, int lane) {
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    for (int c = lane; c < g.qs_bytes / 16; c += 32) cp16(dst + r * g.qs_bytes + 16 * c, qrow[r] + 16 * c, true);
-    for (int c = lane; c < g.sc_bytes / 4; c += 32)
-      cp4(dst + R * g.qs_bytes + r * g.sc_bytes + 4 * c, srow[r] + 4 * c);
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <bool X8>
-__global__ void __launch_bounds__(GUS_THREADS, 1) moe_gateup_staged_kernel(Packed gate, Packed up, int n_ff,
-                                                                           int n_expert, XQ xq, const int32_t* ids,
-                                                                           const float* wts, int pairs, float clamp,
-                                                                           int units, float* h) {
-  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
-  using TB = Iq2LutTablesU;
-  extern __shared__ __align__(16) uint2 s_rep[];  // the LUT tables, then each warp's two unit buffers
-  pdl_trigger();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const TB tb = iq2_lut_tables_init_u(s_rep);
-  const GusLayout g = gus_layout((int)gate.ncols, R);
-  unsigned char* ring = (unsigned char*)s_rep + IQ2_LUT_TABLE_BYTES + (size_t)warp * 2 * g.unit_bytes;
-  __syncthreads();
-  pdl_wait();  // ids, x and h's readers are from earlier kernels
-  const int my_id = lane < pairs ? ids[lane] : 0;
-  const int groups = (n_ff + RH - 1) / RH;
-  const int nxb = (int)(gate.ncols / 32);
-  const int stride = gridDim.x * GUS_WARPS;
-  // the rows of a unit, as the rows kernel addresses them (an expert id out of range reads expert 0)
-  auto rows_of = [&](int unit, const uint8_t* (&qrow)[R], const uint8_t* (&srow)[R], int& pair, int& f0, bool& bad) {
-    pair = unit / groups;
-    f0 = (unit - pair * groups) * RH;
-    const int e = __shfl_sync(0xffffffffu, my_id, pair);
-    bad = e < 0 || e >= n_expert;
-    const int ee = bad ? 0 : e;
-#pragma unroll
-    for (int i = 0; i < RH; ++i) {
-      const int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
-      qrow[i] = gate.qs + row * gate.qs_row;
-      srow[i] = gate.sc + row * gate.sc_row;
-      qrow[RH + i] = up.qs + row * up.qs_row;
-      srow[RH + i] = up.sc + row * up.sc_row;
-    }
-  };
-  int unit = blockIdx.x * GUS_WARPS + warp, buf = 0;
-  if (unit < units) {
-    const uint8_t* qrow[R];
-    const uint8_t* srow[R];
-    int pair, f0;
-    bool bad;
-    rows_of(unit, qrow, srow, pair, f0, bad);
-    gus_stage<R>(ring, qrow, srow, g, lane);
-  }
-  for (; unit < units; unit += stride, buf ^= 1) {
-    const uint8_t* qrow[R];
-    const uint8_t* srow[R];
-    int pair, f0;
-    bool bad;
-    if (unit + stride < units) {
-      rows_of(unit + stride, qrow, srow, pair, f0, bad);
-      gus_stage<R>(ring + (buf ^ 1) * g.unit_bytes, qrow, srow, g, lane);
-    } else {
-      asm volatile("cp.async.commit_group;\n" ::);  // an empty group keeps wait_group 1's count
-    }
-    rows_of(unit, qrow, srow, pair, f0, bad);
-    asm volatile("cp.async.wait_group 1;\n" ::);  // this unit's copies (the older group) are done
-    __syncwarp();                                    // ... and every lane's are visible to the whole warp
-    const unsigned char* cur = ring + buf * g.unit_bytes;
-    int vec[1] = {0};
-    float acc[R][1];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    for (int xb = lane; xb < nxb; xb += 32) {
-      RawXb raw[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint2 v = *(const uint2*)(cur + r * g.qs_bytes + 8 * xb);
-        raw[r].q[0] = v.x;
-        raw[r].q[1] = v.y;
-        raw[r].s0 = *(const unsigned short*)(cur + R * g.qs_bytes + r * g.sc_bytes + 2 * (xb >> 3));
-      }
-      mv_block<QT_IQ2_XXS, 1, R, TB, false, X8>(raw, xb, xq, vec, tb, acc);
-    }
-    __syncwarp();  // every lane has read this buffer before the next unit's copies overwrite it
-    warp_sum<R, 1>(acc);
-#pragma unroll
-    for (int i = 0; i < RH; ++i) {
-      const int f = f0 + i;
-      if (lane == i && f < n_ff) {
-        const float gv = fminf(acc[i][0], clamp), u = fminf(fmaxf(acc[RH + i][0], -clamp), clamp);
-        const float v = gv / (1.0f + __expf(-gv)) * u * wts[pair];
-        h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
-      }
-    }
-  }
-}
-
 template <int QT, bool X8 = false>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y) {
@@ -448,43 +324,11 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
-// $DS4_GPU_GU_STAGE (0, 1): the staged IQ2_XXS gate/up (moe_gateup_staged_kernel) where it takes the shapes; 0 the
-// rows kernel. set_gateup_stage overrides it (-1: the environment).
-EnvSwitch gateup_stage_switch{"DS4_GPU_GU_STAGE", 1, 0};
-void set_gateup_stage(int mode) { gateup_stage_switch.set(mode); }
-
-// Launches the staged kernel if it takes the shapes (at most GUS_MAX_PAIRS pairs; 16-byte qs rows and 4-byte scale
-// rows, aligned; the ring and tables in one SM's shared memory); false: the caller launches another form.
-template <bool X8>
-static bool launch_gateup_staged(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
-                                 const int32_t* ids, const float* wts, int pairs, float clamp, float* h,
-                                 cudaStream_t stream) {
-  if (gateup_stage_switch.get() == 0 || pairs > GUS_MAX_PAIRS || gate.ncols % 256) return false;
-  const GusLayout g = gus_layout((int)gate.ncols, 2 * GU2_RH);
-  auto aligned = [](const Packed& w) {
-    return (uintptr_t)w.qs % 16 == 0 && w.qs_row % 16 == 0 && (uintptr_t)w.sc % 4 == 0 && w.sc_row % 4 == 0;
-  };
-  if (g.qs_bytes % 16 || g.sc_bytes % 4 || !aligned(gate) || !aligned(up)) return false;
-  const size_t smem = IQ2_LUT_TABLE_BYTES + (size_t)GUS_WARPS * 2 * g.unit_bytes;
-  if (smem > 227 * 1024) return false;
-  static size_t smem_set = 48 * 1024;
-  raise_smem_limit(moe_gateup_staged_kernel<X8>, smem, smem_set);
-  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const int grid = std::min((units + GUS_WARPS - 1) / GUS_WARPS, sm_count());
-  launch_k(moe_gateup_staged_kernel<X8>, dim3((unsigned)grid), dim3(GUS_THREADS), smem, stream, gate, up, n_ff,
-           n_expert, xq, ids, wts, pairs, clamp, units, h);
-  DS4_CHECK_LAUNCH("moe gate/up staged");
-  return true;
-}
-
 template <int QT>
 static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                cudaStream_t stream) {
   if (moe_x8()) {  // 8-bit x: the sign tables (IQ2_XXS, unless GU_LUT=0) or the computed masks, x from global memory
-    if (QT == QT_IQ2_XXS && gateup_lut_mode() != 0 &&
-        launch_gateup_staged<true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, clamp, h, stream))
-      return;
     if (QT == QT_IQ2_XXS && gateup_lut_mode() != 0)
       launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
     else
@@ -498,9 +342,6 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 1>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
-  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 &&
-           launch_gateup_staged<false>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, clamp, h, stream))
-    return;
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 3>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else

@@ -14,8 +14,6 @@ void set_gateup_mma(int mode, int splits);
 // moe.cu: the rows kernel's IQ2_XXS sign-mask tables ($DS4_GPU_GU_LUT): 1 on (3 CTAs per SM), 2 on (2 CTAs per SM),
 // 3 (default) form 2's tables read by byte offsets, 0 off, -1 as the environment says.
 void set_gateup_lut(int mode);
-// moe.cu: the IQ2_XXS gate/up with each warp's next unit staged by cp.async ($DS4_GPU_GU_STAGE): 1 on, 0 off, -1 env.
-void set_gateup_stage(int mode);
 // moe.cu: whether the routed experts read 8-bit activations (hi plane only; $DS4_GPU_MOE_X8=1): decode gate/up and
 // down, prefill mmq. set_moe_x8: 1 on, 0 off, -1 as the environment says.
 void set_moe_x8(int mode);
