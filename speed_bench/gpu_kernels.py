@@ -120,6 +120,28 @@ def bench_moe(ex: Experts, tokens: int, k: int = 6, iters: int = 10) -> tuple[fl
     return ms, tokens * k * ex.per_expert
 
 
+def bench_moe_shexp(ex: Experts, rng: np.random.Generator, k: int = 6, iters: int = 10) -> tuple[float, int]:
+    """ms per decode MoE call with the shared expert (Q8_0, Flash's shape) in the same two launches
+    (DS4_GPU_MOE_SHEXP, ext.moe_shexp); returns (ms, distinct routed + shared expert bytes per call)."""
+    ext = gpu.load()
+    n_ff = ex.gate.ne[1]
+    shexp = [Weights(f"{ex.mix}.{n}_shexp", Q.Q8_0, ne, rng)
+             for n, ne in (("gate", (ex.n_embd, n_ff)), ("up", (ex.n_embd, n_ff)), ("down", (n_ff, ex.n_embd)))]
+    n_calls = 32
+    perm = [rng.permutation(ex.n_expert) for _ in range(n_calls)]
+    ids = [ext.Array.from_numpy(p[:k].reshape(1, k).astype(np.int32).copy()) for p in perm]
+    wts = ext.Array.from_numpy(np.full((1, k), 0.25, np.float32))
+    x = ext.Array.from_numpy(rng.standard_normal((1, ex.n_embd)).astype(np.float32))
+    y, ys = ext.Array.empty([1, ex.n_embd]), ext.Array.empty([1, ex.n_embd])
+    g, u, d = ex.gate.tensors[0], ex.up.tensors[0], ex.down.tensors[0]
+
+    def record(i):
+        sg, su, sd = (w.tensors[i % len(w.tensors)] for w in shexp)
+        ext.moe_shexp(g, u, d, sg, su, sd, x, ids[i % n_calls], wts, y, ys, 10.0)
+    ms = time_graph(record, n_calls, iters)
+    return ms, k * ex.per_expert + sum(w.nbytes for w in shexp)
+
+
 def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 10) -> tuple[float, int]:
     """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel or the int8
     mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu); returns (ms, distinct gate+up bytes per call)."""
@@ -352,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in args.batch:
             ms, nbytes = bench_moe(ex, b, iters=iters)
             add(f"routed MoE k=6 ({mix})", "IQ2+Q2K" if mix == "q2" else "Q4_K", b, ms, nbytes)
+        if 1 in args.batch:
+            ms, nbytes = bench_moe_shexp(ex, rng, iters=iters)
+            add(f"routed MoE k=6 + shexp ({mix})", ("IQ2+Q2K" if mix == "q2" else "Q4_K") + "+Q8", 1, ms, nbytes)
     for b in args.batch if moe_rows else []:  # IQ2_XXS gate/up alone: the rows kernel, the int8 mma one, then the MoE
         for mma in (False, True):
             ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters)

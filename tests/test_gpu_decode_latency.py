@@ -173,7 +173,9 @@ m = Model.load(sys.argv[1])
 cfg = m.config
 toks = np.random.default_rng(9).integers(2, cfg.vocab_size, 40).tolist()
 g = Session(m, ctx=512)
-logits = np.stack([g.decode(t) for t in toks])  # ctx 512: past the indexer's top-k, pooled rows every 4 tokens
+g.prefill(np.random.default_rng(8).integers(2, cfg.vocab_size, 340).tolist())  # 85 rows: the top-k selects 64
+# positions 340-391: a ratio-4 row pooled every 4 tokens, a ratio-128 row at 383
+logits = np.stack([g.decode(t) for t in toks])
 greedy = g.greedy(12)
 np.savez(sys.argv[2], logits=logits, greedy=np.array(greedy))
 """

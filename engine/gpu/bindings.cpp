@@ -322,6 +322,30 @@ void moe(const Tensor& gate, const Tensor& up, const Tensor& down, const Array& 
              xq_in != 0);
 }
 
+// moe with the shared expert in the same two launches (DS4_GPU_MOE_SHEXP; one token): y the routed experts' sum,
+// y_shexp the shared expert's output. False (nothing launched) where launch_moe_shexp does not take the shapes.
+bool moe_shexp(const Tensor& gate, const Tensor& up, const Tensor& down, const Tensor& sgate, const Tensor& sup,
+               const Tensor& sdown, const Array& x, const Array& ids, const Array& weights, Array& y, Array& y_shexp,
+               float clamp, uintptr_t xq_in) {
+  if (gate.ne.size() != 3) throw std::invalid_argument("moe_shexp: expert tensors are [cols, rows, experts]");
+  const int n_expert = (int)gate.ne[2];
+  if (x.shape.size() != 2 || ids.shape.size() != 2 || weights.shape != ids.shape || y.shape != x.shape ||
+      y_shexp.shape != x.shape || ids.shape[0] != x.shape[0] || x.shape[1] != gate.p.ncols)
+    throw std::invalid_argument("moe_shexp: x, y, y_shexp are [1, n_embd]; ids, weights are [1, k]");
+  const int64_t T = x.shape[0], k = ids.shape[1], D = gate.p.ncols, F = gate.ne[1];
+  if (!moe_shexp_takes(gate.p, down.p, sgate.p, sup.p, sdown.p, n_expert, (int)T)) return false;
+  Scratch& sc = scratch_for(T);
+  sc.reserve(xq_bytes(T, D) + align256((k + 1) * F * 4) + xq_bytes(k + 1, F));
+  sc.begin();
+  MoeScratch s;
+  s.xq_in = xq_in ? xq_at(reinterpret_cast<uint8_t*>(xq_in), T, D) : take_xq(T, D, sc);
+  s.h = (float*)sc.take((k + 1) * F * 4);
+  s.xq_h = take_xq(k + 1, F, sc);
+  launch_moe_shexp(gate.p, up.p, down.p, sgate.p, sup.p, sdown.p, n_expert, x.f(), ids.i(), weights.f(), (int)k, clamp,
+                   y.f(), y_shexp.f(), s, stream(), xq_in != 0);
+  return true;
+}
+
 // The gate/up half of moe on its own: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j] (tests, bench).
 void moe_gateup(const Tensor& gate, const Tensor& up, const Array& x, const Array& ids, const Array& weights, Array& h,
                 float clamp) {
@@ -589,6 +613,15 @@ PYBIND11_MODULE(_ext, m) {
   m.def("moe", &moe, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("x"), py::arg("ids"),
         py::arg("weights"), py::arg("y"), py::arg("clamp") = 10.0f, py::arg("xq_in") = 0,
         "Routed experts: y[t] = sum_j down[ids[t,j]] (silu(min(g,c)) clamp(u,-c,c) weights[t,j]).");
+  m.def("moe_shexp_takes", [](const Tensor& gate, const Tensor& down, const Tensor& sgate, const Tensor& sup,
+                              const Tensor& sdown) {
+    return gate.ne.size() == 3 && moe_shexp_takes(gate.p, down.p, sgate.p, sup.p, sdown.p, (int)gate.ne[2], 1);
+  }, "Whether moe_shexp runs these experts and this shared expert (one token).");
+  m.def("moe_shexp", &moe_shexp, py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("sgate"), py::arg("sup"),
+        py::arg("sdown"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("y"), py::arg("y_shexp"),
+        py::arg("clamp"), py::arg("xq") = 0,
+        "Decode's routed experts and the shared expert (Q8_0) in two launches (DS4_GPU_MOE_SHEXP): y the routed sum, "
+        "y_shexp the shared expert's; False where the shapes or types are not ones it runs.");
   m.def("moe_gateup", &moe_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("ids"), py::arg("weights"),
         py::arg("h"), py::arg("clamp") = 10.0f,
         "The gate/up half of moe: h[t k + j] = silu(min(g, c)) clamp(u, -c, c) weights[t, j]; h is [T k, n_ff].");

@@ -253,6 +253,16 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
                 const int32_t* ids, const float* weights, int tokens, int k, float clamp, float* y,
                 const MoeScratch& scratch, cudaStream_t stream, bool x_quantized = false);  // true: scratch.xq_in holds x
 
+// DS4_GPU_MOE_SHEXP (decode, one token): the routed experts and the shared expert (Q8_0 gate sg, up su, down sd) in
+// one gate/up launch and one down launch; y the routed sum, y_shexp the shared expert's output. scratch.h and xq_h
+// hold k + 1 vectors of n_ff. moe_shexp_takes: whether the shapes and types are ones it runs.
+bool moe_shexp_takes(const Packed& gate, const Packed& down, const Packed& sg, const Packed& su, const Packed& sd,
+                     int n_expert, int tokens);
+void launch_moe_shexp(const Packed& gate, const Packed& up, const Packed& down, const Packed& sg, const Packed& su,
+                      const Packed& sd, int n_expert, const float* x, const int32_t* ids, const float* weights, int k,
+                      float clamp, float* y, float* y_shexp, const MoeScratch& scratch, cudaStream_t stream,
+                      bool x_quantized);
+
 // fused.cu and hc.cu (mHC): the non-matvec chains of a layer (see the kernels there for the exact semantics).
 struct RowPost {
   bool norm = false;

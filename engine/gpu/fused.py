@@ -39,6 +39,10 @@ EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
+# decode, one token: 1 runs the routed experts and the shared expert in one gate/up launch and one down launch
+# (moe.cu moe_gateup_shexp_kernel; Weights.moe_shexp) instead of the shared expert's matvecs on the `ffn` branch. v36;
+# default 0 until measured. The routed experts' bits are the same; the shared expert's sums run in another order.
+MOE_SHEXP = os.environ.get("DS4_GPU_MOE_SHEXP", "0") == "1"
 # decode indexer keys: 2 the v16 kernel (lanes over the dims, the query's RoPE/QAT folded into its staging; other
 # summation order, the same top-k on the tests' inputs). v16: 125 us per token slower (every CTA repeats the 64 query
 # rows' Hadamard/FP4 and RoPE where norm_rope spread them over 64 CTAs); 1, the v15 kernel and a norm_rope launch;

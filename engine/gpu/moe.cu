@@ -120,6 +120,55 @@ __host__ __device__ constexpr size_t gu_table_bytes() {
   return QT != QT_IQ2_XXS ? 0 : (LUT ? IQ2_LUT_TABLE_BYTES : IQ2_LANE_TABLE_BYTES);
 }
 
+// Every thread of the CTA: the gate/up kernels' IQ2_XXS tables in shared memory (none for the other types), before
+// griddepcontrol.wait.
+template <int QT, int LUT>
+__device__ __forceinline__ GuTables<QT, LUT> gu_tables_init(uint2* s_rep, int lane) {
+  using TB = GuTables<QT, LUT>;
+  TB tb{};
+  if constexpr (QT == QT_IQ2_XXS) {
+    if constexpr (LUT == 3) tb = iq2_lut_tables_init_u(s_rep);
+    else if constexpr (LUT != 0) tb = iq2_lut_tables_init(s_rep);
+    else iq2_lane_tables_init(s_rep), tb = TB{s_rep, lane};
+    __syncthreads();
+  } else {
+    if constexpr (LUT == 0) tb = TB{s_rep, lane};
+  }
+  return tb;
+}
+
+// One warp unit of gate/up: rows f0 .. f0 + RH - 1 of expert e's gate (acc[0, RH)) and up (acc[RH, 2 RH)) against
+// x vector vec0, each summed over the warp (lane l takes x blocks l, l + 32, ...).
+template <int QT, typename TB, bool XS, bool X8>
+__device__ __forceinline__ void gu_unit_rows(const Packed& gate, const Packed& up, int64_t e, int f0, int n_ff,
+                                             const XQ& xq, int vec0, const TB& tb, int lane,
+                                             float (&acc)[2 * GU2_RH][1]) {
+  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  const uint8_t* qrow[R];
+  const uint8_t* srow[R];
+#pragma unroll
+  for (int i = 0; i < RH; ++i) {
+    const int64_t row = e * n_ff + min(f0 + i, n_ff - 1);
+    qrow[i] = gate.qs + row * gate.qs_row;
+    srow[i] = gate.sc + row * gate.sc_row;
+    qrow[RH + i] = up.qs + row * up.qs_row;
+    srow[RH + i] = up.sc + row * up.sc_row;
+  }
+  const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
+  int vec[1] = {vec0};
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+  mv_accumulate<QT, 1, R, TB, XS, X8>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
+  warp_sum<R, 1>(acc);
+}
+
+// SwiGLU with the clamp, times the routing weight w (1 for the shared expert).
+__device__ __forceinline__ float gu_swiglu(float g, float u, float clamp, float w) {
+  g = fminf(g, clamp);
+  u = fminf(fmaxf(u, -clamp), clamp);
+  return g / (1.0f + __expf(-g)) * u * w;
+}
+
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
 template <int QT, int XM, int LUT = 0, bool X8 = false>
@@ -135,49 +184,23 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   using TB = GuTables<QT, LUT>;
   pdl_trigger();
   const int lane = threadIdx.x & 31;
-  TB tb{};
-  if constexpr (QT == QT_IQ2_XXS) {
-    if constexpr (LUT == 3) tb = iq2_lut_tables_init_u(s_rep);
-    else if constexpr (LUT != 0) tb = iq2_lut_tables_init(s_rep);
-    else iq2_lane_tables_init(s_rep), tb = TB{s_rep, lane};
-    __syncthreads();
-  } else {
-    if constexpr (LUT == 0) tb = TB{s_rep, lane};
-  }
+  const TB tb = gu_tables_init<QT, LUT>(s_rep, lane);
   pdl_wait();  // ids, x and h's readers are from earlier kernels
   if constexpr (XM == GU_X_STAGED) xq = gu_stage_x(xq, (unsigned char*)s_rep + table_bytes);
   if constexpr (XM == GU_X_QUANT) xq = gu_quantize_x(x, xq.n, (unsigned char*)s_rep + table_bytes);
   const int groups = (n_ff + RH - 1) / RH;
-  const int nxb = (int)(gate.ncols / 32), nb = (int)(gate.ncols / 256);
   for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
     const int pair = unit / groups, f0 = (unit - pair * groups) * RH, token = pair / k;
     const int e = ids[pair];
     const bool bad = e < 0 || e >= n_expert;
-    const int ee = bad ? 0 : e;
-    const uint8_t* qrow[R];
-    const uint8_t* srow[R];
-#pragma unroll
-    for (int i = 0; i < RH; ++i) {
-      const int64_t row = (int64_t)ee * n_ff + min(f0 + i, n_ff - 1);
-      qrow[i] = gate.qs + row * gate.qs_row;
-      srow[i] = gate.sc + row * gate.sc_row;
-      qrow[RH + i] = up.qs + row * up.qs_row;
-      srow[RH + i] = up.sc + row * up.sc_row;
-    }
-    int vec[1] = {XS ? 0 : token};  // XS: the one token's x is the staged vector
     float acc[R][1];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    mv_accumulate<QT, 1, R, TB, XS, X8>(qrow, srow, nxb, nb, lane, 32, xq, vec, tb, acc);
-    warp_sum<R, 1>(acc);
+    // XS: the one token's x is the staged vector
+    gu_unit_rows<QT, TB, XS, X8>(gate, up, bad ? 0 : e, f0, n_ff, xq, XS ? 0 : token, tb, lane, acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
       const int f = f0 + i;
-      if (lane == i && f < n_ff) {
-        const float g = fminf(acc[i][0], clamp), u = fminf(fmaxf(acc[RH + i][0], -clamp), clamp);
-        const float v = g / (1.0f + __expf(-g)) * u * wts[pair];
-        h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : v;  // NaN marks an expert id out of range
-      }
+      if (lane == i && f < n_ff)  // NaN marks an expert id out of range
+        h[(int64_t)pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : gu_swiglu(acc[i][0], acc[RH + i][0], clamp, wts[pair]);
     }
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
     if constexpr (XM == GU_X_QUANT)
@@ -185,9 +208,79 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
   }
 }
 
+// $DS4_GPU_MOE_SHEXP (decode, one token): the routed experts' gate/up and the shared expert's (Q8_0) in one persistent
+// grid. Why: the shared expert's matvecs on a side stream held the SMs when the router ended (every trace since v16:
+// the routed gate/up started ~9 us after it), and the two are complementary: the 2-bit decode is bound by instruction
+// issue, the Q8_0 rows by DRAM. Units: slot j = unit % (k + 1) (j < k the token's j-th expert, j == k the shared
+// expert), rows f0 = (unit / (k + 1)) RH, so every warp's units mix both. h has k + 1 rows: the shared expert's last,
+// without a routing weight. The routed rows' arithmetic is the rows kernel's (the same bits).
+template <int QT, int LUT>
+__global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_shexp_kernel(Packed gate, Packed up, Packed sg, Packed su,
+                                                                         int n_ff, int n_expert, XQ xq,
+                                                                         const int32_t* ids, const float* wts, int k,
+                                                                         float clamp, int units, float* h) {
+  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  extern __shared__ __align__(16) uint2 s_rep[];
+  using TB = GuTables<QT, LUT>;
+  pdl_trigger();
+  const int lane = threadIdx.x & 31;
+  const TB tb = gu_tables_init<QT, LUT>(s_rep, lane);
+  pdl_wait();  // ids, x and h's readers are from earlier kernels
+  const int slots = k + 1;
+  for (int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5); unit < units; unit += gridDim.x * GU_WARPS) {
+    const int j = unit % slots, f0 = (unit / slots) * RH;
+    float acc[R][1];
+    bool bad = false;
+    float w = 1.0f;
+    if (j == k) {
+      gu_unit_rows<QT_Q8_0, TB, false, false>(sg, su, 0, f0, n_ff, xq, 0, tb, lane, acc);
+    } else {
+      const int e = ids[j];
+      bad = e < 0 || e >= n_expert;
+      w = wts[j];
+      gu_unit_rows<QT, TB, false, false>(gate, up, bad ? 0 : e, f0, n_ff, xq, 0, tb, lane, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < RH; ++i) {
+      const int f = f0 + i;
+      if (lane == i && f < n_ff)
+        h[(int64_t)j * n_ff + f] = bad ? __int_as_float(0x7fc00000) : gu_swiglu(acc[i][0], acc[RH + i][0], clamp, w);
+    }
+  }
+}
+
+// The down kernels' end: warp sums, then the S column slices of each row group added in order, rows r0 .. of y.
+template <int R>
+__device__ __forceinline__ void down_rows_out(float (&acc)[R][1], float (&red)[CTA_WARPS][R], int RG, int S,
+                                              int block, int n_rows, float* y) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  warp_sum<R, 1>(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < RG * R; t += CTA_THREADS) {
+    int grp = t / R, r = t % R;
+    float s = 0.0f;
+    for (int c = 0; c < S; ++c) s += red[grp * S + c][r];
+    int row = (block * RG + grp) * R + r;
+    if (row < n_rows) y[row] = s;
+  }
+}
+
+// The shared expert's down rows (Q8_0, one token: h row k of xq) in blocks g_routed.. of the routed down's grid.
+struct ShexpDown {
+  Packed w;        // qs null: none
+  int S = 1;       // column slices
+  int g_routed = 0;
+  float* y = nullptr;
+};
+
 template <int QT, bool X8 = false>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
-                                                               const int32_t* ids, int k, int S, float* y) {
+                                                               const int32_t* ids, int k, int S, float* y,
+                                                               ShexpDown sh) {
   pdl_begin();
   constexpr int R = MOE_R;
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
@@ -199,6 +292,26 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
   }
   const int token = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  if (sh.w.qs && (int)blockIdx.x >= sh.g_routed) {  // a shared-expert block (one token)
+    const int b = blockIdx.x - sh.g_routed, RGs = CTA_WARPS / sh.S, r0 = (b * RGs + warp / sh.S) * R;
+    const int nxb = (int)(sh.w.ncols / 32), nb = (int)(sh.w.ncols / 256);
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+    const uint8_t* qrow[R];
+    const uint8_t* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = min(r0 + r, n_embd - 1);
+      qrow[r] = sh.w.qs + row * sh.w.qs_row;
+      srow[r] = sh.w.sc + row * sh.w.sc_row;
+    }
+    int vec[1] = {k};
+    mv_accumulate<QT_Q8_0, 1, R, Iq2Tables, false, false>(qrow, srow, nxb, nb, (warp % sh.S) * 32 + lane, 32 * sh.S,
+                                                          xq, vec, tb, acc);
+    down_rows_out<R>(acc, red, RGs, sh.S, b, n_embd, sh.y);
+    return;
+  }
   const int RG = CTA_WARPS / S, rg = warp / S, cs = warp % S;
   const int r0 = (blockIdx.x * RG + rg) * R;
   float acc[R][1];
@@ -222,19 +335,7 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
     int vec[1] = {token * k + j};
     mv_accumulate<QT, 1, R, Iq2Tables, false, X8>(qrow, srow, xb + 1, nb, xb, 1, xq, vec, tb, acc);  // this one x block
   }
-  warp_sum<R, 1>(acc);
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) red[warp][r] = acc[r][0];
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < RG * R; t += CTA_THREADS) {
-    int grp = t / R, r = t % R;
-    float s = 0.0f;
-    for (int c = 0; c < S; ++c) s += red[grp * S + c][r];
-    int row = (blockIdx.x * RG + grp) * R + r;
-    if (row < n_embd) y[(int64_t)token * n_embd + row] = s;
-  }
+  down_rows_out<R>(acc, red, RG, S, blockIdx.x, n_embd, y + (int64_t)token * n_embd);
 }
 
 // Resident CTAs of a kernel on the whole device (occupancy x SMs).
@@ -370,16 +471,24 @@ static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int
   }
 }
 
+// sh.w set (one token): the shared expert's down rows in blocks of the same launch, after the routed ones.
 template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
-                        int tokens, int k, float* y, cudaStream_t stream) {
+                        int tokens, int k, float* y, cudaStream_t stream, ShexpDown sh = ShexpDown()) {
   int S = column_splits(k * down.ncols / 32);
   int rows_per_cta = (CTA_WARPS / S) * MOE_R;
   dim3 grid((n_embd + rows_per_cta - 1) / rows_per_cta, tokens);
+  if (sh.w.qs) {
+    sh.S = column_splits(sh.w.ncols / 32);
+    const int rows_s = (CTA_WARPS / sh.S) * MOE_R;
+    sh.g_routed = (int)grid.x;
+    grid.x += (n_embd + rows_s - 1) / rows_s;
+  }
   if (moe_x8())
-    launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
+    launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y,
+             sh);
   else
-    launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y);
+    launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y, sh);
   DS4_CHECK_LAUNCH("moe down");
 }
 
@@ -429,6 +538,59 @@ void launch_moe(const Packed& gate, const Packed& up, const Packed& down, int n_
     case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
     case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, tokens, k, y, stream); break;
+    default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
+  }
+}
+
+template <int QT, int LUT>
+static void launch_gateup_shexp_as(const Packed& gate, const Packed& up, const Packed& sg, const Packed& su, int n_ff,
+                                   int n_expert, const XQ& xq, const int32_t* ids, const float* wts, int k,
+                                   float clamp, float* h, cudaStream_t stream) {
+  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * (k + 1);
+  const size_t smem = gu_table_bytes<QT, LUT>();
+  static int resident = 0;
+  static size_t smem_set = 48 * 1024;
+  raise_smem_limit(moe_gateup_shexp_kernel<QT, LUT>, smem, smem_set);
+  if (!resident) resident = resident_ctas(moe_gateup_shexp_kernel<QT, LUT>, GU_THREADS, smem);
+  launch_k(moe_gateup_shexp_kernel<QT, LUT>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, resident)),
+           dim3(GU_THREADS), smem, stream, gate, up, sg, su, n_ff, n_expert, xq, ids, wts, k, clamp, units, h);
+  DS4_CHECK_LAUNCH("moe gate/up + shared expert");
+}
+
+bool moe_shexp_takes(const Packed& gate, const Packed& down, const Packed& sg, const Packed& su, const Packed& sd,
+                     int n_expert, int tokens) {
+  if (tokens != 1 || moe_x8() || gate.qtype == QT_F16 || down.qtype == QT_F16 || n_expert < 1) return false;
+  if (gate.qtype == QT_IQ2_XXS && gateup_mma_enabled()) return false;
+  const int64_t n_ff = gate.nrows / n_expert, n_embd = gate.ncols;
+  for (const Packed* w : {&sg, &su, &sd})
+    if (w->qtype != QT_Q8_0) return false;
+  return sg.nrows == n_ff && su.nrows == n_ff && sg.ncols == n_embd && su.ncols == n_embd && sd.nrows == n_embd &&
+         sd.ncols == n_ff && n_ff % 32 == 0;
+}
+
+void launch_moe_shexp(const Packed& gate, const Packed& up, const Packed& down, const Packed& sg, const Packed& su,
+                      const Packed& sd, int n_expert, const float* x, const int32_t* ids, const float* weights, int k,
+                      float clamp, float* y, float* y_shexp, const MoeScratch& s, cudaStream_t stream,
+                      bool x_quantized) {
+  if (!moe_shexp_takes(gate, down, sg, su, sd, n_expert, 1)) throw std::invalid_argument("moe_shexp: shapes or types it does not take");
+  const int n_embd = (int)gate.ncols, n_ff = (int)(gate.nrows / n_expert);
+  if (!x_quantized) launch_quantize_x(x, 1, n_embd, s.xq_in, stream);
+  switch (gate.qtype) {
+    case QT_Q8_0: launch_gateup_shexp_as<QT_Q8_0, 0>(gate, up, sg, su, n_ff, n_expert, s.xq_in, ids, weights, k, clamp, s.h, stream); break;
+    case QT_Q4_K: launch_gateup_shexp_as<QT_Q4_K, 0>(gate, up, sg, su, n_ff, n_expert, s.xq_in, ids, weights, k, clamp, s.h, stream); break;
+    case QT_Q2_K: launch_gateup_shexp_as<QT_Q2_K, 0>(gate, up, sg, su, n_ff, n_expert, s.xq_in, ids, weights, k, clamp, s.h, stream); break;
+    case QT_IQ2_XXS: launch_gateup_shexp_as<QT_IQ2_XXS, 3>(gate, up, sg, su, n_ff, n_expert, s.xq_in, ids, weights, k, clamp, s.h, stream); break;
+    default: throw std::invalid_argument("moe: unsupported gate type " + std::to_string(gate.qtype));
+  }
+  launch_quantize_x(s.h, k + 1, n_ff, s.xq_h, stream);  // the k experts' h and the shared expert's
+  ShexpDown sh;
+  sh.w = sd;
+  sh.y = y_shexp;
+  switch (down.qtype) {
+    case QT_Q8_0: launch_down<QT_Q8_0>(down, n_embd, n_expert, s.xq_h, ids, 1, k, y, stream, sh); break;
+    case QT_Q4_K: launch_down<QT_Q4_K>(down, n_embd, n_expert, s.xq_h, ids, 1, k, y, stream, sh); break;
+    case QT_Q2_K: launch_down<QT_Q2_K>(down, n_embd, n_expert, s.xq_h, ids, 1, k, y, stream, sh); break;
+    case QT_IQ2_XXS: launch_down<QT_IQ2_XXS>(down, n_embd, n_expert, s.xq_h, ids, 1, k, y, stream, sh); break;
     default: throw std::invalid_argument("moe: unsupported down type " + std::to_string(down.qtype));
   }
 }

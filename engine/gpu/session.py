@@ -577,12 +577,15 @@ class Session(Timeline):
         logits = None if one_launch else W.mm(gate_inp, b)
         if self.K is not None and self.route_hook is None:
             forked = self._in_step and "ffn" in self._branches
+            # DS4_GPU_MOE_SHEXP: the shared expert inside the routed experts' two launches (no matvecs beside them)
+            with_shexp = fused.MOE_SHEXP and b.shape[0] == 1 and W.moe_shexp_takes(li, self._shexp(li))
             xq, xq_ready = 0, None
             if forked:  # the shared expert beside the router and the routed experts
                 with self.side.fork():
                     if fused.EARLY_XQ and W.moe_takes_xq(li, b.shape[0]):  # the routed x's planes beside the router
                         xq, xq_ready = W.quantize_x_into(b, self._xq_buf(b.shape[1])), self.side.mark()
-                    sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
+                    if not with_shexp:
+                        sh = W.swiglu_ffn(self._shexp(li), b, limit, self.K.swiglu)
             bias = C.blk(li, L.EXP_PROBS_B)
             hashed = cfg.is_hash_layer(li)
             route = (W.vec(bias) if (not hashed and self.model.has(bias)) else None,
@@ -593,6 +596,11 @@ class Session(Timeline):
             _, ids, w = one
             if xq_ready is not None:
                 self.side.wait(xq_ready)
+            if with_shexp:
+                out, sh = W.moe_shexp(li, b, ids, w, limit, self._shexp(li), xq=xq)
+                if forked:
+                    self.side.join()  # the branch held x's planes only (or nothing): the fork must rejoin
+                return out, sh
             out = W.moe(li, b, ids, w, limit, xq=xq)
             if forked:
                 self.side.join()

@@ -425,6 +425,27 @@ class Weights:
         self.ext.quantize_x_into(x.data_ptr(), x.shape[0], x.shape[1], buf.data_ptr())
         return buf.data_ptr()
 
+    def moe_shexp_takes(self, li: int, shexp: list[str]) -> bool:
+        """Whether moe_shexp(li, ...) runs layer li's routed experts with its shared expert `shexp` (gate, up, down)."""
+        names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
+        mats = [self.mat(n) for n in names + shexp]
+        return self.ext is not None and not any(isinstance(m, torch.Tensor) for m in mats) and \
+            bool(self.ext.moe_shexp_takes(mats[0], mats[2], *mats[3:]))
+
+    def moe_shexp(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
+                  shexp: list[str], xq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode, one token (DS4_GPU_MOE_SHEXP; where moe_shexp_takes): (the routed experts' sum, the shared expert's
+        output) from one gate/up launch and one down launch for both."""
+        names = [C.blk(li, t) for t in (L.FFN_GATE_EXPS, L.FFN_UP_EXPS, L.FFN_DOWN_EXPS)]
+        mats = [self.mat(n) for n in names + shexp]
+        self._sync_stream()
+        b = b.contiguous()
+        y, ys = torch.empty_like(b), torch.empty_like(b)
+        if not self.ext.moe_shexp(*mats, self._arr(b), self._arr(ids.to(torch.int32).contiguous()),
+                                  self._arr(wts.contiguous()), self._arr(y), self._arr(ys), float(limit), xq):
+            raise ValueError(f"moe_shexp does not take layer {li}'s experts (ask moe_shexp_takes first)")
+        return y, ys
+
     def moe(self, li: int, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
             xq: int = 0) -> torch.Tensor:
         """Routed experts; xq: the address of b already quantized by quantize_x_into (one token; moe_takes_xq)."""
