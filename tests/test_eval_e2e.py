@@ -129,7 +129,8 @@ def test_context_over_one_million_is_refused(eval_model):
     assert "exceeds 1000000 tokens" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("numba_cache", ["warm", "cold"])
+# cold (an empty numba cache: ~55 s of compiling on 2 cores) runs with make test-slow
+@pytest.mark.parametrize("numba_cache", ["warm", pytest.param("cold", marks=pytest.mark.slow)])
 def test_ctrl_c_prints_report_and_keeps_trace_valid(eval_model, tmp_path, numba_cache):
     """Cold: an empty numba cache, so Ctrl+C lands while the first case compiles the engine's kernels (a
     KeyboardInterrupt raised there was swallowed by llvmlite's ctypes callbacks and the run went on)."""

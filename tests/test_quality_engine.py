@@ -27,6 +27,7 @@ def tiny_q8(tiny_gguf, tmp_path_factory):
     return quantize_copy(tiny_gguf, tmp_path_factory.mktemp("q") / "tiny-q8_0.gguf", QuantType.Q8_0, keep=VOCAB_TENSORS)
 
 
+@pytest.mark.slow  # ~80-110 s on 2 cores: three quantized copies of a wide model, scored in turn
 def test_kld_ordering_f16_q8_q4_q2(tmp_path_factory):
     from ds4.engine.model import Model
     from ds4.quality.kld import KldAccumulator
