@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from . import gemm_rows
+
 E4M3 = getattr(torch, "float8_e4m3fn", None)  # torch >= 2.1; available() says False without it
 X_HI_SCALE = 2.0 ** 8
 X_LO_SCALE = 2.0 ** 19  # 2^8 for the row scale, 2^11 for the lo part's size
@@ -95,9 +97,15 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
         out.copy_(y)
         return out
     sa = torch.full((), 2.0 ** -19, dtype=torch.float32, device=a8.device)
-    kw = {} if out is None else {"out": out}
+    parts = gemm_rows.pieces(a8.shape[0])
+    if out is None and len(parts) > 1:
+        out = torch.empty((a8.shape[0], b8_rows.shape[0]), dtype=torch.float32, device=a8.device)
     # fast accumulation: the sum needs only ~2^-8 of its own size (it is ~2^-11 of the product)
-    return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
+    if out is None:
+        return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True)
+    for i, j in parts:  # row pieces of one size: no new GEMM plan per chunk length (gemm_rows.py)
+        torch._scaled_mm(a8[i:j], b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, out=out[i:j])
+    return out
 
 
 def product(xh: torch.Tensor, xl: torch.Tensor | None, wh: torch.Tensor, wl: torch.Tensor | None, acc_mm,

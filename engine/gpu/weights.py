@@ -17,7 +17,7 @@ import torch
 
 from ds4.gguf_tools import constants as C
 
-from . import fp8_split, moe_gemm, ops
+from . import fp8_split, gemm_rows, moe_gemm, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -693,11 +693,18 @@ _OUT_DTYPE = [True]  # torch.mm/bmm(..., out_dtype=float32) available (torch >= 
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result."""
+    """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result; on CUDA in
+    row pieces of gemm_rows.PIECE (gemm_rows.py says why)."""
     fn = torch.mm if a.dim() == 2 else torch.bmm
     if _OUT_DTYPE[0]:
         try:
-            return fn(a, b, out_dtype=torch.float32)
+            parts = gemm_rows.pieces(a.shape[-2]) if a.is_cuda else [(0, a.shape[-2])]
+            if len(parts) == 1:
+                return fn(a, b, out_dtype=torch.float32)
+            y = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=F32, device=a.device)
+            for i, j in parts:
+                fn(gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=gemm_rows.rows(y, i, j))
+            return y
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE[0] = False
     return fn(a.float(), b.float())  # an f16 result could overflow or round away the lo parts
@@ -707,12 +714,19 @@ _ACC_DTYPE = [True]  # torch.addmm/baddbmm(..., out_dtype=float32, out=y) availa
 
 
 def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it."""
+    """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it (in row pieces, as
+    mm_f32)."""
     if _ACC_DTYPE[0] and y.is_cuda:
         fn = torch.addmm if a.dim() == 2 else torch.baddbmm
+        done = 0
         try:
-            fn(y, a, b, out_dtype=torch.float32, out=y)
+            for i, j in gemm_rows.pieces(a.shape[-2]):
+                yp = gemm_rows.rows(y, i, j)
+                fn(yp, gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=yp)
+                done = j
             return
         except (TypeError, RuntimeError, NotImplementedError):
+            if done:  # some rows hold their sum already: a refusal only at a later piece is no missing feature
+                raise
             _ACC_DTYPE[0] = False
     y += mm_f32(a, b)
