@@ -280,6 +280,16 @@ def preset(name: str) -> Config:
 PRESETS = ("tiny", "small", "flash", "pro")
 
 
+def first_layers(cfg: Config, n_layer: int) -> Config:
+    """cfg cut to its first n_layer layers (their compress ratios, clamps and hash routing kept): a Flash-shaped model
+    that fits a smaller GPU, for speed work whose costs are per layer or per shape. Raises ConfigError past cfg's
+    layer count."""
+    if not 1 <= n_layer <= cfg.n_layer:
+        raise ConfigError(f"layers must be 1..{cfg.n_layer} for this shape, got {n_layer}")
+    return dataclasses.replace(cfg, n_layer=n_layer, n_hash_layers=min(cfg.n_hash_layers, n_layer),
+                               compress_ratios=cfg.compress_ratios[:n_layer], swiglu_clamp=cfg.swiglu_clamp[:n_layer])
+
+
 def yarn_low_high(cfg: Config) -> tuple[float, float]:
     """YaRN ramp bounds for the compressed-layer RoPE (model-spec §3.1)."""
 

@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ds4.engine.config import PRESETS, ConfigError, preset
+from ds4.engine.config import PRESETS, ConfigError, first_layers, preset
 from ds4.gguf_tools.constants import QuantType
 from ds4.gguf_tools.hf import HFCheckpoint, HFError
 from ds4.gguf_tools.importance import Importance, ImportanceError
@@ -239,6 +239,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from ds4.gguf_tools.synth import synth_checkpoint
 
     cfg = preset(args.preset)
+    if args.layers is not None:
+        try:
+            cfg = first_layers(cfg, args.layers)
+        except ConfigError as e:
+            raise UsageError(f"--layers: {e}") from None
     t0 = time.time()
     if args.gguf:
         return _synth_gguf(args, cfg, t0)
@@ -330,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="write a random checkpoint in the official Hugging Face layout")
     s.add_argument("--preset", required=True, choices=PRESETS, help="model shape")
     s.add_argument("--seed", type=int, default=0, help="random seed (output is deterministic given it)")
+    s.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="only the preset's first N layers (e.g. a 20-layer Flash that fits an 80 GB GPU, for speed "
+                        "work whose costs are per layer or per GEMM shape)")
     s.add_argument("--shard-mb", type=float, default=None, help="safetensors shard size in MiB")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("out_dir", nargs="?", help="output directory (replaced atomically if it is a checkpoint)")

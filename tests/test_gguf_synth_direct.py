@@ -58,3 +58,26 @@ def test_tiny_cannot_hold_iq2_xxs_rows(tmp_path):
     res = quantize_cli("synth", "--preset", "tiny", "--gguf", str(tmp_path / "t.gguf"), "--mix", "q2", check=False)
     assert res.returncode == 2 and "multiple of 256" in res.stderr
     assert not (tmp_path / "t.gguf").exists()
+
+
+def test_layers_writes_the_presets_first_layers_and_refuses_more(tmp_path):
+    """--layers N: the preset's first N layers (ratios, clamps, hash routing as the full shape has them), a GGUF the
+    engine loads and runs; more layers than the shape has is a usage error, not a file."""
+    from ds4.engine.model import Model
+    from ds4.engine.session import Session
+
+    full = preset("small")
+    out = tmp_path / "small-5.gguf"
+    quantize_cli("synth", "--preset", "small", "--layers", "5", "--gguf", str(out), "--mix", "q2", "--quiet")
+    f = open_model(out)
+    assert f.config.n_layer == 5
+    assert tuple(f.config.compress_ratios) == tuple(full.compress_ratios[:5])
+    assert f.config.n_hash_layers == full.n_hash_layers and f.config.n_embd == full.n_embd
+    assert not any(name.startswith("blk.5.") for name in f.tensors)
+    assert any(name.startswith("blk.4.") for name in f.tensors)
+    logits = Session(Model.load(out), ctx=256).sync([0, 100, 200, 300])
+    assert np.isfinite(logits).all()
+    bad = tmp_path / "small-99.gguf"
+    res = quantize_cli("synth", "--preset", "small", "--layers", "99", "--gguf", str(bad), "--quiet", check=False)
+    assert res.returncode == 2 and "--layers" in res.stderr and "1..8" in res.stderr
+    assert not bad.exists()

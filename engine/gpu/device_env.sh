@@ -14,15 +14,18 @@ fi
 $PY engine/gpu/device_site.py "$SITE"
 
 # start_synth: writes the synthetic Flash q2 GGUF to /dev/shm/flash-q2.gguf in the background (SYN: its pid; empty
-# when a warm machine kept the last call's file, marked complete by flash-q2.ok). Its log is $OUT/synth.log.
+# when a warm machine kept the last call's file, marked complete by flash-q2.ok, which holds its layer count). Its log
+# is $OUT/synth.log. FLASH_LAYERS=N: only Flash's first N layers (20 fit an 80 GB H100 with room for a 32k session).
 start_synth() {
   mount -o remount,size=120G /dev/shm 2>/dev/null
   SYN=
-  if [ -s /dev/shm/flash-q2.gguf ] && [ -f /dev/shm/flash-q2.ok ]; then
-    echo "reusing /dev/shm/flash-q2.gguf" > "$OUT/synth.log"
+  local want=${FLASH_LAYERS:-43}
+  if [ -s /dev/shm/flash-q2.gguf ] && [ "$(cat /dev/shm/flash-q2.ok 2>/dev/null)" = "$want" ]; then
+    echo "reusing /dev/shm/flash-q2.gguf ($want layers)" > "$OUT/synth.log"
   else
-    ( $PY -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --quiet \
-      > "$OUT/synth.log" 2>&1 && touch /dev/shm/flash-q2.ok ) &
+    rm -f /dev/shm/flash-q2.ok
+    ( $PY -m ds4.gguf_tools.quantize synth --preset flash --layers "$want" --gguf /dev/shm/flash-q2.gguf --mix q2 \
+      --quiet --overwrite > "$OUT/synth.log" 2>&1 && echo "$want" > /dev/shm/flash-q2.ok ) &
     SYN=$!
   fi
 }
