@@ -75,6 +75,7 @@ def test_products_in_pieces_write_every_row_with_the_whole_products_values(monke
     y = W.mm_f32(xh_d, wh_d)
     W.acc_mm(y, xl_d, wh_d)
     torch.cuda.synchronize()
+    assert gemm_rows.refused() is None, gemm_rows.refused()  # the pieces ran, not the whole-product fallback
     _close(y.cpu(), ref, mag, 2.0 ** -20)
     _close(y.cpu(), whole.double(), mag, 2.0 ** -20)
     # acc_mm into a poisoned output touches every row too
@@ -108,6 +109,7 @@ def test_float8_correction_in_pieces_fills_every_row(monkeypatch) -> None:
     out = torch.full((T, N), float("nan"), device=dev)
     fp8_split.correction(a8, b8, sigma, out=out)
     torch.cuda.synchronize()
+    assert gemm_rows.refused() is None, gemm_rows.refused()
     mag = xh.double().abs() @ wl.double().abs().T + xl.double().abs() @ wh.double().abs().T + 1e-30
     for y in (got.cpu(), out.cpu()):
         assert not torch.isnan(y).any(), "a row was never written"
@@ -138,5 +140,6 @@ def test_prefill_in_row_pieces_matches_the_cpu_engine(monkeypatch, tmp_path) -> 
     whole = GpuSession(m, ctx=1024, prefill_chunk=300).sync(toks)
     monkeypatch.setattr(gemm_rows, "PIECE", 128)
     pieced = GpuSession(m, ctx=1024, prefill_chunk=300).sync(toks)
+    assert gemm_rows.refused() is None, gemm_rows.refused()
     assert rel(whole) <= 1e-3 and rel(pieced) <= 1e-3
     assert float(np.abs(np.asarray(pieced) - np.asarray(whole)).max()) <= 1e-3 * float(np.abs(want).max())

@@ -30,10 +30,25 @@ def parse_piece(value: str) -> int:
 PIECE = parse_piece(os.environ.get("DS4_GPU_GEMM_PIECE", ""))
 
 
+_REFUSED: list[str] = []  # why torch refused a product into a row range of its output (then whole products)
+
+
+def refuse(e: BaseException) -> None:
+    """A product into a row range was refused: the process takes whole products from here (said once)."""
+    if not _REFUSED:
+        _REFUSED.append(str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+        print(f"ds4: GEMM row pieces refused ({_REFUSED[0]}); whole products from here", flush=True)
+
+
+def refused() -> str | None:
+    return _REFUSED[0] if _REFUSED else None
+
+
 def pieces(m: int, piece: int | None = None) -> list[tuple[int, int]]:
-    """[start, stop) row ranges covering m rows: whole pieces of `piece` rows, then the remainder."""
+    """[start, stop) row ranges covering m rows: whole pieces of `piece` rows, then the remainder (one range where
+    pieces are off or were refused)."""
     piece = PIECE if piece is None else piece
-    if piece <= 0 or m <= piece:
+    if piece <= 0 or m <= piece or _REFUSED:
         return [(0, m)]
     return [(i, min(i + piece, m)) for i in range(0, m, piece)]
 

@@ -697,14 +697,17 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     row pieces of gemm_rows.PIECE (gemm_rows.py says why)."""
     fn = torch.mm if a.dim() == 2 else torch.bmm
     if _OUT_DTYPE[0]:
+        parts = gemm_rows.pieces(a.shape[-2]) if a.is_cuda else []
+        if len(parts) > 1:
+            try:
+                y = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=F32, device=a.device)
+                for i, j in parts:
+                    fn(gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=gemm_rows.rows(y, i, j))
+                return y
+            except (TypeError, RuntimeError, NotImplementedError) as e:
+                gemm_rows.refuse(e)  # whole products from here
         try:
-            parts = gemm_rows.pieces(a.shape[-2]) if a.is_cuda else [(0, a.shape[-2])]
-            if len(parts) == 1:
-                return fn(a, b, out_dtype=torch.float32)
-            y = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=F32, device=a.device)
-            for i, j in parts:
-                fn(gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=gemm_rows.rows(y, i, j))
-            return y
+            return fn(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE[0] = False
     return fn(a.float(), b.float())  # an f16 result could overflow or round away the lo parts
@@ -718,15 +721,22 @@ def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     mm_f32)."""
     if _ACC_DTYPE[0] and y.is_cuda:
         fn = torch.addmm if a.dim() == 2 else torch.baddbmm
-        done = 0
+        parts = gemm_rows.pieces(a.shape[-2])
+        if len(parts) > 1:
+            done = 0
+            try:
+                for i, j in parts:
+                    yp = gemm_rows.rows(y, i, j)
+                    fn(yp, gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=yp)
+                    done = j
+                return
+            except (TypeError, RuntimeError, NotImplementedError) as e:
+                if done:  # rows [0, done) hold their sums already: a refusal at a later piece is no missing feature
+                    raise
+                gemm_rows.refuse(e)
         try:
-            for i, j in gemm_rows.pieces(a.shape[-2]):
-                yp = gemm_rows.rows(y, i, j)
-                fn(yp, gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=yp)
-                done = j
+            fn(y, a, b, out_dtype=torch.float32, out=y)
             return
         except (TypeError, RuntimeError, NotImplementedError):
-            if done:  # some rows hold their sum already: a refusal only at a later piece is no missing feature
-                raise
             _ACC_DTYPE[0] = False
     y += mm_f32(a, b)
