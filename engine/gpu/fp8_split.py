@@ -97,15 +97,19 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
         out.copy_(y)
         return out
     sa = torch.full((), 2.0 ** -19, dtype=torch.float32, device=a8.device)
+    kw = {} if out is None else {"out": out}
     parts = gemm_rows.pieces(a8.shape[0])
-    if out is None and len(parts) > 1:
-        out = torch.empty((a8.shape[0], b8_rows.shape[0]), dtype=torch.float32, device=a8.device)
+    if len(parts) > 1:  # row pieces of one size: no new GEMM plan per chunk length (gemm_rows.py)
+        y = torch.empty((a8.shape[0], b8_rows.shape[0]), dtype=torch.float32, device=a8.device) if out is None else out
+        try:
+            for i, j in parts:
+                torch._scaled_mm(a8[i:j], b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True,
+                                 out=y[i:j])
+            return y
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            gemm_rows.refuse(e)  # every row is written again below
     # fast accumulation: the sum needs only ~2^-8 of its own size (it is ~2^-11 of the product)
-    if out is None:
-        return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True)
-    for i, j in parts:  # row pieces of one size: no new GEMM plan per chunk length (gemm_rows.py)
-        torch._scaled_mm(a8[i:j], b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, out=out[i:j])
-    return out
+    return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
 
 
 def product(xh: torch.Tensor, xl: torch.Tensor | None, wh: torch.Tensor, wl: torch.Tensor | None, acc_mm,
