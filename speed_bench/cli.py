@@ -232,6 +232,7 @@ def cmd_run(argv: list[str]) -> int:
     rows = sweep(session, tokens, fronts, args.gen_tokens, eos_id(model), on_row=on_row,
                  throttle_step=power.step if throttle else None)
     bar.close()
+    meta.update(gpu_memory_meta(backend))
     run = BenchRun(meta=meta, rows=rows)
     report_floor(run)
     if args.csv:
@@ -260,6 +261,18 @@ def floor_meta(model, backend: str) -> dict[str, str]:
     return meta
 
 
+def gpu_memory_meta(backend: str) -> dict[str, str]:
+    """On the GPU, after the sweep (the session still open, sized for the whole context): the device's memory in use by
+    every process (total - free) and torch's peak allocation, in GiB."""
+    if backend != "cuda":
+        return {}
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_mem_used_gib": f"{(total - free) / 2**30:.2f}",
+            "torch_peak_gib": f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"}
+
+
 def report_floor(run: BenchRun) -> None:
     """On stderr: each frontier's generation speed as a fraction of the bandwidth floor (when known)."""
     floor = run.meta.get("floor_ms")
@@ -271,6 +284,9 @@ def report_floor(run: BenchRun) -> None:
     for row in run.rows:
         print(f"  ctx {row.ctx_tokens}: gen {row.gen_tps:.1f} t/s = {row.gen_tps * floor_ms / 1e3:.2f} of the floor",
               file=sys.stderr)
+    if "gpu_mem_used_gib" in run.meta:
+        print(f"GPU memory in use after the sweep: {run.meta['gpu_mem_used_gib']} GiB (torch peak "
+              f"{run.meta['torch_peak_gib']} GiB)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

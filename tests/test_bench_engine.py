@@ -69,6 +69,7 @@ def test_sweep_header_has_weight_bytes_per_token(tiny_gguf, tmp_path):
             expect += int(t.n_bytes)
     assert int(read_csv(out).meta["weight_bytes_per_token"]) == int(expect)
     assert "floor_ms" not in read_csv(out).meta  # no bandwidth is measured on the CPU backend
+    assert "gpu_mem_used_gib" not in read_csv(out).meta
 
 
 def test_bench_user_errors(tiny_gguf, tmp_path):
