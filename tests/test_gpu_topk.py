@@ -196,3 +196,70 @@ def test_topk_rows_in_cuda_graph(K):
         torch.cuda.synchronize()
         assert torch.equal(sel, K.topk(keys, k, pos, 4)), p
         assert np.array_equal(sel.cpu().numpy(), topk_rows_model(keys_np, k, p, 4)), p
+
+
+@pytest.fixture
+def rank_form(K):
+    from ds4.engine import gpu
+
+    ext = gpu.load()
+    ext.set_topk_rank(1)
+    assert ext.topk_rank_on()
+    yield ext
+    ext.set_topk_rank(-1)
+
+
+# n <= 1024: a thread per key; 1025 and 8200: the radix select takes over; prefill's float32 rows too
+@pytest.mark.parametrize("n", [1, 33, 530, 1024, 1025, 8200])
+def test_rank_form_selects_what_the_radix_select_does(K, rank_form, n):
+    """DS4_GPU_TOPK_RANK=1: the same rows in the same order as the radix model (and sorting) for every key set:
+    ties to the lowest indices, NaN lowest, -0.0 equal to +0.0, infinities."""
+    for name, keys in topk_key_sets(np.random.default_rng(n + 11), n).items():
+        for k in sorted({1, min(512, n), n}):
+            got = K.topk(torch.from_numpy(keys).to(DEV), k).cpu().numpy()
+            assert np.array_equal(got, topk_rows_model(keys, k)), (name, k)
+            assert np.array_equal(got, topk_rows_reference(keys, k)), (name, k)
+
+
+@pytest.mark.parametrize("n,p", [(530, 2111), (8210, 2111), (8210, 2399), (2064, 4111)])
+def test_rank_form_with_a_position_in_a_graph(K, rank_form, n, p):
+    """Decode's form: keys sized for the capacity, (pos + 1) // 4 of them visible (the rank form where they fit one per
+    thread of the launch, the radix select past that), replayed in a CUDA graph; larger values and NaN past the visible
+    rows are never picked."""
+    rng = np.random.default_rng(n + p)
+    keys = torch.full((n,), -math.inf, dtype=torch.float64, device=DEV)
+    pos = torch.tensor([p], device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        K.topk(keys, 512, pos, 4)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sel = K.topk(keys, 512, pos, 4)
+    for case in range(3):
+        n_vis = min(n, (p + 1) // 4)
+        keys_np = np.maximum(rng.standard_normal(n), 0.0) if case else rng.integers(0, 9, n).astype(np.float64)
+        keys_np[n_vis:] = 1e300
+        keys_np[n_vis + 1:n_vis + 3] = np.nan
+        keys.copy_(torch.from_numpy(keys_np))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = topk_rows_reference(keys_np[:n_vis], 512)
+        assert np.array_equal(sel.cpu().numpy(), want), case
+
+
+def test_rank_form_on_prefill_rows_of_float32_scores(K, rank_form):
+    """Prefill's float32 rows (one block per query, a row stride past n): the rank form's rows equal the radix's."""
+    rng = np.random.default_rng(3)
+    rows, n, ld, k = 5, 700, 720, 512
+    full = torch.from_numpy(rng.standard_normal((rows, ld)).astype(np.float32)).to(DEV)
+    full[:, :50] = full[:, 50:100]  # ties
+    scores = full[:, :n]  # a row stride past n
+    got = K.topk_rows(scores, k)
+    rank_form.set_topk_rank(0)
+    want = K.topk_rows(scores, k)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    for r in range(rows):
+        assert np.array_equal(got[r].cpu().numpy(), topk_rows_reference(scores[r].double().cpu().numpy(), k))
