@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 
 # each switch and its value other than the default
 SWITCHES = {"DS4_GPU_ARGMAX": "0", "DS4_GPU_EARLY_XQ": "0", "DS4_GPU_COMPRESS_REGS": "0", "DS4_GPU_EARLY_IDX_PROJ": "1",
-            "DS4_GPU_MV_TMA": "1", "DS4_GPU_TOPK_RANK": "1"}
+            "DS4_GPU_MV_TMA": "1"}
 # DS4_GPU_MV_TMA's default is 2 (small launches only): flipped to 1 every Q8_0 launch takes the bulk-copy kernel
 
 

@@ -65,10 +65,6 @@ void bind_fused_ops(py::module_& m) {
      py::arg("X"), py::arg("Wf"), py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"),
      py::arg("n"), py::arg("D"), py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"),
      py::arg("out"), py::arg("post"), py::arg("comb"), py::arg("parts") = 0);
-  m.def("set_topk_rank", &set_topk_rank, py::arg("mode"),
-        "Top-k rows of at most one key per thread by ranks (1), the radix select always (0) or as $DS4_GPU_TOPK_RANK "
-        "says (-1); the same selection and order");
-  m.def("topk_rank_on", &topk_rank_on, "whether top-k launches take the rank form where it fits");
   m.def("set_hc_cluster", &set_hc_cluster, py::arg("mode"),
         "Decode's one-launch mHC pre as one thread block cluster of 16 CTAs per token (1), the arrival-count kernel (0) "
         "or as $DS4_GPU_HC_CLUSTER says (-1); the same values to float rounding, not the same bits");

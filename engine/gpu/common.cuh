@@ -483,10 +483,6 @@ void launch_index_keys_v2(const float* q, const float* w, const float* idx, int 
 // topk.cu: sel[0..k) = indices of the k largest keys in ascending order (ties: lowest index; NaN smallest), one
 // block. pos != null and (*pos + 1) / ratio <= k: sel = 0..k-1 (all visible rows; the attention masks the rest).
 void launch_topk_rows(const double* keys, int n, int k, const int64_t* pos, int ratio, int64_t* sel, cudaStream_t s);
-// $DS4_GPU_TOPK_RANK (v38, default 0): top-k of at most one key per thread by ranks (topk.cu); set_topk_rank overrides
-// it (0, 1; -1 the environment). Read at launch: a captured graph keeps the form it was captured with.
-void set_topk_rank(int mode);
-bool topk_rank_on();
 // The same for `rows` rows of float keys (row b at keys + b * ld, pos + b, sel + b * k), one block each: the
 // prefill indexer's top-k per query.
 void launch_topk_rows_f32(const float* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio,

@@ -98,37 +98,10 @@ __device__ __forceinline__ void or_and_add(unsigned* o, unsigned* a, uint64_t ov
 // REG > 0: n <= REG * blockDim.x, keys read once into registers. REG == 0: keys re-read from global
 // memory each pass (striped for coalescing; the compaction reads them blocked).
 // One block per row: row b reads keys + b * ld, pos + b (when pos is set) and writes sel + b * k.
-// Rank form ($DS4_GPU_TOPK_RANK=1, v38): with at most one key per thread, thread i counts the keys ahead of its own in
-// the order (larger code, or an equal code at a lower index) from a shared-memory copy of the codes and keeps its
-// row if fewer than k are; one block-wide scan places the kept rows in ascending index order. The same selection and
-// order as the radix select (the k largest, ties to the lowest indices, NaN lowest), with two barriers where the
-// radix passes take two each: for the ~530 visible rows of a 2k decode step the radix select ran 8.6 us (bench_topk).
-constexpr int TOPK_RANK_MAX = TOPK_THREADS;
-
-template <typename Key>
-__device__ __forceinline__ void topk_rank_block(const Key* keys, int n, int k, int64_t* sel, uint64_t* s_code,
-                                                uint64_t* warp_tot) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < n; i += blockDim.x) s_code[i] = order_code(keys[i]);
-  __syncthreads();
-  bool take = false;
-  if (tid < n) {
-    const uint64_t c = s_code[tid];
-    int ahead = 0;
-#pragma unroll 4
-    for (int j = 0; j < tid; ++j) ahead += s_code[j] >= c;  // lower indices: equal codes are ahead too
-#pragma unroll 4
-    for (int j = tid + 1; j < n; ++j) ahead += s_code[j] > c;
-    take = ahead < k;
-  }
-  const uint64_t before = block_exclusive_scan(take ? 1u : 0u, warp_tot);
-  if (take) sel[before] = tid;
-}
-
 template <int REG, typename Key>
 __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys, int n, int64_t ld, int k,
                                                                  const int64_t* pos, int ratio, int64_t* sel,
-                                                                 bool pre, bool rank) {
+                                                                 bool pre) {
   keys += (int64_t)blockIdx.x * ld;
   sel += (int64_t)blockIdx.x * k;
   if (pos) pos += blockIdx.x;
@@ -142,7 +115,6 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
   __shared__ uint64_t warp_tot[32];
   __shared__ uint64_t sh_prefix;
   __shared__ int sh_gt, sh_eq;
-  __shared__ uint64_t s_code[TOPK_RANK_MAX];  // the rank form's codes
   const int tid = threadIdx.x;
   if (pos) {
     const int64_t n_vis = ((pre ? p_early : *pos) + 1) / ratio;
@@ -154,10 +126,6 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
     // whole context selects among the visible rows only, so its cost follows the position, not the capacity (v34:
     // ds4-bench's 32k session decoding at 2k ran 8208 keys where 512 are visible).
     n = (int)min((int64_t)n, n_vis);
-  }
-  if (rank && n <= (int)blockDim.x) {  // block-uniform
-    topk_rank_block(keys, n, k, sel, s_code, warp_tot);
-    return;
   }
   // blocked ownership: thread t has rows [begin, end)
   const int chunk = REG ? REG : (n + (int)blockDim.x - 1) / (int)blockDim.x;
@@ -272,19 +240,6 @@ __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_kernel(const Key* keys
 
 }  // namespace
 
-static int& topk_rank_override() {
-  static int v = -1;
-  return v;
-}
-void set_topk_rank(int mode) { topk_rank_override() = mode == 0 || mode == 1 ? mode : -1; }
-bool topk_rank_on() {
-  static const bool env = [] {
-    const char* e = std::getenv("DS4_GPU_TOPK_RANK");
-    return e && e[0] == '1';
-  }();
-  return topk_rank_override() >= 0 ? topk_rank_override() == 1 : env;
-}
-
 namespace {
 template <typename Key>
 void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int64_t* pos, int ratio, int64_t* sel,
@@ -298,20 +253,19 @@ void launch_rows(const Key* keys, int n, int64_t ld, int rows, int k, const int6
     const char* e = std::getenv("DS4_GPU_TOPK_FULL");
     return e && e[0] == '1';
   }();
-  const bool rank = topk_rank_on();
-  auto threads_for = [n, rank](int reg) {
-    const int t = rank && n <= TOPK_RANK_MAX ? n : (n + reg - 1) / reg;  // the rank form: a thread per key
+  auto threads_for = [n](int reg) {
+    const int t = (n + reg - 1) / reg;
     return full ? TOPK_THREADS : std::max(TOPK_MIN_THREADS, std::min(TOPK_THREADS, (t + 31) / 32 * 32));
   };
   if (n <= TOPK_REG_ITEMS * TOPK_THREADS)
     launch_k(topk_rows_kernel<TOPK_REG_ITEMS, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS)), 0, s, keys, n, ld, k,
-             pos, ratio, sel, prewait_mode() >= 2, rank);
+             pos, ratio, sel, prewait_mode() >= 2);
   else if (n <= TOPK_REG_ITEMS_WIDE * TOPK_THREADS)
     launch_k(topk_rows_kernel<TOPK_REG_ITEMS_WIDE, Key>, dim3(rows), dim3(threads_for(TOPK_REG_ITEMS_WIDE)), 0, s, keys,
-             n, ld, k, pos, ratio, sel, prewait_mode() >= 2, rank);
+             n, ld, k, pos, ratio, sel, prewait_mode() >= 2);
   else
     launch_k(topk_rows_kernel<0, Key>, dim3(rows), dim3(TOPK_THREADS), 0, s, keys, n, ld, k, pos, ratio, sel,
-             prewait_mode() >= 2, rank);
+             prewait_mode() >= 2);
   DS4_CHECK_LAUNCH("topk_rows");
 }
 }  // namespace
