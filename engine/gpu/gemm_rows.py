@@ -7,8 +7,10 @@ server meets one per prompt. Cut into pieces of PIECE rows plus a remainder, eve
 PIECE runs only row counts already planned; a piece re-reads the weight (~16 us for q_b's 64 MB at copy speed).
 Each output row is still one GEMM's dot products over the same operands, so the pieces give the whole product's
 values to the GEMM's own rounding (cuBLAS may pick another kernel for another row count, so not always its bits).
-PIECE 0: one GEMM per product (the v37 form). Default 2048 (v38: ds4-bench's 2048 -> 8192 interval on a 20-layer Flash q2,
-one H100, fresh processes in turn: 9892 / 9902 / 9961 t/s with pieces against 9826 / 9672 without).
+PIECE 0 (the default): one GEMM per product. v38 measured both ways: on a 20-layer Flash q2 on one H100 the pieces won
+ds4-bench's 2048 -> 8192 interval (9892 / 9902 / 9961 t/s against 9826 / 9672), but on the H200 with all 43 layers they
+lost it and the 32k row (4757 / 4754 against 4812 t/s at 8192, 4679 / 4681 against 4757 at 32768): the weight re-reads
+and smaller GEMMs cost more than the first-call plans they save. Kept as a switch for cards and models where it wins.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 def parse_piece(value: str) -> int:
     try:
-        piece = int(value.strip() or "2048")
+        piece = int(value.strip() or "0")
     except ValueError:
         raise ValueError(f"DS4_GPU_GEMM_PIECE={value!r}: expected a row count (0: off)") from None
     if piece < 0:
@@ -28,7 +30,7 @@ def parse_piece(value: str) -> int:
     return piece
 
 
-PIECE = parse_piece(os.environ.get("DS4_GPU_GEMM_PIECE", "2048"))
+PIECE = parse_piece(os.environ.get("DS4_GPU_GEMM_PIECE", "0"))
 
 
 _REFUSED: list[str] = []  # why torch refused a product into a row range of its output (then whole products)
