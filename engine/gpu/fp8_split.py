@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm_rows
-
 E4M3 = getattr(torch, "float8_e4m3fn", None)  # torch >= 2.1; available() says False without it
 X_HI_SCALE = 2.0 ** 8
 X_LO_SCALE = 2.0 ** 19  # 2^8 for the row scale, 2^11 for the lo part's size
@@ -98,16 +96,6 @@ def correction(a8: torch.Tensor, b8_rows: torch.Tensor, sigma: torch.Tensor, out
         return out
     sa = torch.full((), 2.0 ** -19, dtype=torch.float32, device=a8.device)
     kw = {} if out is None else {"out": out}
-    parts = gemm_rows.pieces(a8.shape[0])
-    if len(parts) > 1:  # row pieces of one size: no new GEMM plan per chunk length (gemm_rows.py)
-        y = torch.empty((a8.shape[0], b8_rows.shape[0]), dtype=torch.float32, device=a8.device) if out is None else out
-        try:
-            for i, j in parts:
-                torch._scaled_mm(a8[i:j], b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True,
-                                 out=y[i:j])
-            return y
-        except (RuntimeError, TypeError, NotImplementedError) as e:
-            gemm_rows.refuse(e)  # every row is written again below
     # fast accumulation: the sum needs only ~2^-8 of its own size (it is ~2^-11 of the product)
     return torch._scaled_mm(a8, b8_rows.T, sa, inv, out_dtype=torch.float32, use_fast_accum=True, **kw)
 

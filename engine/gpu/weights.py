@@ -17,7 +17,7 @@ import torch
 
 from ds4.gguf_tools import constants as C
 
-from . import fp8_split, gemm_rows, moe_gemm, ops
+from . import fp8_split, moe_gemm, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -693,19 +693,9 @@ _OUT_DTYPE = [True]  # torch.mm/bmm(..., out_dtype=float32) available (torch >= 
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result; on CUDA in
-    row pieces of gemm_rows.PIECE (gemm_rows.py says why)."""
+    """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result."""
     fn = torch.mm if a.dim() == 2 else torch.bmm
     if _OUT_DTYPE[0]:
-        parts = gemm_rows.pieces(a.shape[-2]) if a.is_cuda else []
-        if len(parts) > 1:
-            try:
-                y = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=F32, device=a.device)
-                for i, j in parts:
-                    fn(gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=gemm_rows.rows(y, i, j))
-                return y
-            except (TypeError, RuntimeError, NotImplementedError) as e:
-                gemm_rows.refuse(e)  # whole products from here
         try:
             return fn(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
@@ -717,23 +707,9 @@ _ACC_DTYPE = [True]  # torch.addmm/baddbmm(..., out_dtype=float32, out=y) availa
 
 
 def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it (in row pieces, as
-    mm_f32)."""
+    """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it."""
     if _ACC_DTYPE[0] and y.is_cuda:
         fn = torch.addmm if a.dim() == 2 else torch.baddbmm
-        parts = gemm_rows.pieces(a.shape[-2])
-        if len(parts) > 1:
-            done = 0
-            try:
-                for i, j in parts:
-                    yp = gemm_rows.rows(y, i, j)
-                    fn(yp, gemm_rows.rows(a, i, j), b, out_dtype=torch.float32, out=yp)
-                    done = j
-                return
-            except (TypeError, RuntimeError, NotImplementedError) as e:
-                if done:  # rows [0, done) hold their sums already: a refusal at a later piece is no missing feature
-                    raise
-                gemm_rows.refuse(e)
         try:
             fn(y, a, b, out_dtype=torch.float32, out=y)
             return
