@@ -4,11 +4,12 @@ For the prefill's dense product shapes, times one synchronized call of torch.mm 
 output and _scaled_mm (e4m3) at a sequence of row counts, repeats included, and prints ms per shape. Run it with
 CUDA_MODULE_LOADING=EAGER too: it is the per-M cost that stays, not the module loading.
 
-    python -m ds4.engine.gpu.bench_gemm_first
+    python -m ds4.engine.gpu.bench_gemm_first [--blas cublas|cublaslt]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -29,11 +30,18 @@ def one_call(kind: str, x: torch.Tensor, w: torch.Tensor) -> None:
                          out_dtype=torch.float32)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                    help="torch.backends.cuda.preferred_blas_library for mm / addmm (_scaled_mm is cuBLASLt always)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm_first: no CUDA device")
         return 1
     dev = torch.device("cuda")
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    print(f"blas library: {torch.backends.cuda.preferred_blas_library()}")
     weights = [torch.randn(n, k, device=dev, dtype=torch.float16) for k, n in SHAPES]
     print("shapes (K, N): " + " ".join(f"{k}x{n}" for k, n in SHAPES))
     for kind in ("mm", "addmm", "fp8"):
