@@ -743,4 +743,5 @@ PYBIND11_MODULE(_ext, m) {
     return py::make_tuple(a, b);
   });
   bind_prefill_products(m);
+  bind_lt_gemm(m);
 }

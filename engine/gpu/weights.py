@@ -17,7 +17,7 @@ import torch
 
 from ds4.gguf_tools import constants as C
 
-from . import fp8_split, moe_gemm, ops
+from . import fp8_split, lt_gemm, moe_gemm, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -694,6 +694,10 @@ _OUT_DTYPE = [True]  # torch.mm/bmm(..., out_dtype=float32) available (torch >= 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result."""
+    if a.is_cuda:
+        y = lt_gemm.mm_f32(a, b)  # one cuBLASLt algorithm per shape class: no heuristic at a new row count
+        if y is not None:
+            return y
     fn = torch.mm if a.dim() == 2 else torch.bmm
     if _OUT_DTYPE[0]:
         try:
@@ -708,6 +712,8 @@ _ACC_DTYPE = [True]  # torch.addmm/baddbmm(..., out_dtype=float32, out=y) availa
 
 def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it."""
+    if y.is_cuda and lt_gemm.acc_mm(y, a, b):
+        return
     if _ACC_DTYPE[0] and y.is_cuda:
         fn = torch.addmm if a.dim() == 2 else torch.baddbmm
         try:
