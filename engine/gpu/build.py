@@ -57,12 +57,13 @@ def gencode_flags(arch: str) -> list[str]:
 
 
 def find_cublaslt_include(cuda: Path) -> Path | None:
-    """The folder of cublasLt.h: $DS4_CUBLASLT_INCLUDE, the toolkit's include, or a pip nvidia-cublas package on
-    sys.path (torch's own copy). None: lt_gemm.cpp builds without cuBLASLt (ext.lt_compiled() is False)."""
+    """The folder of cublasLt.h: $DS4_CUBLASLT_INCLUDE, a pip nvidia-cublas package on sys.path (the headers of the
+    library torch loads), else the toolkit's include. None: lt_gemm.cpp builds without cuBLASLt (ext.lt_compiled() is
+    False). At run time lt_init takes only a library of the header's major version."""
     env = os.environ.get("DS4_CUBLASLT_INCLUDE")
     cands = [Path(env)] if env else []
-    cands += [cuda / "include", cuda / "targets" / "x86_64-linux" / "include"]
     cands += [Path(p) / "nvidia" / "cublas" / "include" for p in sys.path if p]
+    cands += [cuda / "include", cuda / "targets" / "x86_64-linux" / "include"]
     return next((c for c in cands if (c / "cublasLt.h").exists()), None)
 
 

@@ -86,6 +86,12 @@ bool lt_init(const std::string& path) {
   if (!lib && !path.empty()) lib = dlopen((used = path).c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) lib = dlopen((used = soname).c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) return false;
+  // the enums and structs come from the header: a library of another major version is not used
+  auto version = reinterpret_cast<decltype(&cublasLtGetVersion)>(dlsym(lib, "cublasLtGetVersion"));
+  if (!version || (int)(version() / 10000) != CUBLAS_VER_MAJOR) {
+    dlclose(lib);
+    return false;
+  }
   g_lt.lib = lib;
   g_lt.path = used;
   lt_sym(g_lt.create, "cublasLtCreate");
