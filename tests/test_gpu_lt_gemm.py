@@ -111,3 +111,23 @@ def test_layouts_it_does_not_take(lt):
     assert lt.mm_f32(x.float(), w_rows.T.float()) is None  # float32 operands: torch's call
     y = torch.zeros(64, 32, device="cuda", dtype=torch.float16)
     assert not lt.acc_mm(y, x, w_rows.T)  # a float16 y
+
+
+def test_the_session_prefill_runs_on_it(lt, tmp_path):
+    """A prefill on `small` q2 sends its dense products here (none refused), and matches the CPU engine as before."""
+    import numpy as np
+    from conftest import quantize_cli
+
+    from ds4.engine.gpu import session as gpu_session
+    from ds4.engine.model import Model
+    from ds4.engine.session import Session as CpuSession
+
+    quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "small.gguf"), "--mix", "q2", "--quiet")
+    m = Model.load(tmp_path / "small.gguf").with_numerics(fp8_kv=False, indexer_qat=False)  # the 1e-3 case
+    toks = np.random.default_rng(3).integers(2, m.config.vocab_size, 200).tolist()
+    before = lt.stats()
+    got = gpu_session.Session(m, ctx=512, prefill_chunk=128).prefill(toks)
+    assert lt.stats()["calls"] > before["calls"]
+    assert not lt._STATE.get("refused")
+    want = CpuSession(m, ctx=512, prefill_chunk=128).prefill(toks)
+    assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 1e-3 * np.linalg.norm(want)

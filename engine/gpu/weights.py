@@ -81,6 +81,11 @@ OB_SLICES = 2 if os.environ.get("DS4_GPU_OB_SLICES", "2") == "2" else 0
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
 SPLIT_MEMO = int(os.environ.get("DS4_GPU_SPLIT_MEMO", "3"))  # to_half's splits kept for reuse (0: none, the v14 form)
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
+# DS4_GPU_WCACHE=1 (v39, opt-in): the dense weights' prefill operands (_operands: float16 hi and the float8 corrections'
+# operand, ~4 bytes per weight) kept across chunks instead of dequantized again for each chunk, while at least
+# DS4_GPU_WCACHE_FREE GiB of the device stay free (Flash q2: ~23 GB for every layer)
+WCACHE = os.environ.get("DS4_GPU_WCACHE", "0") == "1"
+WCACHE_FREE = float(os.environ.get("DS4_GPU_WCACHE_FREE", "16")) * (1 << 30)
 
 
 def default_device() -> torch.device:
@@ -132,6 +137,7 @@ class Weights:
         self._splits: list[tuple[tuple, torch.Tensor, tuple]] = []
         self.split_hits = 0
         self._fp8_scales: dict[int, torch.Tensor] = {}  # DS4_GPU_PREFILL_GEMM=fp8: each weight's scale (fp8_split)
+        self._wcache: dict[tuple[int, int], tuple] = {}  # DS4_GPU_WCACHE: _operands' results per (weight, groups)
 
     # ---- storage ---------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor:
@@ -549,6 +555,29 @@ class Weights:
         return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
 
     def _operands(self, w, groups: int = 1):
+        """_dense_operands(w, groups), kept across prefill chunks with DS4_GPU_WCACHE=1 while the device has room. Not
+        kept before the weight's float8 scale is known (its first product), when the result still lacks the float8
+        operand that later chunks get."""
+        key = (id(w), groups)
+        if WCACHE and key in self._wcache:
+            return self._wcache[key]
+        res = self._dense_operands(w, groups)
+        if WCACHE and (id(w) in self._fp8_scales or not self._takes_fp8_size(w)):
+            nbytes = sum(t.numel() * t.element_size() for t in res if isinstance(t, torch.Tensor))
+            if torch.cuda.mem_get_info(self.device)[0] - nbytes >= WCACHE_FREE:
+                self._wcache[key] = res
+        return res
+
+    @staticmethod
+    def _takes_fp8_size(w) -> bool:
+        return FP8_GEMM and w.qtype != 1 and w.nrows * w.ncols >= FP8_MIN
+
+    def wcache_bytes(self) -> int:
+        """Device bytes of the kept prefill operands (DS4_GPU_WCACHE)."""
+        return sum(t.numel() * t.element_size() for res in self._wcache.values() for t in res
+                   if isinstance(t, torch.Tensor))
+
+    def _dense_operands(self, w, groups: int = 1):
         """(hi, lo, scale, b8): half(w)'s split and b8 None; or with DS4_GPU_DEQUANT_FP8=1, where the product takes the
         float8 path and the weight's float8 scale is known (kept from its first product), hi and the corrections'
         float8 operand written by the dequant itself: lo None, b8 [rows, 2 cols] e4m3 (fp8_split.pack_w's bytes), or
