@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 def lt():
     from ds4.engine.gpu import lt_gemm
 
+    lt_gemm.ENABLED = True  # opt-in in the engine (DS4_GPU_LT_GEMM=1): the tests run it either way
     if not lt_gemm.available():
         pytest.skip("the extension was built without cuBLASLt's header, or the library is missing")
     return lt_gemm

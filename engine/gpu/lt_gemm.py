@@ -3,7 +3,7 @@
 torch's mm / addmm / _scaled_mm ask cuBLASLt's heuristic at every call, and its cache is keyed by the exact shape: a row
 count the process has not run costs ~3-4.5 ms of host time per product shape while the device waits (v37 item 1). Here
 the heuristic runs once per class (shape without the row count, from 1024 rows) and its algorithm serves every row
-count. DS4_GPU_LT_GEMM=0 keeps torch's calls. Each function returns None where it does not take the operands (no
+count. DS4_GPU_LT_GEMM=1 turns it on (v39: prepared, off until measured on the H200); 0 keeps torch's calls. Each function returns None where it does not take the operands (no
 cuBLASLt, another layout or dtype); the caller then runs torch's call.
 
 Layouts (row-major torch views; batched forms add a leading batch dimension with any batch stride):
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("DS4_GPU_LT_GEMM", "1") != "0"
+ENABLED = os.environ.get("DS4_GPU_LT_GEMM", "0") == "1"
 _STATE: dict = {}  # "ext": the loaded module with cuBLASLt, or None once found unavailable
 
 
