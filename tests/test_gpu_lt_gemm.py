@@ -18,12 +18,20 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def lt():
+    """lt_gemm switched on for this module (the engine's default is DS4_GPU_LT_GEMM's), as it was afterwards."""
     from ds4.engine.gpu import lt_gemm
 
-    lt_gemm.ENABLED = True  # opt-in in the engine (DS4_GPU_LT_GEMM=1): the tests run it either way
-    if not lt_gemm.available():
-        pytest.skip("the extension was built without cuBLASLt's header, or the library is missing")
-    return lt_gemm
+    saved = lt_gemm.ENABLED, dict(lt_gemm._STATE)
+    lt_gemm.ENABLED = True
+    lt_gemm._STATE.clear()
+    try:
+        if not lt_gemm.available():
+            pytest.skip("the extension was built without cuBLASLt's header, or the library is missing")
+        yield lt_gemm
+    finally:
+        lt_gemm.ENABLED = saved[0]
+        lt_gemm._STATE.clear()
+        lt_gemm._STATE.update(saved[1])
 
 
 def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
