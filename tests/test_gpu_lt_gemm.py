@@ -90,9 +90,14 @@ def test_scaled_mm_against_float64(lt):
     assert y is out
     ref = (a8.double() @ w8.double().T) * 2.0 ** -7 * 0.25
     mag = (a8.double().abs() @ w8.double().abs().T) * 2.0 ** -7 * 0.25
-    assert ((y.double() - ref).abs() <= mag * 2.0 ** -20 + 1e-30).all()
+    # Hopper's float8 tensor cores keep ~14 bits of the running sum between cuBLAS's float32 promotions (as
+    # test_gpu_fp8_split notes), so the bar is 2^-13 of sum |a| |w|, not float32's
+    assert ((y.double() - ref).abs() <= mag * 2.0 ** -13 + 1e-30).all()
     torch_y = torch._scaled_mm(a8, w8.T, sa, sw, out_dtype=torch.float32)
-    assert ((y.double() - torch_y.double()).abs() <= mag * 2.0 ** -19 + 1e-30).all()
+    assert ((y.double() - torch_y.double()).abs() <= mag * 2.0 ** -12 + 1e-30).all()
+    # and the errors are the tensor cores', not a lost term: the worst is far below one product's share
+    worst = float(((y.double() - ref).abs() / mag).max())
+    print(f"e4m3 worst error {worst:.2e} of sum |a||w|")
 
 
 def test_new_row_counts_reuse_the_class_algorithm(lt):
