@@ -145,3 +145,29 @@ def test_the_session_prefill_runs_on_it(lt, tmp_path):
     assert not lt._STATE.get("refused")
     want = CpuSession(m, ctx=512, prefill_chunk=128).prefill(toks)
     assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 1e-3 * np.linalg.norm(want)
+
+
+def test_timed_candidates_leave_y_to_the_one_real_product(lt):
+    """A class's first call times several of the heuristic's algorithms into a scratch output: an accumulating call
+    still adds x . w to y exactly once, and the timed pick serves later row counts."""
+    ext = lt._ext()
+    ext.lt_set_tune(6)
+    try:
+        K, N = 1280, 640  # a class no other test uses
+        w_rows = f16(N, K)
+        before = lt.stats()
+        for M in (3000, 1024):
+            x = f16(M, K)
+            y0 = torch.randn(M, N, device="cuda")
+            y = y0.clone()
+            assert lt.acc_mm(y, x, w_rows.T)
+            ref = y0.double() + x.double() @ w_rows.double().T
+            assert ((y.double() - ref).abs() <= bound(x, w_rows.T) + y0.double().abs() * 2.0 ** -23).all()
+        after = lt.stats()
+        assert after["heuristics"] - before["heuristics"] == 1
+        # cuBLASLt offers several algorithms for a float16 product of this size: more than one was timed
+        assert after["timed"] - before["timed"] >= 2
+    finally:
+        ext.lt_set_tune(lt.TUNE)
+    with pytest.raises(ValueError):
+        ext.lt_set_tune(0)

@@ -17,6 +17,8 @@ import os
 import torch
 
 ENABLED = os.environ.get("DS4_GPU_LT_GEMM", "0") == "1"
+# heuristic candidates timed on each class's first call (lt_gemm.cpp lt_fastest); 1 takes the heuristic's first pick
+TUNE = int(os.environ.get("DS4_GPU_LT_TUNE", "4") or 4)
 _STATE: dict = {}  # "ext": the loaded module with cuBLASLt, or None once found unavailable
 
 
@@ -28,6 +30,7 @@ def _ext():
         if ENABLED and gpu.available():
             ext = gpu.load()
             if getattr(ext, "lt_compiled", lambda: False)() and ext.lt_init(_library_path()):
+                ext.lt_set_tune(TUNE)
                 _STATE["ext"] = ext
     return _STATE["ext"]
 
