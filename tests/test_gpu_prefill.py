@@ -385,18 +385,6 @@ def test_folded_rescale_in_the_session(monkeypatch, tmp_path) -> None:
     assert np.array_equal(got, want)
 
 
-def test_kept_weight_operands_give_the_same_bits(monkeypatch, tmp_path) -> None:
-    """DS4_GPU_WCACHE: the dense weights' prefill operands kept across chunks give every position's logits bit for bit
-    (300 tokens in chunks of 128: the later chunks read the kept operands), and they were kept."""
-    from ds4.engine.gpu import weights as Wm
-
-    monkeypatch.setattr(Wm, "WCACHE_FREE", 0.0)
-    want, toks, ses = _session_switch_case(monkeypatch, tmp_path, "WCACHE", 31, module=Wm)
-    got = ses.prefill(toks, all_logits=True)
-    assert ses.W.wcache_bytes() > 0, "no operand was kept"
-    assert np.array_equal(got, want)
-
-
 def test_session_reserves_the_prefill_working_set(monkeypatch, tmp_path) -> None:
     """Session._reserve_prefill (DS4_GPU_PREFILL_RESERVE): a size in MiB grows torch's cache by that much at
     construction (freed, so cached: the first long prompt finds it), 0 leaves the cache alone."""

@@ -4,9 +4,7 @@ For the prefill's dense product shapes, times one synchronized call of torch.mm 
 output and _scaled_mm (e4m3) at a sequence of row counts, repeats included, and prints ms per shape. Run it with
 CUDA_MODULE_LOADING=EAGER too: it is the per-M cost that stays, not the module loading.
 
-    python -m ds4.engine.gpu.bench_gemm_first [--blas cublas|cublaslt] [--lt]
-
---lt: the same products through lt_gemm (one cuBLASLt algorithm per shape class, NOTES.md v39), and its counts.
+    python -m ds4.engine.gpu.bench_gemm_first [--blas cublas|cublaslt]
 """
 
 from __future__ import annotations
@@ -20,20 +18,7 @@ SHAPES = [(4096, 1024), (4096, 512), (1024, 32768), (8192, 4096), (4096, 2048), 
 ROWS = (2048, 300, 2048, 6144, 6144, 6000, 6143, 8192, 8192, 12288)
 
 
-def one_call(kind: str, x: torch.Tensor, w: torch.Tensor, lt: bool = False) -> None:
-    if lt:
-        from ds4.engine.gpu import lt_gemm
-
-        if kind == "mm":
-            ok = lt_gemm.mm_f32(x, w.T) is not None
-        elif kind == "addmm":
-            ok = lt_gemm.acc_mm(torch.zeros(x.shape[0], w.shape[0], device=x.device), x, w.T)
-        else:
-            one = torch.ones((), device=x.device)
-            ok = lt_gemm.scaled_mm(x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).T, one, one) is not None
-        if not ok:
-            raise SystemExit(f"bench_gemm_first: lt_gemm did not take the {kind} product")
-        return
+def one_call(kind: str, x: torch.Tensor, w: torch.Tensor) -> None:
     if kind == "mm":
         torch.mm(x, w.T, out_dtype=torch.float32)
     elif kind == "addmm":
@@ -49,7 +34,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
                     help="torch.backends.cuda.preferred_blas_library for mm / addmm (_scaled_mm is cuBLASLt always)")
-    ap.add_argument("--lt", action="store_true", help="the products through lt_gemm instead of torch")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm_first: no CUDA device")
@@ -67,14 +51,10 @@ def main(argv=None) -> int:
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                one_call(kind, x, w, args.lt)
+                one_call(kind, x, w)
                 torch.cuda.synchronize()
                 ms.append((time.perf_counter() - t) * 1e3)
             print(f"{kind:6s} M={m:6d} " + " ".join(f"{v:7.2f}" for v in ms) + f"  sum {sum(ms):7.2f} ms", flush=True)
-    if args.lt:
-        from ds4.engine.gpu import lt_gemm
-
-        print(f"lt_gemm counts: {lt_gemm.stats()}")
     return 0
 
 

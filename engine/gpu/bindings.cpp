@@ -743,5 +743,4 @@ PYBIND11_MODULE(_ext, m) {
     return py::make_tuple(a, b);
   });
   bind_prefill_products(m);
-  bind_lt_gemm(m);
 }

@@ -107,6 +107,5 @@ T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 void bind_prefill_products(pybind11::module_& m);  // bindings_prefill.cpp
 void bind_fused_ops(pybind11::module_& m);         // bindings_fused.cpp
-void bind_lt_gemm(pybind11::module_& m);           // lt_gemm.cpp
 
 }  // namespace ds4ext

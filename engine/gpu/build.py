@@ -24,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
 CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_tma.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "attn_decode.cu", "hc.cu", "hc_cluster.cu", "hc_mix.cu", "topk.cu", "dequant.cu", "router.cu", "attn_prefill.cu", "attn_prefill_bf16.cu", "mmq.cu", "mmf.cu", "mmw.cu", "barrier.cu", "indexer.cu", "read_stream.cu", "compress_prefill.cu", "step_edges.cu"]
-CPP_SOURCES = ["bindings.cpp", "bindings_fused.cpp", "bindings_prefill.cpp", "lt_gemm.cpp"]  # the module (host code, pybind11)
+CPP_SOURCES = ["bindings.cpp", "bindings_fused.cpp", "bindings_prefill.cpp"]  # the module (host code, pybind11)
 HEADERS = ["common.cuh", "mbarrier.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh", "router.cuh", "grid_barrier.cuh", "mma_ops.cuh", "attn_prefill.cuh"]
 
 
@@ -54,17 +54,6 @@ def gencode_flags(arch: str) -> list[str]:
         num = a[3:]
         flags.append(f"-gencode=arch=compute_{num},code=[sm_{num},compute_{num}]")
     return flags
-
-
-def find_cublaslt_include(cuda: Path) -> Path | None:
-    """The folder of cublasLt.h: $DS4_CUBLASLT_INCLUDE, a pip nvidia-cublas package on sys.path (the headers of the
-    library torch loads), else the toolkit's include. None: lt_gemm.cpp builds without cuBLASLt (ext.lt_compiled() is
-    False). At run time lt_init takes only a library of the header's major version."""
-    env = os.environ.get("DS4_CUBLASLT_INCLUDE")
-    cands = [Path(env)] if env else []
-    cands += [Path(p) / "nvidia" / "cublas" / "include" for p in sys.path if p]
-    cands += [cuda / "include", cuda / "targets" / "x86_64-linux" / "include"]
-    return next((c for c in cands if (c / "cublasLt.h").exists()), None)
 
 
 def stale(obj: Path, deps: list[Path]) -> bool:
@@ -124,22 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.insert(3, "-Xptxas=-v")
             jobs.append(cmd)
     bobjs = []
-    lt_inc = find_cublaslt_include(cuda)
-    lt_stamp = BUILD / "cublaslt.txt"  # where the header was found: a change rebuilds lt_gemm.cpp
-    if not lt_stamp.exists() or lt_stamp.read_text() != str(lt_inc):
-        lt_stamp.write_text(str(lt_inc))
     for src in CPP_SOURCES:
         bobj = BUILD / (src + ".o")
         bobjs.append(bobj)
-        deps = [HERE / src, HERE / "bindings.h", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]
-        extra = []
-        if src == "lt_gemm.cpp":
-            deps.append(lt_stamp)
-            extra = [] if lt_inc is None else ["-DDS4_HAVE_CUBLASLT", f"-I{lt_inc}"]
-        if stale(bobj, deps):
+        if stale(bobj, [HERE / src, HERE / "bindings.h", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]):
             # through nvcc too, so one host compiler builds every object
             jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                         f"-I{pybind11.get_include()}", f"-I{py_inc}", *extra, "-c", str(HERE / src), "-o", str(bobj)])
+                         f"-I{pybind11.get_include()}", f"-I{py_inc}", "-c", str(HERE / src), "-o", str(bobj)])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda c: run(c, args.verbose or args.ptxas_info), jobs))
 
@@ -148,15 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     libdir = next((d for d in (cuda / "lib64", cuda / "targets" / "x86_64-linux" / "lib") if d.exists()), cuda / "lib64")
     # shared CUDA runtime found through an rpath to the toolkit that built us
     link = [nvcc, "-shared", "-cudart=shared", "-o", str(target) + ".tmp",
-            *[str(BUILD / (s + ".o")) for s in CU_SOURCES], *map(str, bobjs), f"-Xlinker=-rpath,{libdir}", "-ldl"]
+            *[str(BUILD / (s + ".o")) for s in CU_SOURCES], *map(str, bobjs), f"-Xlinker=-rpath,{libdir}"]
     run(link, args.verbose)
     missing = undefined_own_symbols(Path(str(target) + ".tmp"))
     if missing:  # a function the bindings call but no object defines (e.g. left in an anonymous namespace)
         os.unlink(str(target) + ".tmp")
         raise SystemExit(f"build.py: undefined ds4gpu symbols in the module: {', '.join(missing[:5])}")
     os.replace(str(target) + ".tmp", target)
-    lt = f"cuBLASLt header {lt_inc}" if lt_inc else "no cuBLASLt header (torch's GEMMs only)"
-    print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}; {lt}")
+    print(f"built {target.relative_to(HERE.parent.parent)} for {args.arch}")
     return 0
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ds4.gguf_tools import constants as C
 
-from . import fp8_split, lt_gemm, moe_gemm, ops
+from . import fp8_split, moe_gemm, ops
 
 L = C.LayerTensor
 F32 = torch.float32
@@ -81,11 +81,6 @@ OB_SLICES = 2 if os.environ.get("DS4_GPU_OB_SLICES", "2") == "2" else 0
 MOE_CAP_FACTOR = float(os.environ.get("DS4_GPU_MOE_CAP", "2"))
 SPLIT_MEMO = int(os.environ.get("DS4_GPU_SPLIT_MEMO", "3"))  # to_half's splits kept for reuse (0: none, the v14 form)
 W_SCALE = 1024.0  # weights times 2^10 before the hi/lo split: their lo parts stay above f16's subnormals
-# DS4_GPU_WCACHE=1 (v39, opt-in): the dense weights' prefill operands (_operands: float16 hi and the float8 corrections'
-# operand, ~4 bytes per weight) kept across chunks instead of dequantized again for each chunk, while at least
-# DS4_GPU_WCACHE_FREE GiB of the device stay free (Flash q2: ~23 GB for every layer)
-WCACHE = os.environ.get("DS4_GPU_WCACHE", "0") == "1"
-WCACHE_FREE = float(os.environ.get("DS4_GPU_WCACHE_FREE", "16")) * (1 << 30)
 
 
 def default_device() -> torch.device:
@@ -137,7 +132,6 @@ class Weights:
         self._splits: list[tuple[tuple, torch.Tensor, tuple]] = []
         self.split_hits = 0
         self._fp8_scales: dict[int, torch.Tensor] = {}  # DS4_GPU_PREFILL_GEMM=fp8: each weight's scale (fp8_split)
-        self._wcache: dict[tuple[int, int], tuple] = {}  # DS4_GPU_WCACHE: _operands' results per (weight, groups)
 
     # ---- storage ---------------------------------------------------------------------------
     def vec(self, name: str) -> torch.Tensor:
@@ -555,29 +549,6 @@ class Weights:
         return y.transpose(0, 1).reshape(T, groups * n_out) * (s / scale)
 
     def _operands(self, w, groups: int = 1):
-        """_dense_operands(w, groups), kept across prefill chunks with DS4_GPU_WCACHE=1 while the device has room. Not
-        kept before the weight's float8 scale is known (its first product), when the result still lacks the float8
-        operand that later chunks get."""
-        key = (id(w), groups)
-        if WCACHE and key in self._wcache:
-            return self._wcache[key]
-        res = self._dense_operands(w, groups)
-        if WCACHE and (id(w) in self._fp8_scales or not self._takes_fp8_size(w)):
-            nbytes = sum(t.numel() * t.element_size() for t in res if isinstance(t, torch.Tensor))
-            if torch.cuda.mem_get_info(self.device)[0] - nbytes >= WCACHE_FREE:
-                self._wcache[key] = res
-        return res
-
-    @staticmethod
-    def _takes_fp8_size(w) -> bool:
-        return FP8_GEMM and w.qtype != 1 and w.nrows * w.ncols >= FP8_MIN
-
-    def wcache_bytes(self) -> int:
-        """Device bytes of the kept prefill operands (DS4_GPU_WCACHE)."""
-        return sum(t.numel() * t.element_size() for res in self._wcache.values() for t in res
-                   if isinstance(t, torch.Tensor))
-
-    def _dense_operands(self, w, groups: int = 1):
         """(hi, lo, scale, b8): half(w)'s split and b8 None; or with DS4_GPU_DEQUANT_FP8=1, where the product takes the
         float8 path and the weight's float8 scale is known (kept from its first product), hi and the corrections'
         float8 operand written by the dequant itself: lo None, b8 [rows, 2 cols] e4m3 (fp8_split.pack_w's bytes), or
@@ -723,10 +694,6 @@ _OUT_DTYPE = [True]  # torch.mm/bmm(..., out_dtype=float32) available (torch >= 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for float16 operands (2-D or batched 3-D) with float32 accumulation and a float32 result."""
-    if a.is_cuda:
-        y = lt_gemm.mm_f32(a, b)  # one cuBLASLt algorithm per shape class: no heuristic at a new row count
-        if y is not None:
-            return y
     fn = torch.mm if a.dim() == 2 else torch.bmm
     if _OUT_DTYPE[0]:
         try:
@@ -741,8 +708,6 @@ _ACC_DTYPE = [True]  # torch.addmm/baddbmm(..., out_dtype=float32, out=y) availa
 
 def acc_mm(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """y += a @ b (float16 operands, float32 y), in the GEMM's epilogue where torch supports it."""
-    if y.is_cuda and lt_gemm.acc_mm(y, a, b):
-        return
     if _ACC_DTYPE[0] and y.is_cuda:
         fn = torch.addmm if a.dim() == 2 else torch.baddbmm
         try:
