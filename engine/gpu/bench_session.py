@@ -137,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk (the session default)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="also profile the kernels of one prefill of N tokens")
+    ap.add_argument("--profile-from", type=int, default=0, metavar="P",
+                    help="with --profile-prefill: prefill P tokens first, unprofiled, and profile only the extension "
+                         "to N (ds4-bench's 8k row is the 6144 tokens from 2048)")
     ap.add_argument("--profile-top", type=int, default=40, metavar="K",
                     help="with --profile-prefill: rows of the kernel and operator tables (default 40)")
     ap.add_argument("--gaps", type=int, default=0, metavar="N",
@@ -146,6 +149,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.decode_capacity < 0:
         print("bench_session: --decode-capacity must be >= 0", file=sys.stderr)
+        return 2
+    if args.profile_prefill and not 0 <= args.profile_from < args.profile_prefill:
+        print("bench_session: --profile-from must be in 0..N-1 for --profile-prefill N", file=sys.stderr)
         return 2
     if not 1 <= args.profile_top <= 1000:
         print("bench_session: --profile-top must be in 1..1000", file=sys.stderr)
@@ -237,11 +243,15 @@ def main(argv=None) -> int:
         n = args.profile_prefill
         s = Session(model, ctx=n + 8, weights=W, prefill_chunk=args.prefill_chunk)
         toks = rng.integers(2, cfg.vocab_size, n).tolist()
-        s.sync(toks[:min(n, 512)])
-        s.invalidate()
+        p0 = args.profile_from
+        if p0:
+            s.sync(toks[:p0])  # the profile covers the chunk(s) from p0 to n only
+        else:
+            s.sync(toks[:min(n, 512)])  # warm, then start again from 0
+            s.invalidate()
         prof = profile_kernels(lambda: s.sync(toks), top=args.profile_top, ops=True)
         res["prefill_profile"] = prof
-        _print_profile(f"prefill of {n} tokens", prof)
+        _print_profile(f"prefill of {n - p0} tokens from position {p0}", prof)
         print(prof["ops_table"], flush=True)
         del s
     if args.gaps:
