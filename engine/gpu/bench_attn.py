@@ -78,6 +78,11 @@ def main(argv=None) -> int:
     def extra(ap):
         ap.add_argument("--session-launches", type=int, default=0, metavar="N",
                         help="only N launches of form 3 as the session makes them (top-k layer), for a profiler")
+        ap.add_argument("--session-ratio", type=int, choices=(4, 128), default=4,
+                        help="with --session-launches: a top-k layer (4) or a ratio-128 layer")
+        ap.add_argument("--session-output", choices=("split", "float"), default="split",
+                        help="with --session-launches: the session's split output (default) or float32 rows with "
+                             "the other options kept (what the split costs)")
 
     args = bench_args(argv, __doc__, "bench_attn", 2048, 3, "queries per chunk", extra)
     if args is None:
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
     T = args.tokens
     pos0 = 8192 - T
     if args.session_launches > 0:
-        _session_launches(K, T, pos0, args.session_launches)
+        _session_launches(K, T, pos0, args.session_launches, args.session_ratio, args.session_output == "split")
         return 0
     print(f"{'layer':<22} {'fused ms':>9} {'torch f32 ms':>13} {'torch tf32 ms':>14} {'f32 / fused':>12}")
     for name, ratio, n_comp, k_sel in (("top-k (ratio 4)", 4, 2048, 512), ("ratio 128", 128, 64, 0)):
@@ -141,18 +146,23 @@ def main(argv=None) -> int:
 
 def _session_options() -> dict:
     freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).cuda()
-    return dict(inverse_rope=(freq, 64), q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64), split_heads=8)
+    return dict(inverse_rope=(freq, 64), q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64), split_heads=8,
+                split_fp8=True)
 
 
-def _session_launches(K, T: int, pos0: int, n: int) -> None:
-    """n form-3 launches of a top-k layer with the session's options (what ncu --launch-skip picks from)."""
+def _session_launches(K, T: int, pos0: int, n: int, ratio: int = 4, split: bool = True) -> None:
+    """n form-3 launches of a top-k (ratio 4) or ratio-128 layer with the session's options (what ncu --launch-skip
+    picks from); split False: float32 output rows, the other options kept."""
     from .ops import fp8_kv_round
 
-    q, win, comp, sel, sinks = _inputs(T, 2048, 512, pos0)
+    q, win, comp, sel, sinks = _inputs(T, *((2048, 512) if ratio == 4 else (64, 0)), pos0)
     n_nope = q.shape[2] - 64
     win, comp = fp8_kv_round(win, n_nope), fp8_kv_round(comp, n_nope)
+    kw = _session_options()
+    if not split:
+        kw.pop("split_heads")
     for _ in range(n):
-        K.prefill_attn(q, win, comp, sel, sinks, pos0, 4, n_nope, form=3, **_session_options())
+        K.prefill_attn(q, win, comp, sel, sinks, pos0, ratio, n_nope, form=3, **kw)
     torch.cuda.synchronize()
 
 
