@@ -494,9 +494,10 @@ def test_bf16_form_query_rows_in_registers_give_the_same_bits(T, H, post):
 
 @pytest.mark.parametrize("T,H,hpg,fp8", [(33, 64, 8, True), (33, 64, 8, False), (9, 20, 4, True), (12, 32, 16, False)])
 def test_bf16_form_staged_split_output_gives_the_same_bits(T, H, hpg, fp8):
-    """DS4_GPU_ATTN_OSTAGE=1: form 3's split output (hi and lo, or hi and the float8 operand) staged in shared memory and
-    written in whole runs per head row, against the stores from the fragments: every bit of hi, lo / the operand and
-    the scales (with q_post and the inverse RoPE; 20 heads: rows past H in the CTA's 32)."""
+    """DS4_GPU_ATTN_OSTAGE=1: form 3's output staged in shared memory as float32 rows, then split and written in whole
+    runs of 8 columns by one rolled loop (v41; v27-v40 staged the split itself), against the split stored from the
+    fragments: every bit of hi, lo / the operand and the scales (with q_post and the inverse RoPE; 20 heads: rows past
+    H in the CTA's 32)."""
     from ds4.engine.gpu.fused import Fused
 
     K = Fused(gpu.load(), torch.device(DEV))

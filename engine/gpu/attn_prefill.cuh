@@ -276,43 +276,87 @@ __device__ __forceinline__ void ap_store_a8(const PrefillAttn& a, int t, int h, 
 // largest |y| (at least 1e-30), hi = half(y / s), lo = half(y / s - hi): weights.to_half's operations on each group's
 // columns, so the GEMM needs no split pass over [T, H d]. The group maxima meet in shared memory (atomicMax on the
 // bits of non-negative floats orders them as floats).
-// stage (form 3, $DS4_GPU_ATTN_OSTAGE): the split goes to shared memory first (ap_split_stage's layout), then the CTA
-// writes it out in whole 16- and 8-byte runs per head row. Stored from the fragments, a warp's store covers 8 head rows
-// of 16 (hi, lo) or 8 (float8) bytes each, 1 KB apart: half-used or quarter-used 32-byte sectors.
-constexpr int AP_STAGE_HI = 2 * 8;  // padding bytes per staged float16 row (bank offset 4 words per row)
-constexpr int AP_STAGE_B8 = 8;      // per staged byte row (2 words per row)
-__host__ __device__ constexpr size_t ap_split_stage_bytes(int HG, int d, bool a8) {
-  return (size_t)HG * (2 * d + AP_STAGE_HI) + (a8 ? 2 * (size_t)HG * (d + AP_STAGE_B8) : (size_t)HG * (2 * d + AP_STAGE_HI));
+// y / s correctly rounded (to_half's division) without __fdiv_rn's per-element range checks and slow path (v26:
+// ~16% of the session launch's samples): q = y r from the correctly rounded reciprocal r, then one Markstein step
+// q + (y - s q) r, the residual exact by the fma; then hi = half(y / s), lo = half(y / s - hi). |y| <= s, so the
+// quotient neither overflows nor (where hi and lo are not both zero anyway) underflows.
+__device__ __forceinline__ void ap_split_div(float y, float s, float r, __half& hi, __half& lo) {
+  const float q = __fmul_rn(y, r);
+  const float xn = __fmaf_rn(__fmaf_rn(-q, s, y), r, q);
+  hi = __float2half_rn(xn);
+  lo = __float2half_rn(__fsub_rn(xn, __half2float(hi)));
 }
 
-// The staged split to global memory: hi (and lo) rows [T, H, d] float16; or the float8 operand's two planes per head
-// row (hi * 2^8 at its group's column (h % hpg) d, lo * 2^19 at K + that).
+// Eight float16 values as e4m3 times sc (ap_store_a8's conversion, four pairs).
+__device__ __forceinline__ uint2 ap_fp8x8(const __half (&x)[8], float sc) {
+  uint32_t w[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t v = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __nv_fp8x2_storage_t p = __nv_cvt_float2_to_fp8x2(
+          make_float2(__half2float(x[4 * k + 2 * j]) * sc, __half2float(x[4 * k + 2 * j + 1]) * sc), __NV_SATFINITE,
+          __NV_E4M3);
+      v |= (uint32_t)p << (16 * j);
+    }
+    w[k] = v;
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Form 3's staged split (OST, v41): the scaled, de-rotated output rows are in shared memory as float32 (`st`, rows of
+// d + 8 floats: ap_finish<.., STAGED> put them there), and each thread splits whole runs of 8 columns in one rolled
+// loop and writes them out (out_hi and out_lo 16 bytes, the float8 planes 8 bytes per run). The same arithmetic per
+// element as ap_store_split, so the same bits. Why: ap_store_split unrolled over the fragments, with its stage / global
+// and float8 / float16 variants, is ~9,700 SASS instructions run once per CTA; ncu (v41) put ~20% of a ratio-128
+// launch's samples on "no instruction" stalls there, the instruction cache missing on straight-line code.
+constexpr int AP_F32_PAD = 8;  // floats of padding per staged float32 row (bank offset 8 words per row)
+__host__ __device__ constexpr size_t ap_f32_stage_bytes(int HG, int d) { return (size_t)HG * (d + AP_F32_PAD) * 4; }
+
 template <int HG>
-__device__ __forceinline__ void ap_split_flush(const PrefillAttn& a, int t, int h_base, const uint8_t* stage) {
-  const int d = a.d, tid = threadIdx.x, rb = 2 * d + AP_STAGE_HI;
-  const uint8_t* lo_st = stage + (size_t)HG * rb;
-  for (int i = tid; i < HG * (d / 8); i += AP_THREADS) {  // 16 bytes: 8 float16 values
-    const int r = i / (d / 8), c = 8 * (i - r * (d / 8)), h = h_base + r;
+__device__ __forceinline__ void ap_store_split_staged(const PrefillAttn& a, int t, int h_base, int h0, int h1, int i4,
+                                                      float m0, float m1, float* gmax, const float* st) {
+  const int hpg = a.out_hpg, d = a.d, tid = threadIdx.x, rs = d + AP_F32_PAD, runs = d / 8;
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
+  m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
+  m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
+  if (i4 == 0) {
+    if (h0 < a.H) atomicMax((int*)&gmax[(h0 - h_base) / hpg], __float_as_int(m0));
+    if (h1 < a.H) atomicMax((int*)&gmax[(h1 - h_base) / hpg], __float_as_int(m1));
+  }
+  __syncthreads();  // the group maxima are final and every warp's rows are staged
+  const int K = hpg * d;
+#pragma unroll 1
+  for (int i = tid; i < HG * runs; i += AP_THREADS) {
+    const int r = i / runs, c = 8 * (i - r * runs), h = h_base + r;
     if (h >= a.H) continue;
+    const float s = fmaxf(gmax[r / hpg], 1e-30f), rc = __frcp_rn(s);
+    const float4 v0 = *(const float4*)(st + r * rs + c), v1 = *(const float4*)(st + r * rs + c + 4);
+    const float y[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    __align__(16) __half hh[8], ll[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ap_split_div(y[j], s, rc, hh[j], ll[j]);
     const int64_t o = ((int64_t)t * a.H + h) * d + c;
-    *(uint4*)(a.out_hi + o) = *(const uint4*)(stage + r * rb + 2 * c);
-    if (!a.out_a8) *(uint4*)(a.out_lo + o) = *(const uint4*)(lo_st + r * rb + 2 * c);
+    *(uint4*)(a.out_hi + o) = *(const uint4*)hh;
+    if (a.out_a8) {
+      const int g = h / hpg;
+      uint8_t* row = a.out_a8 + ((int64_t)g * a.T + t) * 2 * K + (h - g * hpg) * d + c;
+      *(uint2*)row = ap_fp8x8(hh, 256.0f);
+      *(uint2*)(row + K) = ap_fp8x8(ll, 524288.0f);
+    } else {
+      *(uint4*)(a.out_lo + o) = *(const uint4*)ll;
+    }
   }
-  if (!a.out_a8) return;
-  const int hpg = a.out_hpg, K = hpg * d, bb = d + AP_STAGE_B8;
-  for (int i = tid; i < 2 * HG * (d / 8); i += AP_THREADS) {  // 8 bytes: 8 float8 values of the hi or the lo plane
-    const int plane = i / (HG * (d / 8)), j = i - plane * HG * (d / 8), r = j / (d / 8), c = 8 * (j - r * (d / 8));
-    const int h = h_base + r, g = h / hpg;
-    if (h >= a.H) continue;
-    uint8_t* row = a.out_a8 + ((int64_t)g * a.T + t) * 2 * K + (h - g * hpg) * d + plane * K;
-    *(uint2*)(row + c) = *(const uint2*)(lo_st + (size_t)(plane * HG + r) * bb + c);
-  }
+  if (tid < HG / hpg && h_base + tid * hpg < a.H)
+    a.out_s[(int64_t)t * (a.H / hpg) + h_base / hpg + tid] = fmaxf(gmax[tid], 1e-30f);
 }
 
 template <int NT, int HG, typename ColOf>
 __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int h_base, int h0, int h1, ColOf col_of,
                                                int ntw, int i4, const float (&acc)[NT][4], float m0, float m1,
-                                               float* gmax, uint8_t* stage = nullptr) {
+                                               float* gmax) {
   const int hpg = a.out_hpg, d = a.d;
   m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
   m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -325,16 +369,7 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
   __syncthreads();
   const float s0 = fmaxf(gmax[(h0 - h_base) / hpg], 1e-30f), s1 = fmaxf(gmax[(h1 - h_base) / hpg], 1e-30f);
   const float r0 = __frcp_rn(s0), r1 = __frcp_rn(s1);
-  // y / s correctly rounded (to_half's division) without __fdiv_rn's per-element range checks and slow path (v26:
-  // ~16% of the session launch's samples): q = y r from the correctly rounded reciprocal, then one Markstein step
-  // q + (y - s q) r, the residual exact by the fma. |y| <= s, so the quotient neither overflows nor (where hi and lo
-  // are not both zero anyway) underflows.
-  const auto split = [](float y, float s, float r, __half& hi, __half& lo) {
-    const float q = __fmul_rn(y, r);
-    const float xn = __fmaf_rn(__fmaf_rn(-q, s, y), r, q);
-    hi = __float2half_rn(xn);
-    lo = __float2half_rn(__fsub_rn(xn, __half2float(hi)));
-  };
+  const auto split = ap_split_div;  // y / s, then hi + lo
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     if (n >= ntw) break;
@@ -344,26 +379,6 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
     split(acc[n][1], s0, r0, h[1], l[1]);
     split(acc[n][2], s1, r1, h[2], l[2]);
     split(acc[n][3], s1, r1, h[3], l[3]);
-    if (stage) {  // rows h0 - h_base and h1 - h_base of the stage (ap_split_flush writes them out)
-      const int rb = 2 * a.d + AP_STAGE_HI, bb = a.d + AP_STAGE_B8, r0 = h0 - h_base, r1 = h1 - h_base;
-      uint8_t* lo_st = stage + (size_t)HG * rb;
-      *(__half2*)(stage + r0 * rb + 2 * col) = __halves2half2(h[0], h[1]);
-      *(__half2*)(stage + r1 * rb + 2 * col) = __halves2half2(h[2], h[3]);
-      if (a.out_a8) {
-        const auto b8 = [](__half x0, __half x1, float sc) {
-          return __nv_cvt_float2_to_fp8x2(make_float2(__half2float(x0) * sc, __half2float(x1) * sc), __NV_SATFINITE,
-                                          __NV_E4M3);
-        };
-        *(__nv_fp8x2_storage_t*)(lo_st + r0 * bb + col) = b8(h[0], h[1], 256.0f);
-        *(__nv_fp8x2_storage_t*)(lo_st + r1 * bb + col) = b8(h[2], h[3], 256.0f);
-        *(__nv_fp8x2_storage_t*)(lo_st + (HG + r0) * bb + col) = b8(l[0], l[1], 524288.0f);
-        *(__nv_fp8x2_storage_t*)(lo_st + (HG + r1) * bb + col) = b8(l[2], l[3], 524288.0f);
-      } else {
-        *(__half2*)(lo_st + r0 * rb + 2 * col) = __halves2half2(l[0], l[1]);
-        *(__half2*)(lo_st + r1 * rb + 2 * col) = __halves2half2(l[2], l[3]);
-      }
-      continue;
-    }
     if (h0 < a.H) {
       const int64_t o = ((int64_t)t * a.H + h0) * d + col;
       *(__half2*)(a.out_hi + o) = __halves2half2(h[0], h[1]);
@@ -380,10 +395,6 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
   const int tid = threadIdx.x;
   if (tid < HG / hpg && h_base + tid * hpg < a.H)
     a.out_s[(int64_t)t * (a.H / hpg) + h_base / hpg + tid] = fmaxf(gmax[tid], 1e-30f);
-  if (stage) {
-    __syncthreads();  // every warp's fragments are in the stage
-    ap_split_flush<HG>(a, t, h_base, stage);
-  }
 }
 
 // The online softmax of one key tile (after its scores' KS partial sums are in Ss): 4 threads per head row, keys
@@ -430,7 +441,10 @@ __device__ __forceinline__ void ap_softmax(const PrefillAttn& a, int k0, int n_k
 // After the last key tile: the sink as one more score, the output (acc tile n: columns col_of(n) .. + 7 of heads
 // h_base + 16 mt_o + g and + 8) scaled by 1 / denominator, its RoPE tail undone (a.out_freq), then stored as float32
 // or as the o_a GEMM's split (a.out_hi). gmax: HG floats of free shared memory (the scores' scratch).
-template <int NT, int HG, typename ColOf>
+// STAGED (form 3's OST): the split through float32 rows in `stage` (ap_store_split_staged; ap_f32_stage_bytes of it).
+// ROPE_TILE0: tiles below it hold no RoPE column (form 3: its exact tiles; the launch checks out_rope_dim), so their
+// inverse-RoPE test and its cosf / sinf are not compiled.
+template <int NT, int HG, bool STAGED = false, int ROPE_TILE0 = 0, typename ColOf>
 __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p, int h_base, int mt_o, int ntw,
                                           ColOf col_of, float (&acc)[NT][4], const float* m_s, const float* l_s,
                                           float* f_s, float* gmax, uint8_t* stage = nullptr) {
@@ -454,7 +468,7 @@ __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p
     if (n >= ntw) break;
     const int col = col_of(n) + 2 * i4;
     float2 y0 = make_float2(acc[n][0] * f0, acc[n][1] * f0), y1 = make_float2(acc[n][2] * f1, acc[n][3] * f1);
-    if (a.out_freq && col >= rope_from) {  // inverse RoPE of the pair (col, col + 1), as norm_rope_warp_kernel does it
+    if (n >= ROPE_TILE0 && a.out_freq && col >= rope_from) {  // inverse RoPE of the pair (col, col + 1), as norm_rope_warp_kernel does it
       const float ang = (float)p * a.out_freq[(col - rope_from) / 2];
       const float c = cosf(ang), sn = -sinf(ang);
       y0 = make_float2(__fsub_rn(__fmul_rn(y0.x, c), __fmul_rn(y0.y, sn)),
@@ -462,8 +476,14 @@ __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p
       y1 = make_float2(__fsub_rn(__fmul_rn(y1.x, c), __fmul_rn(y1.y, sn)),
                        __fadd_rn(__fmul_rn(y1.x, sn), __fmul_rn(y1.y, c)));
     }
-    if (a.out_hi) {
-      acc[n][0] = y0.x, acc[n][1] = y0.y, acc[n][2] = y1.x, acc[n][3] = y1.y;
+    if (STAGED || a.out_hi) {  // STAGED: launched with out_hi only
+      if constexpr (STAGED) {
+        float* st = reinterpret_cast<float*>(stage);
+        *(float2*)(st + (h0 - h_base) * (d + AP_F32_PAD) + col) = y0;
+        *(float2*)(st + (h1 - h_base) * (d + AP_F32_PAD) + col) = y1;
+      } else {
+        acc[n][0] = y0.x, acc[n][1] = y0.y, acc[n][2] = y1.x, acc[n][3] = y1.y;
+      }
       m0 = fmaxf(m0, fmaxf(fabsf(y0.x), fabsf(y0.y)));
       m1 = fmaxf(m1, fmaxf(fabsf(y1.x), fabsf(y1.y)));
       continue;
@@ -471,7 +491,9 @@ __device__ __forceinline__ void ap_finish(const PrefillAttn& a, int t, int64_t p
     if (h0 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h0) * d + col) = y0;
     if (h1 < a.H) *(float2*)(a.out + ((int64_t)t * a.H + h1) * d + col) = y1;
   }
-  if (a.out_hi) ap_store_split<NT, HG>(a, t, h_base, h0, h1, col_of, ntw, i4, acc, m0, m1, gmax, stage);
+  if (!STAGED && !a.out_hi) return;
+  if constexpr (STAGED) ap_store_split_staged<HG>(a, t, h_base, h0, h1, i4, m0, m1, gmax, reinterpret_cast<const float*>(stage));
+  else ap_store_split<NT, HG>(a, t, h_base, h0, h1, col_of, ntw, i4, acc, m0, m1, gmax);
 }
 
 }  // namespace

@@ -352,9 +352,9 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
     }
   }
   static_assert(!OST || A3_HG == 32, "the staged split fills the query planes at 32 heads");
-  ap_finish<NT, HG>(a, t, p, h_base, mt_o, NT,
-                    [&](int n) { return n < NB ? 8 * (NB * cp + n) : pk + 8 * (NR * cp + n - NB); }, acc, m_s, l_s,
-                    f_s, Ss, OST ? base + lay.qh : nullptr);
+  ap_finish<NT, HG, OST, NB>(a, t, p, h_base, mt_o, NT,
+                             [&](int n) { return n < NB ? 8 * (NB * cp + n) : pk + 8 * (NR * cp + n - NB); }, acc, m_s,
+                             l_s, f_s, Ss, OST ? base + lay.qh : nullptr);
 }
 
 template <int NB, int NR, bool TMA, bool QREGS, bool OST = false>
@@ -379,9 +379,11 @@ void set_attn_tma(int mode) { attn_tma_switch.set(mode); }
 // a float32 stage in shared memory (v26). The same bits. set_attn_qregs overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_qregs_switch{"DS4_GPU_ATTN_QREGS", 1, 1};
 void set_attn_qregs(int mode) { attn_qregs_switch.set(mode); }
-// $DS4_GPU_ATTN_OSTAGE (v27; default 1 since v28: session-like launch 2.97 -> 2.79 ms, 8192-token prefill +2.6%): 1 form 3's split output (out_hi) staged in shared memory and written in whole
-// runs per head row (with the TMA tiles and the register-staged queries); 0 stored from the fragments. The same bits.
-// set_attn_ostage overrides it (0, 1; -1 the environment).
+// $DS4_GPU_ATTN_OSTAGE (v27; default 1 since v28: session-like launch 2.97 -> 2.79 ms, 8192-token prefill +2.6%): 1 form
+// 3's output (out_hi) staged in shared memory as float32 rows, then split and written in whole runs of 8 columns by one
+// rolled loop (v41: ap_store_split_staged; v27-v40 staged the split from unrolled fragment code, ~9,700 instructions
+// whose instruction-cache misses ncu counted); 0 split and stored from the fragments. The same bits. set_attn_ostage
+// overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_ostage_switch{"DS4_GPU_ATTN_OSTAGE", 1, 1};
 void set_attn_ostage(int mode) { attn_ostage_switch.set(mode); }
 
@@ -393,6 +395,7 @@ bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
 // split output's head groups within 32 heads): launched, true; else false (the caller runs a TF32 form).
 bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   if (!a.win_pk || !a.pk_split || a.exact_dims != a.pk_dims) return false;
+  if (a.out_freq && a.out_rope_dim > a.d - a.pk_dims) return false;  // the exact tiles hold no RoPE column (ap_finish)
   if (!prefill_attn_bf16_takes(a.d, a.pk_dims, a.out_hi ? a.out_hpg : 0)) return false;
   const bool stage_sel = a.prefetch && a.sel && a.comp;
   const A3Layout lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0);
@@ -400,8 +403,7 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool tma = attn_tma_switch.get();
   const bool qregs = attn_qregs_switch.get() && (!a.q_post_on || !a.q_post.freq ||
                                                  a.q_post.rope_dim <= 32 * A3_QREGS_RK);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
-  const bool ost = a.out_hi && attn_ostage_switch.get() &&
-                   ap_split_stage_bytes(A3_HG, a.d, a.out_a8 != nullptr) <= lay.uni - lay.qh;
+  const bool ost = a.out_hi && attn_ostage_switch.get() && ap_f32_stage_bytes(A3_HG, a.d) <= lay.uni - lay.qh;
   if (tma && qregs && ost) launch_bf16<14, 2, true, true, true>(a, lay.total, s);
   else if (tma && qregs) launch_bf16<14, 2, true, true>(a, lay.total, s);
   else if (tma) launch_bf16<14, 2, true, false>(a, lay.total, s);
