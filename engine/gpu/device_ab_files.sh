@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call that measures a kernel change against its baseline in the same call: build the working tree, the
+# named GPU tests, a bench command, ds4-bench once in full (the record), then ds4-bench in turn with the baseline's
+# files (.base/*, copied over engine/gpu/ and rebuilt) and the new ones (.base/new/*). Carry .whl and .base.
+#   TESTS="tests/test_gpu_prefill_attn.py" KBENCH="python3 -m ds4.engine.gpu.bench_attn" bash engine/gpu/device_ab_files.sh
+# Env: AB_CTX (the A/B runs' --ctx-max, 8192), ROUNDS (A/B pairs, 1), GEN (64).
+set -u
+source engine/gpu/device_env.sh
+start_synth
+stamp build; $PY engine/gpu/build.py --jobs 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+if [ -n "${TESTS:-}" ]; then
+  stamp tests; timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -W ignore $TESTS 2>&1 | tee "$OUT/tests.log" | tail -4
+fi
+if [ -n "${KBENCH:-}" ]; then stamp kbench; timeout 120 $KBENCH 2>&1 | grep -vi warn | tail -${KBENCH_LINES:-12}; fi
+[ -n "$SYN" ] && wait "$SYN"; tail -1 "$OUT/synth.log"
+bench() {  # label ctx_max
+  stamp "ds4-bench $1 (ctx-max $2)"
+  timeout 240 $PY -m ds4.speed_bench.cli -m /dev/shm/flash-q2.gguf --backend cuda --ctx-start 2048 --ctx-max "$2" \
+    --step-mul 4 --gen-tokens "${GEN:-64}" --prompt-file .whl/promessi_sposi.txt --csv "$OUT/bench_$1.csv" > "$OUT/bench_$1.log" 2>&1
+  grep -v '^#' "$OUT/bench_$1.csv" 2>/dev/null | sed "s/^/$1 /" || tail -5 "$OUT/bench_$1.log"
+  grep -i 'gpu memory\|floor' "$OUT/bench_$1.log" | head -3
+}
+bench record 32768
+swap() { cp "$1"/*.cu* engine/gpu/ && $PY engine/gpu/build.py --jobs 16 > "$OUT/build_$2.log" 2>&1 || tail -20 "$OUT/build_$2.log"; }
+for r in $(seq "${ROUNDS:-1}"); do
+  swap .base base; bench "base$r" "${AB_CTX:-8192}"
+  swap .base/new new; bench "new$r" "${AB_CTX:-8192}"
+done
+stamp done
