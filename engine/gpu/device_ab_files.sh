@@ -3,7 +3,7 @@
 # named GPU tests, a bench command, ds4-bench once in full (the record), then ds4-bench in turn with the baseline's
 # files (.base/*, copied over engine/gpu/ and rebuilt) and the new ones (.base/new/*). Carry .whl and .base.
 #   TESTS="tests/test_gpu_prefill_attn.py" KBENCH="python3 -m ds4.engine.gpu.bench_attn" bash engine/gpu/device_ab_files.sh
-# Env: AB_CTX (the A/B runs' --ctx-max, 8192), ROUNDS (A/B pairs, 1), GEN (64).
+# Env: AB_CTX (the A/B runs' --ctx-max, 8192), ROUNDS (A/B pairs, 1), GEN (64), RECORD=0 (no full run).
 set -u
 source engine/gpu/device_env.sh
 start_synth
@@ -20,7 +20,7 @@ bench() {  # label ctx_max
   grep -v '^#' "$OUT/bench_$1.csv" 2>/dev/null | sed "s/^/$1 /" || tail -5 "$OUT/bench_$1.log"
   grep -iE 'floor|memory|copy' "$OUT/bench_$1.csv" | head -4
 }
-bench record 32768
+[ "${RECORD:-1}" = 1 ] && bench record 32768
 swap() { cp "$1"/*.cu* engine/gpu/ && $PY engine/gpu/build.py --jobs 16 > "$OUT/build_$2.log" 2>&1 || tail -20 "$OUT/build_$2.log"; }
 for r in $(seq "${ROUNDS:-1}"); do
   swap .base base; bench "base$r" "${AB_CTX:-8192}"
