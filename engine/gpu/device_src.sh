@@ -2,7 +2,10 @@
 # One device call: Nsight Compute's source view (sampled stalls per SASS instruction, summarized by ncu_source.py) of
 # the prefill attention's session launches (a ratio-128 layer with the split output and with float32 rows, a top-k
 # layer) and of mmq's routed gate and down (bench_mmq --experts, the defaults). CSVs to $OUT.
-# Usage: bash engine/gpu/device_src.sh    Env: TOP (instructions listed per kernel, 25), NCU_TIMEOUT (150)
+# Usage: bash engine/gpu/device_src.sh    Env: TOP (instructions listed per kernel, 25), NCU_TIMEOUT (150),
+#   DECODE="q_b:matvec_stream gateup:moe_gateup ..." (instead: decode kernels launched by probe_kernel OP, the kernel
+#   regex after the colon; v41's question: how many of their samples are "no instruction" stalls, their code being
+#   77-146 KB of mostly straight-line SASS run once per launch)
 set -u
 source engine/gpu/device_env.sh
 stamp build; $PY engine/gpu/build.py --jobs 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
@@ -15,6 +18,10 @@ prof() {  # name kernel-regex launch-skip program...
     $SRC "$@" > "$OUT/$name.csv" 2> "$OUT/$name.err" || tail -3 "$OUT/$name.err"
   $PY -m ds4.engine.gpu.ncu_source "$OUT/$name.csv" --top "${TOP:-25}"
 }
+if [ -n "${DECODE:-}" ]; then
+  for spec in $DECODE; do prof "decode_${spec%%:*}" "${spec#*:}" 2 $PY -m ds4.engine.gpu.probe_kernel "${spec%%:*}"; done
+  stamp done; exit 0
+fi
 for v in "128 split" "128 float" "4 split"; do
   set -- $v
   prof "attn_$1_$2" prefill_attn_bf16 1 $PY -m ds4.engine.gpu.bench_attn --tokens 2048 --session-launches 2 \
