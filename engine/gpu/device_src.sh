@@ -9,7 +9,6 @@
 set -u
 source engine/gpu/device_env.sh
 stamp build; $PY engine/gpu/build.py --jobs 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-stamp bench_attn; timeout 90 $PY -m ds4.engine.gpu.bench_attn 2>&1 | grep 'form 3,'
 SRC="--section SourceCounters --page source --csv --print-source sass"
 prof() {  # name kernel-regex launch-skip program...
   local name=$1 k=$2 skip=$3; shift 3
@@ -22,6 +21,7 @@ if [ -n "${DECODE:-}" ]; then
   for spec in $DECODE; do prof "decode_${spec%%:*}" "${spec#*:}" 2 $PY -m ds4.engine.gpu.probe_kernel "${spec%%:*}"; done
   stamp done; exit 0
 fi
+stamp bench_attn; timeout 90 $PY -m ds4.engine.gpu.bench_attn 2>&1 | grep 'form 3,'
 for v in "128 split" "128 float" "4 split"; do
   set -- $v
   prof "attn_$1_$2" prefill_attn_bf16 1 $PY -m ds4.engine.gpu.bench_attn --tokens 2048 --session-launches 2 \
