@@ -710,6 +710,8 @@ PYBIND11_MODULE(_ext, m) {
   m.def("prefill_scratch_bytes", []() { return g_prefill_scratch.cap; });
   m.def("prefill_scratch_generation", []() { return g_prefill_scratch.generation; },
         "how many times the prefill ops' scratch buffer has grown (each growth synchronizes the device)");
+  m.def("l2_evict_first", []() { return ds4gpu::kStreamEvictFirst; },
+        "whether this build streams decode's weights with L2's evict_first policy ($DS4_GPU_L2_EVICT_FIRST at build time)");
   m.def("scratch_generation", []() { return g_scratch.generation; },
         "how many times the one-token ops' scratch buffer has moved (a decode graph captured before it moved is stale)");
   m.def("capture_begin", &capture_begin);

@@ -8,6 +8,9 @@ engine/gpu/_ext<EXT_SUFFIX>. No GPU is needed to build. Objects go to engine/gpu
 rebuilt when a source or header is newer.
 
     python engine/gpu/build.py [--arch sm_90a] [--jobs N] [--verbose]
+
+Build switches (environment, 0 or 1; a change rebuilds everything): DS4_GPU_L2_EVICT_FIRST (decode's weight streams
+with L2's evict_first policy).
 """
 
 from __future__ import annotations
@@ -82,6 +85,27 @@ def undefined_own_symbols(lib: Path) -> list[str]:
     return [ln.split()[-1] for ln in res.stdout.splitlines() if "_ZN6ds4gpu" in ln]
 
 
+# Build-time switches: environment variable -> the preprocessor define it sets (values 0 or 1).
+BUILD_SWITCHES = {
+    # decode's weight loads with L2's evict_first policy (common.cuh kStreamEvictFirst; NOTES v42)
+    "DS4_GPU_L2_EVICT_FIRST": "DS4_L2_EVICT_FIRST",
+}
+
+
+def build_defines(env: dict[str, str] | None = None) -> list[str]:
+    """The nvcc -D flags of the build switches set in env (os.environ by default)."""
+    env = os.environ if env is None else env
+    flags = []
+    for var, define in BUILD_SWITCHES.items():
+        val = env.get(var, "").strip()
+        if val in ("", "0"):
+            continue
+        if val != "1":
+            raise SystemExit(f"build.py: {var}={val!r}: use 0 or 1")
+        flags.append(f"-D{define}=1")
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default=os.environ.get("CUDA_ARCH", "sm_90a"), help="CUDA_ARCH, e.g. sm_90a or sm_80,sm_90a")
@@ -94,12 +118,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = find_cuda()
     nvcc = str(cuda / "bin" / "nvcc")
+    defines = build_defines()
     BUILD.mkdir(exist_ok=True)
-    arch_stamp = BUILD / "arch.txt"
-    if not arch_stamp.exists() or arch_stamp.read_text() != args.arch:
+    arch_stamp = BUILD / "arch.txt"  # the arch and the defines: a change rebuilds every object
+    stamp = " ".join([args.arch, *defines])
+    if not arch_stamp.exists() or arch_stamp.read_text() != stamp:
         for o in BUILD.glob("*.o"):
             o.unlink()
-        arch_stamp.write_text(args.arch)
+        arch_stamp.write_text(stamp)
     headers = [HERE / h for h in HEADERS]
     py_inc = sysconfig.get_paths()["include"]
 
@@ -107,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for src in CU_SOURCES:
         obj = BUILD / (src + ".o")
         if stale(obj, [HERE / src, *headers, arch_stamp]):
-            cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *gencode_flags(args.arch),
+            cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", *gencode_flags(args.arch), *defines,
                    "-c", str(HERE / src), "-o", str(obj)]
             if args.ptxas_info:
                 cmd.insert(3, "-Xptxas=-v")
@@ -116,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     for src in CPP_SOURCES:
         bobj = BUILD / (src + ".o")
         bobjs.append(bobj)
-        if stale(bobj, [HERE / src, HERE / "bindings.h", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh"]):
+        if stale(bobj, [HERE / src, HERE / "bindings.h", HERE / "common.cuh", HERE / "moe_mma.cuh", HERE / "router.cuh",
+                        arch_stamp]):
             # through nvcc too, so one host compiler builds every object
-            jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+            jobs.append([nvcc, "-std=c++17", "-O2", "-Xcompiler", "-fPIC,-fvisibility=hidden", *defines,
                          f"-I{pybind11.get_include()}", f"-I{py_inc}", "-c", str(HERE / src), "-o", str(bobj)])
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda c: run(c, args.verbose or args.ptxas_info), jobs))

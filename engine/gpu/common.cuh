@@ -19,6 +19,25 @@ enum QType : int { QT_F32 = 0, QT_F16 = 1, QT_Q8_0 = 8, QT_Q2_K = 10, QT_Q4_K = 
 constexpr int XB = 32;        // columns per activation-quant block ("x block"); every quant type's sub-unit
 constexpr int MAX_BATCH = 8;  // vectors per matvec launch
 
+// L2 priority of decode's weight streams (NOTES v42). A token reads ~9.5 GB of weights through a ~50 MB L2 that also
+// holds the activations, the KV rows and the kernels' code. At the default priority about four layers of weights pass
+// through it between two runs of the same kernel, so each layer fetches its kernels' code and the previous kernels'
+// outputs from DRAM again. With DS4_L2_EVICT_FIRST the weight loads and bulk copies of the decode kernels carry an
+// evict_first policy: their lines are the first to go, nothing else's. The policy is a compile-time constant folded
+// into the loads' memory descriptor (no instruction per load; the values loaded are the same). The prefill GEMMs (mmq,
+// mmf, mmw) re-read a weight tile for each activation tile and keep the default, as do dequant and the read-stream peer.
+// A build define: build.py passes $DS4_GPU_L2_EVICT_FIRST (default 0 until measured on a GPU).
+#ifndef DS4_L2_EVICT_FIRST
+#define DS4_L2_EVICT_FIRST 0
+#endif
+constexpr bool kStreamEvictFirst = DS4_L2_EVICT_FIRST != 0;
+
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t p;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));  // not volatile: hoisted and shared
+  return p;
+}
+
 inline void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(DQ_THREADS) dequant_kernel(Packed w, int64_t r
   const uint8_t* qrow = w.qs + src * w.qs_row;
   const uint8_t* srow = w.sc + src * w.sc_row;
   RawXb raw;
-  load_xb<QT>(qrow, srow, xb, nb, raw);
+  load_xb<QT, false>(qrow, srow, xb, nb, raw);
   XbCodes c;
   decode_xb<QT>(raw, Iq2Tables{grid}, c);
   constexpr bool is_signed = QT == QT_Q8_0 || QT == QT_IQ2_XXS;

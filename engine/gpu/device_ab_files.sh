@@ -4,6 +4,10 @@
 # files (.base/*, copied over engine/gpu/ and rebuilt) and the new ones (.base/new/*). Carry .whl and .base.
 #   TESTS="tests/test_gpu_prefill_attn.py" KBENCH="python3 -m ds4.engine.gpu.bench_attn" bash engine/gpu/device_ab_files.sh
 # Env: AB_CTX (the A/B runs' --ctx-max, 8192), ROUNDS (A/B pairs, 1), GEN (64), RECORD=0 (no full run).
+# BUILD_AB="DS4_GPU_L2_EVICT_FIRST=0 DS4_GPU_L2_EVICT_FIRST=1": the variants are build switches (build.py's
+#   environment; a change rebuilds everything, ~40 s) instead of file sets; no .base needed. TESTS, KBENCH and the
+#   record run on the build of the last variant named (export it before the call for the first build too).
+#   AB_KBENCH="python3 -m ds4.engine.gpu.bench --batch 1 --quick": also run for each variant (its last lines).
 set -u
 source engine/gpu/device_env.sh
 start_synth
@@ -22,8 +26,21 @@ bench() {  # label ctx_max
 }
 [ "${RECORD:-1}" = 1 ] && bench record 32768
 swap() { cp "$1"/*.cu* engine/gpu/ && $PY engine/gpu/build.py --jobs 16 > "$OUT/build_$2.log" 2>&1 || tail -20 "$OUT/build_$2.log"; }
+variant() {  # label: after the build, the kernel bench's last lines (AB_KBENCH) and ds4-bench
+  if [ -n "${AB_KBENCH:-}" ]; then stamp "kbench $1"; timeout 120 $AB_KBENCH 2>&1 | grep -vi warn | tail -${KBENCH_LINES:-12} | sed "s/^/$1 /"; fi
+  bench "$1" "${AB_CTX:-8192}"
+}
 for r in $(seq "${ROUNDS:-1}"); do
-  swap .base base; bench "base$r" "${AB_CTX:-8192}"
-  swap .base/new new; bench "new$r" "${AB_CTX:-8192}"
+  if [ -n "${BUILD_AB:-}" ]; then
+    for v in $BUILD_AB; do
+      local_label=$(echo "${v#DS4_GPU_}" | tr 'A-Z=' 'a-z_')  # DS4_GPU_L2_EVICT_FIRST=1 -> l2_evict_first_1
+      stamp "build $v"; env "$v" $PY engine/gpu/build.py --jobs 16 > "$OUT/build_$local_label.log" 2>&1 ||
+        tail -20 "$OUT/build_$local_label.log"
+      variant "${local_label}_r$r"
+    done
+  else
+    swap .base base; variant "base$r"
+    swap .base/new new; variant "new$r"
+  fi
 done
 stamp done

@@ -75,9 +75,15 @@ __device__ __forceinline__ void mt_issue(const MtArgs& m, int g, int rg, int j, 
   const MtItem t = mt_item(m, rg);
   const uint32_t qb = (uint32_t)(t.nr * m.slab_cols), sb = (uint32_t)(t.nr * (m.slab_cols / 16));
   mbar_arrive_expect_tx(bar, qb + sb);
-  bulk_copy_g2s(slot, t.sv.qs + g * m.a.gq + t.r0 * m.a.qs_row + (int64_t)j * m.slab_cols, qb, bar);
-  bulk_copy_g2s(slot + m.rw * m.slab_cols, t.sv.sc + g * m.a.gs + t.r0 * m.a.sc_row + (int64_t)j * (m.slab_cols / 16),
-                sb, bar);
+  const uint8_t* qs = t.sv.qs + g * m.a.gq + t.r0 * m.a.qs_row + (int64_t)j * m.slab_cols;
+  const uint8_t* sc = t.sv.sc + g * m.a.gs + t.r0 * m.a.sc_row + (int64_t)j * (m.slab_cols / 16);
+  if constexpr (kStreamEvictFirst) {
+    bulk_copy_g2s_hint(slot, qs, qb, bar, l2_evict_first_policy());
+    bulk_copy_g2s_hint(slot + m.rw * m.slab_cols, sc, sb, bar, l2_evict_first_policy());
+  } else {
+    bulk_copy_g2s(slot, qs, qb, bar);
+    bulk_copy_g2s(slot + m.rw * m.slab_cols, sc, sb, bar);
+  }
 }
 
 // acc[r] += this slab's part of row r: mv_consume's operations per 512-column chunk, in chunk order (x read once per

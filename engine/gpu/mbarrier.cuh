@@ -36,6 +36,15 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+// The same with an L2 cache policy (l2_evict_first_policy(): decode's weight slabs, common.cuh kStreamEvictFirst).
+__device__ __forceinline__ void bulk_copy_g2s_hint(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                                   uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
+      : "memory");
+}
 // Orders this thread's generic-proxy shared-memory accesses (stores, cp.async, reads) before its later async-proxy
 // ones (wgmma operands; a bulk copy refilling a slot the warp has read).
 __device__ __forceinline__ void fence_async_smem() {

@@ -99,7 +99,7 @@ __device__ __forceinline__ void mf_load_w(const MfArgs& a, const MfTile& tl, int
   for (int i = 0; i < MF_PAIRS; ++i) {
     const int p = threadIdx.x + MF_THREADS * i, row = p / MF_NB, b = p % MF_NB;
     const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed below
-    load_xb<QT>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
+    load_xb<QT, false>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
   }
 }
 

@@ -206,7 +206,7 @@ __device__ __forceinline__ void mmq_load_w(const MmqArgs& a, const MmqTile& tl, 
   for (int i = 0; i < mq_pairs<NT>(); ++i) {
     const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
     const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed below
-    load_xb<QT>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
+    load_xb<QT, false>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw[i]);
   }
 }
 
@@ -236,7 +236,7 @@ __device__ __forceinline__ void mmq_load_w_rows(const MmqArgs& a, const MmqWRows
                                                 RawXb (&raw)[mq_pairs<NT>()]) {
 #pragma unroll
   for (int i = 0; i < mq_pairs<NT>(); ++i)
-    load_xb<QT>(a.w.qs + wr.q[i], a.w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
+    load_xb<QT, false>(a.w.qs + wr.q[i], a.w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
 }
 
 template <int QT, int NT>

@@ -86,7 +86,7 @@ __device__ __forceinline__ void mw_load_x(const MfArgs& a, const MfTile& tl, int
 __device__ __forceinline__ void mw_load_w(const MfArgs& a, const MfTile& tl, int k0, RawXb& raw) {
   const int row = threadIdx.x >> 1, b = threadIdx.x & 1;
   const int64_t wr = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);
-  load_xb<QT_IQ2_XXS>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw);
+  load_xb<QT_IQ2_XXS, false>(a.w.qs + wr * a.w.qs_row, a.w.sc + wr * a.w.sc_row, k0 / 32 + b, a.nb, raw);
 }
 
 // Its codes (2 ls + 1) grid sign as float16 integers into the stage; at a super-block's first block, d / 8 into sd.

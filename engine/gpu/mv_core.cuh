@@ -19,26 +19,51 @@ static __device__ const unsigned long long kIq2Grid[256] = {
 // Streaming loads of weights: read-only, not kept in L1 (the activations live there). `volatile`
 // keeps them in program order, so all rows of an x block are requested before the first is used
 // (v1 let the compiler interleave load and use per row: one DRAM round trip per row, ~50% of copy).
+// EF: with L2's evict_first policy (common.cuh kStreamEvictFirst: decode's weights; the prefill GEMMs pass false).
+template <bool EF = kStreamEvictFirst>
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (EF)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(l2_evict_first_policy()));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   return v;
 }
+template <bool EF = kStreamEvictFirst>
 __device__ __forceinline__ uint2 ld_stream8(const void* p) {
   uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  if constexpr (EF)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p), "l"(l2_evict_first_policy()));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
+template <bool EF = kStreamEvictFirst>
 __device__ __forceinline__ uint32_t ld_stream4(const void* p) {
   uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  if constexpr (EF)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;"
+                 : "=r"(v)
+                 : "l"(p), "l"(l2_evict_first_policy()));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
+template <bool EF = kStreamEvictFirst>
 __device__ __forceinline__ uint32_t ld_stream2(const void* p) {
   unsigned short v;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  if constexpr (EF)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u16 %0, [%1], %2;"
+                 : "=h"(v)
+                 : "l"(p), "l"(l2_evict_first_policy()));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
   return v;
 }
 __device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
@@ -173,27 +198,28 @@ struct RawXb {
   uint32_t s0, s1;
 };
 
-template <int QT>
+// EF: the weights with L2's evict_first policy (decode; the prefill GEMMs and dequant pass false).
+template <int QT, bool EF = kStreamEvictFirst>
 __device__ __forceinline__ void load_xb(const uint8_t* qrow, const uint8_t* srow, int xb, int nb, RawXb& o) {
   if constexpr (QT == QT_Q8_0) {
-    uint4 a = ld_stream16(qrow + 32 * xb), b = ld_stream16(qrow + 32 * xb + 16);
+    uint4 a = ld_stream16<EF>(qrow + 32 * xb), b = ld_stream16<EF>(qrow + 32 * xb + 16);
     o.q[0] = a.x; o.q[1] = a.y; o.q[2] = a.z; o.q[3] = a.w;
     o.q[4] = b.x; o.q[5] = b.y; o.q[6] = b.z; o.q[7] = b.w;
-    o.s0 = ld_stream2(srow + 2 * xb);
+    o.s0 = ld_stream2<EF>(srow + 2 * xb);
   } else if constexpr (QT == QT_Q4_K) {
-    uint4 v = ld_stream16(qrow + 16 * xb);
+    uint4 v = ld_stream16<EF>(qrow + 16 * xb);
     o.q[0] = v.x; o.q[1] = v.y; o.q[2] = v.z; o.q[3] = v.w;
-    o.s0 = ld_stream4(srow + 4 * (xb >> 3));
-    o.s1 = ld_stream2(srow + 4 * nb + 2 * xb);
+    o.s0 = ld_stream4<EF>(srow + 4 * (xb >> 3));
+    o.s1 = ld_stream2<EF>(srow + 4 * nb + 2 * xb);
   } else if constexpr (QT == QT_Q2_K) {
-    uint2 v = ld_stream8(qrow + 8 * xb);
+    uint2 v = ld_stream8<EF>(qrow + 8 * xb);
     o.q[0] = v.x; o.q[1] = v.y;
-    o.s0 = ld_stream4(srow + 4 * (xb >> 3));
-    o.s1 = ld_stream2(srow + 4 * nb + 2 * xb);
+    o.s0 = ld_stream4<EF>(srow + 4 * (xb >> 3));
+    o.s1 = ld_stream2<EF>(srow + 4 * nb + 2 * xb);
   } else if constexpr (QT == QT_IQ2_XXS) {
-    uint2 v = ld_stream8(qrow + 8 * xb);
+    uint2 v = ld_stream8<EF>(qrow + 8 * xb);
     o.q[0] = v.x; o.q[1] = v.y;
-    o.s0 = ld_stream2(srow + 2 * (xb >> 3));
+    o.s0 = ld_stream2<EF>(srow + 2 * (xb >> 3));
   }
 }
 
