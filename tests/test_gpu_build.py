@@ -88,3 +88,17 @@ def test_build_switches_become_defines_and_bad_values_stop_the_build() -> None:
     common = (GPU_DIR / "common.cuh").read_text()
     for define in build.BUILD_SWITCHES.values():
         assert f"#ifndef {define}\n#define {define} 0\n#endif" in common
+
+
+def test_the_module_reports_the_switches_it_was_built_with() -> None:
+    """The built module's l2_evict_first() is the define build.py stamped for the objects it linked."""
+    import importlib
+
+    stamp = GPU_DIR / "build" / "arch.txt"
+    if not stamp.exists() or not list(GPU_DIR.glob("_ext*.so")):
+        pytest.skip("the extension is not built here")
+    try:
+        ext = importlib.import_module("ds4.engine.gpu._ext")
+    except ImportError as e:  # a module built elsewhere or for another Python
+        pytest.skip(f"the built module does not import here: {e}")
+    assert ext.l2_evict_first() == ("-DDS4_L2_EVICT_FIRST=1" in stamp.read_text().split())
