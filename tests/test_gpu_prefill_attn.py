@@ -523,6 +523,45 @@ def test_bf16_form_staged_split_output_gives_the_same_bits(T, H, hpg, fp8):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("T,H,n_comp,k_sel,pos0,ratio,hpg,fp8", [
+    (40, 64, 900, 512, 3000, 4, 8, True),    # Flash's top-k layer (512 selected rows staged: the largest layout)
+    (33, 64, 700, 64, 2000, 4, 8, False),    # few selected rows, lo written instead of the float8 operand
+    (24, 64, 40, 0, 4000, 128, 8, True),     # a ratio-128 layer: all compressed rows, the last ones not visible
+    (9, 20, None, 0, 0, 0, 4, True),         # window only from position 0, padded heads
+])
+def test_bf16_form_lean_loop_gives_the_same_bits(T, H, n_comp, k_sel, pos0, ratio, hpg, fp8):
+    """DS4_GPU_ATTN_LEAN=1 (v42): form 3 with two barriers per key tile (the softmax weights in a buffer of their own,
+    the next tile's bulk copies issued after the scores' barrier) and the softmax on all eight warps, against the
+    three-barrier loop: every bit of the split output (hi, lo / the float8 operand, the scales), with q_post and the
+    inverse RoPE."""
+    from ds4.engine.gpu.fused import Fused
+
+    K = Fused(gpu.load(), torch.device(DEV))
+    z, win, comp, sel, sinks, n_nope = _fp8_case(91 + T + H, T, H, n_comp, k_sel, pos0, ratio)
+    z = z * 7.0
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    kw = dict(exact_dims=n_nope, form=3, inverse_rope=(freq, 64), split_heads=hpg, split_fp8=fp8,
+              q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64))
+
+    def run(mode: int):
+        K.ext.set_attn_lean(mode)
+        try:
+            return K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, **kw)
+        finally:
+            K.ext.set_attn_lean(-1)
+
+    n0 = K.ext.attn_lean_launches()
+    old = run(0)
+    assert K.ext.attn_lean_launches() == n0
+    new = run(1)
+    assert K.ext.attn_lean_launches() == n0 + 1, "the lean loop did not run (its layout must fit two CTAs per SM)"
+    assert len(new) == len(old) == (4 if fp8 else 3)
+    for a, b in zip(new, old):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_bf16_form_in_the_session(monkeypatch, tmp_path):
     """`small` (FP8 KV on), 600 tokens in chunks of 256 (the window, the top-k and the ratio-128 rows): every
     position's logits with form 3 against form 2. The FP8 KV simulation amplifies last-bit differences (a key near an

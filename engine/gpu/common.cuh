@@ -436,6 +436,8 @@ bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg);
 void set_attn_tma(int mode);
 void set_attn_qregs(int mode);  // 1/0: form 3 stages its query rows in registers, or in shared memory; -1: env
 void set_attn_ostage(int mode);  // 1/0: form 3 stages its split output in shared memory, or stores fragments; -1: env
+void set_attn_lean(int mode);  // 1/0: form 3 with two barriers per key tile (v42, the same bits); -1: env
+int attn_lean_launches();       // how many form 3 launches took that loop
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
 // tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of
