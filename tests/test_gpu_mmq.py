@@ -462,8 +462,8 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
     (the session's form: token rows quantized once) and as gathered rows, the dense form (one partial tile) and the
     grouped one (8 groups: each group's columns start past the first), with 16-bit and 8-bit activations; and with
     DS4_GPU_MMQ_PAIRS=1 (v30: the fragments in pairs, one tile-rows test per pair) on top, the same bits again; and
-    DS4_GPU_MMQ_EARLY=1 on top of that (v42: the K-quants' next stage decoded between the two halves of a split
-    barrier), the same bits, and its kernels ran (the K-quants only)."""
+    DS4_GPU_MMQ_EARLY=1 and 2 on top of that (v42: the next stage decoded between the two halves of a split barrier;
+    1 the K-quants, 2 IQ2_XXS too), the same bits, and its kernels ran."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
@@ -505,13 +505,17 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
             ext.set_moe_x8(-1)
 
     old = product(0)
-    n_early = ext.mmq_early_launches()
-    for new in (product(1), product(1, pairs=1), product(1, pairs=1, early=1)):
+    for new in (product(1), product(1, pairs=1)):
         for a, b in zip(old, new):
             assert np.isfinite(b).all()
             assert np.array_equal(a, b)
         assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
-    assert (ext.mmq_early_launches() > n_early) == (qtype != Q.IQ2_XXS)
+    for early in (1, 2):
+        n_early = ext.mmq_early_launches()
+        new = product(1, pairs=1, early=early)
+        for a, b in zip(old, new):
+            assert np.array_equal(a, b)
+        assert (ext.mmq_early_launches() > n_early) == (qtype != Q.IQ2_XXS or early == 2)
 
 
 def test_mmq_declines_other_weights_and_checks_shapes():

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
                              "experts: the IQ2_XXS gate through the token-row table, the Q2_K down from the SwiGLU "
                              "source), each with mmq's rows found per stage and once per CTA (DS4_GPU_MMQ_XPTR 0 / "
                              "1), with the fragments in pairs (DS4_GPU_MMQ_PAIRS=1), and with the K-quants' next stage "
-                             "decoded before the buffer's barrier (DS4_GPU_MMQ_EARLY=1)")
+                             "and IQ2_XXS's decoded before the buffer's barrier (DS4_GPU_MMQ_EARLY=2)")
 
     args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows (--experts: tokens)", extra)
     if args is None:
@@ -94,8 +94,8 @@ def main(argv=None) -> int:
 
 def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> int:
     """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on, DS4_GPU_MMQ_PAIRS and then
-    DS4_GPU_MMQ_EARLY on top, in this process (and whether all give the same bits); the quantization of the launch's activations is included, as
-    in the session."""
+    DS4_GPU_MMQ_EARLY=2 on top, in this process (and whether all give the same bits); the quantization of the launch's
+    activations is included, as in the session."""
     from .moe_gemm import expert_tiles
 
     n_embd, n_ff, n_expert, k = 4096, 2048, 256, 6
@@ -129,7 +129,7 @@ def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> i
     print(f"routed experts, {T} tokens x {k} of {n_expert} ({tiles.shape[0]} activation tiles of "
           f"{ext.mmq_tile_rows()} rows): ms per launch")
     settings = {"XPTR=0 PAIRS=0": (0, 0, 0), "XPTR=1 PAIRS=0": (1, 0, 0), "XPTR=1 PAIRS=1": (1, 1, 0),
-                "XPTR=1 PAIRS=1 EARLY=1": (1, 1, 1)}
+                "XPTR=1 PAIRS=1 EARLY=2": (1, 1, 2)}
     times, outs = {}, {}
     try:
         for name, (xptr, pairs, early) in settings.items():

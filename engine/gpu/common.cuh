@@ -453,7 +453,7 @@ void set_mmq_min_mma(int mode);  // 2/1/0: the K-quants' min terms on the TF32 t
 void set_mmq_four(int mode);  // 1/0: IQ2_XXS with one weights' buffer and four CTAs per SM, or three; -1: env
 void set_mmq_xptr(int mode);  // 1/0: the four-CTA forms find their activation rows once per CTA, or per stage; -1: env
 void set_mmq_pairs(int mode);  // 1/0: the K-quants' row-pointer forms take fragments in pairs, or one by one; -1: env
-void set_mmq_early(int mode);  // 1/0: the K-quants' pair forms decode the next stage before the barrier; -1: env
+void set_mmq_early(int mode);  // 1: the K-quants' pair forms decode the next stage before the barrier, 2: IQ2_XXS too; -1: env
 int mmq_early_launches();       // how many mmq launches took that form
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the

@@ -593,9 +593,9 @@ static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
 // fragment at a time. The same bits. set_mmq_pairs overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
 // $DS4_GPU_MMQ_EARLY (v42, prepared, default 0): 1 the K-quants' four-CTA pair forms (the routed Q2_K down) decode the
-// next stage's weights before the barrier that frees their buffer (EARLY); 0 after it. The same bits. set_mmq_early
-// overrides it (0, 1; -1 the environment).
-static EnvSwitch mmq_early_switch{"DS4_GPU_MMQ_EARLY", 1, 0};
+// next stage's weights before the barrier that frees their buffer (EARLY); 2 also IQ2_XXS's four-CTA row-pointer form
+// (the routed gate and up); 0 after it. The same bits. set_mmq_early overrides it (0-2; -1 the environment).
+static EnvSwitch mmq_early_switch{"DS4_GPU_MMQ_EARLY", 2, 0};
 static int& mmq_early_count() {  // launches of the EARLY kernels (the tests' proof that they ran)
   static int n = 0;
   return n;
@@ -640,7 +640,10 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && xp)
+      if (NT == 64 && mmq_four_switch.get() && xp && mmq_early_switch.get() == 2) {
+        launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true, false, true>(a, grid, stream);
+        ++mmq_early_count();
+      } else if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
