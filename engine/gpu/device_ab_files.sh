@@ -6,7 +6,7 @@
 # Env: AB_CTX (the A/B runs' --ctx-max, 8192), ROUNDS (A/B pairs, 1), GEN (64), RECORD=0 (no full run).
 # BUILD_AB="DS4_GPU_L2_EVICT_FIRST=0 DS4_GPU_L2_EVICT_FIRST=1": the variants are build switches (build.py's
 #   environment; a change rebuilds everything, ~40 s) instead of file sets; no .base needed. TESTS, KBENCH and the
-#   record run on the build of the last variant named (export it before the call for the first build too).
+#   record run first, on the build the call's own environment makes (export a switch before the call to test it).
 #   AB_KBENCH="python3 -m ds4.engine.gpu.bench --batch 1 --quick": also run for each variant (its last lines).
 set -u
 source engine/gpu/device_env.sh
