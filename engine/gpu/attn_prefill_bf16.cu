@@ -175,7 +175,7 @@ __device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, in
 
 // The online softmax of one key tile on all eight warps (A3_LEAN; ap_softmax runs on four): eight threads per head row,
 // two keys each, where ap_softmax's thread q of the row holds keys 4q .. 4q + 3 (here threads 2q and 2q + 1 of the
-// row's eight). Every value is ap_softmax's bits: the same partial sums and scale per key, the maximum (exact in any
+// row's eight). Every value is ap_softmax's bits: the same scores (ap_key_score), the maximum (exact in any
 // order), the same expf, and the row's sum in ap_softmax's order: ((e0 + e1) + e2) + e3 per four keys (the pair
 // swaps its two values), then the four sums as its two butterfly steps (xor 1, 2 there; xor 2, 4 here). The weights go
 // to P (rows of AP_SP floats), not over the scores, so the next tile's scores need no barrier against this tile's P.V.
@@ -188,10 +188,7 @@ __device__ __forceinline__ void a3_softmax_wide(const PrefillAttn& a, int k0, in
   float v[2], mx = -INFINITY;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    float sc = srow[j];
-#pragma unroll
-    for (int q = 1; q < KS; ++q) sc += srow[q * HG * AP_SP + j];
-    v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? sc * a.scale : -INFINITY;
+    v[j] = ap_key_score<HG, KS>(a, srow, j, k0 + j0 + j < n_keys && ok[j0 + j]);
     mx = fmaxf(mx, v[j]);
   }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
