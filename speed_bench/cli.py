@@ -255,9 +255,13 @@ def floor_meta(model, backend: str) -> dict[str, str]:
     if backend == "cuda":
         from ds4.engine import gpu
 
-        gbps = gpu.load().copy_bandwidth()["gbps"]
+        ext = gpu.load()
+        gbps = ext.copy_bandwidth()["gbps"]
         meta["copy_gbps"] = f"{gbps:.0f}"
         meta["floor_ms"] = f"{wbytes / (gbps * 1e9) * 1e3:.4f}"
+        meta["gpu_device"] = str(ext.device_info()["name"])
+        # build-time switches change the kernels without a runtime trace: record them beside the figures
+        meta["gpu_l2_evict_first"] = str(int(ext.l2_evict_first()))
     return meta
 
 

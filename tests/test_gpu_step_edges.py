@@ -170,6 +170,8 @@ def test_ds4_bench_on_cuda_gives_the_cpu_backends_rows_shape(tiny_gguf, tmp_path
     # the GPU memory in use with the session open: at least the weights' upload (tiny's 36 MiB of tensors)
     assert float(run.meta["gpu_mem_used_gib"]) >= 0.03 and float(run.meta["torch_peak_gib"]) >= 0
     assert "GPU memory in use after the sweep" in r.stderr
+    # the device and the build switch beside the figures
+    assert run.meta["gpu_device"] and run.meta["gpu_l2_evict_first"] == str(int(gpu.load().l2_evict_first()))
     assert [row.ctx_tokens for row in run.rows] == [16, 40, 64, 70]
     assert all(row.gen_tokens == 5 and row.gen_tps > 0 and row.prefill_tps > 0 for row in run.rows)
 

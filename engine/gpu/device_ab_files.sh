@@ -22,7 +22,7 @@ bench() {  # label ctx_max
   timeout 240 $PY -m ds4.speed_bench.cli -m /dev/shm/flash-q2.gguf --backend cuda --ctx-start 2048 --ctx-max "$2" \
     --step-mul 4 --gen-tokens "${GEN:-64}" --prompt-file .whl/promessi_sposi.txt --csv "$OUT/bench_$1.csv" > "$OUT/bench_$1.log" 2>&1
   grep -v '^#' "$OUT/bench_$1.csv" 2>/dev/null | sed "s/^/$1 /" || tail -5 "$OUT/bench_$1.log"
-  grep -iE 'floor|memory|copy' "$OUT/bench_$1.csv" | head -4
+  grep -iE 'floor|memory|copy|gpu_device|evict' "$OUT/bench_$1.csv" | head -6
 }
 [ "${RECORD:-1}" = 1 ] && bench record 32768
 swap() { cp "$1"/*.cu* engine/gpu/ && $PY engine/gpu/build.py --jobs 16 > "$OUT/build_$2.log" 2>&1 || tail -20 "$OUT/build_$2.log"; }
