@@ -71,23 +71,23 @@ def test_build_finds_undefined_own_symbols(tmp_path) -> None:
 
 
 def test_build_switches_become_defines_and_bad_values_stop_the_build() -> None:
-    """$DS4_GPU_L2_EVICT_FIRST at build time: unset or 0 compiles the default, 1 the define; anything else is refused
+    """$DS4_GPU_L2_EVICT_FIRST at build time: unset builds the default (1), 0 or 1 that value; anything else is refused
     with a message naming the variable (never a build of an unintended variant)."""
     sys.path.insert(0, str(GPU_DIR))
     try:
         import build
     finally:
         sys.path.pop(0)
-    assert build.build_defines({}) == []
-    assert build.build_defines({"DS4_GPU_L2_EVICT_FIRST": "0"}) == []
+    assert build.build_defines({}) == ["-DDS4_L2_EVICT_FIRST=1"]
+    assert build.build_defines({"DS4_GPU_L2_EVICT_FIRST": "0"}) == ["-DDS4_L2_EVICT_FIRST=0"]
     assert build.build_defines({"DS4_GPU_L2_EVICT_FIRST": " 1 "}) == ["-DDS4_L2_EVICT_FIRST=1"]
     for bad in ("yes", "2", "-1"):
         with pytest.raises(SystemExit, match="DS4_GPU_L2_EVICT_FIRST"):
             build.build_defines({"DS4_GPU_L2_EVICT_FIRST": bad})
-    # every define named there is read by the sources, with a default of 0
+    # every define named there is read by the sources, whose own default (a compile without build.py) is build.py's
     common = (GPU_DIR / "common.cuh").read_text()
-    for define in build.BUILD_SWITCHES.values():
-        assert f"#ifndef {define}\n#define {define} 0\n#endif" in common
+    for define, default in build.BUILD_SWITCHES.values():
+        assert f"#ifndef {define}\n#define {define} {default}\n#endif" in common
 
 
 def test_the_module_reports_the_switches_it_was_built_with() -> None:

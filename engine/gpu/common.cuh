@@ -26,9 +26,11 @@ constexpr int MAX_BATCH = 8;  // vectors per matvec launch
 // evict_first policy: their lines are the first to go, nothing else's. The policy is a compile-time constant folded
 // into the loads' memory descriptor (no instruction per load; the values loaded are the same). The prefill GEMMs (mmq,
 // mmf, mmw) re-read a weight tile for each activation tile and keep the default, as do dequant and the read-stream peer.
-// A build define: build.py passes $DS4_GPU_L2_EVICT_FIRST (default 0 until measured on a GPU).
+// Measured (NOTES v42, H100, Flash's first 20 layers, ds4-bench in turn): gen 315.8 / 314.9 -> 325.8 / 324.8 t/s at 2k,
+// 311.9 / 310.7 -> 321.6 / 320.6 at 8k (+3.1%), prefill unchanged. A build define: build.py passes
+// $DS4_GPU_L2_EVICT_FIRST (default 1; 0 builds the v41 kernels).
 #ifndef DS4_L2_EVICT_FIRST
-#define DS4_L2_EVICT_FIRST 0
+#define DS4_L2_EVICT_FIRST 1
 #endif
 constexpr bool kStreamEvictFirst = DS4_L2_EVICT_FIRST != 0;
 
