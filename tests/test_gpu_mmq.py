@@ -461,9 +461,7 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
     the per-stage form: every output bit, for expert tiles full and partial (1, 20, 65 rows) read through a row table
     (the session's form: token rows quantized once) and as gathered rows, the dense form (one partial tile) and the
     grouped one (8 groups: each group's columns start past the first), with 16-bit and 8-bit activations; and with
-    DS4_GPU_MMQ_PAIRS=1 (v30: the fragments in pairs, one tile-rows test per pair) on top, the same bits again; and
-    DS4_GPU_MMQ_EARLY=1 and 2 on top of that (v42: the next stage decoded between the two halves of a split barrier;
-    1 the K-quants, 2 IQ2_XXS too), the same bits, and its kernels ran."""
+    DS4_GPU_MMQ_PAIRS=1 (v30: the fragments in pairs, one tile-rows test per pair) on top, the same bits again."""
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
@@ -491,17 +489,15 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
         assert ext.mmq_experts(w, ext.Array.from_numpy(xs), tiles.data_ptr(), tiles.shape[0], y, table)
         return y.numpy()
 
-    def product(mode: int, pairs: int = 0, early: int = 0):
+    def product(mode: int, pairs: int = 0):
         ext.set_mmq_xptr(mode)
         ext.set_mmq_pairs(pairs)
-        ext.set_mmq_early(early)
         ext.set_moe_x8(x8)
         try:
             return experts(x, rows.data_ptr()), experts(gathered, 0), run_mmq(w, gathered[:100]), run_mmq(wg, xg, 8)
         finally:
             ext.set_mmq_xptr(-1)
             ext.set_mmq_pairs(-1)
-            ext.set_mmq_early(-1)
             ext.set_moe_x8(-1)
 
     old = product(0)
@@ -510,12 +506,6 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
             assert np.isfinite(b).all()
             assert np.array_equal(a, b)
         assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
-    for early in (1, 2):
-        n_early = ext.mmq_early_launches()
-        new = product(1, pairs=1, early=early)
-        for a, b in zip(old, new):
-            assert np.array_equal(a, b)
-        assert (ext.mmq_early_launches() > n_early) == (qtype != Q.IQ2_XXS or early == 2)
 
 
 def test_mmq_declines_other_weights_and_checks_shapes():

@@ -492,64 +492,35 @@ def test_bf16_form_query_rows_in_registers_give_the_same_bits(T, H, post):
         assert torch.equal(a, b)
 
 
-def _split_output_ab(seed, T, H, n_comp, k_sel, pos0, ratio, hpg, fp8, switch: str):
-    """Form 3's split output (q_post and the inverse RoPE on) with ext.<switch>(0), then (1): the two launches' outputs,
-    each (hi, lo or the float8 operand, scales...)."""
-    from ds4.engine.gpu.fused import Fused
-
-    K = Fused(gpu.load(), torch.device(DEV))
-    z, win, comp, sel, sinks, n_nope = _fp8_case(seed, T, H, n_comp, k_sel, pos0, ratio)
-    z = z * 7.0
-    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
-    kw = dict(exact_dims=n_nope, form=3, inverse_rope=(freq, 64), split_heads=hpg, split_fp8=fp8,
-              q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64))
-    set_mode = getattr(K.ext, switch)
-
-    def run(mode: int):
-        set_mode(mode)
-        try:
-            return K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, **kw)
-        finally:
-            set_mode(-1)
-
-    old = run(0)
-    return old, run(1)
-
-
-def _assert_same_split_bits(old, new, fp8):
-    assert len(new) == len(old) == (4 if fp8 else 3)
-    for a, b in zip(new, old):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 @pytest.mark.parametrize("T,H,hpg,fp8", [(33, 64, 8, True), (33, 64, 8, False), (9, 20, 4, True), (12, 32, 16, False)])
 def test_bf16_form_staged_split_output_gives_the_same_bits(T, H, hpg, fp8):
     """DS4_GPU_ATTN_OSTAGE=1: form 3's output staged in shared memory as float32 rows, then split and written in whole
     runs of 8 columns by one rolled loop (v41; v27-v40 staged the split itself), against the split stored from the
     fragments: every bit of hi, lo / the operand and the scales (with q_post and the inverse RoPE; 20 heads: rows past
     H in the CTA's 32)."""
-    old, new = _split_output_ab(57 + T + H, T, H, 700, 64, 2000, 4, hpg, fp8, "set_attn_ostage")
-    _assert_same_split_bits(old, new, fp8)
+    from ds4.engine.gpu.fused import Fused
 
+    K = Fused(gpu.load(), torch.device(DEV))
+    pos0, ratio = 2000, 4
+    z, win, comp, sel, sinks, n_nope = _fp8_case(57 + T + H, T, H, 700, 64, pos0, ratio)
+    z = z * 7.0
+    freq = (10000.0 ** (-torch.arange(32, dtype=torch.float32) / 32)).to(DEV)
+    kw = dict(exact_dims=n_nope, form=3, inverse_rope=(freq, 64), split_heads=hpg, split_fp8=fp8,
+              q_post=dict(norm=True, eps=1e-6, freq=freq, rope_dim=64))
 
-@pytest.mark.parametrize("T,H,n_comp,k_sel,pos0,ratio,hpg,fp8", [
-    (40, 64, 900, 512, 3000, 4, 8, True),    # Flash's top-k layer (512 selected rows staged: the largest layout)
-    (33, 64, 700, 64, 2000, 4, 8, False),    # few selected rows, lo written instead of the float8 operand
-    (24, 64, 40, 0, 4000, 128, 8, True),     # a ratio-128 layer: all compressed rows, the last ones not visible
-    (9, 20, None, 0, 0, 0, 4, True),         # window only from position 0, padded heads
-])
-def test_bf16_form_lean_loop_gives_the_same_bits(T, H, n_comp, k_sel, pos0, ratio, hpg, fp8):
-    """DS4_GPU_ATTN_LEAN=1 (v42): form 3 with two barriers per key tile (the softmax weights in a buffer of their own,
-    the next tile's bulk copies issued after the scores' barrier) and the softmax on all eight warps, against the
-    three-barrier loop: every bit of the split output (hi, lo / the float8 operand, the scales), with q_post and the
-    inverse RoPE."""
-    ext = gpu.load()
-    n0 = ext.attn_lean_launches()
-    old, new = _split_output_ab(91 + T + H, T, H, n_comp, k_sel, pos0, ratio, hpg, fp8, "set_attn_lean")
-    assert ext.attn_lean_launches() == n0 + 1, "the lean loop ran other than once (its layout must fit two CTAs per SM)"
-    _assert_same_split_bits(old, new, fp8)
+    def run(mode: int):
+        K.ext.set_attn_ostage(mode)
+        try:
+            return K.prefill_attn(z, win, comp, sel, sinks, pos0, ratio, **kw)
+        finally:
+            K.ext.set_attn_ostage(-1)
+
+    old, new = run(0), run(1)
+    assert len(new) == len(old) == (4 if fp8 else 3)
+    for a, b in zip(new, old):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_bf16_form_in_the_session(monkeypatch, tmp_path):

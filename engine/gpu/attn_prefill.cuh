@@ -397,17 +397,6 @@ __device__ __forceinline__ void ap_store_split(const PrefillAttn& a, int t, int 
     a.out_s[(int64_t)t * (a.H / hpg) + h_base / hpg + tid] = fmaxf(gmax[tid], 1e-30f);
 }
 
-// Key j of a tile row's scores (srow: the row's partial sums in part 0, the other KS - 1 parts HG rows of AP_SP apart),
-// scaled, or -inf where the key is not one (live false). ap_softmax and form 3's a3_softmax_wide share it, so their
-// weights are the same bits.
-template <int HG, int KS>
-__device__ __forceinline__ float ap_key_score(const PrefillAttn& a, const float* srow, int j, bool live) {
-  float sc = srow[j];
-#pragma unroll
-  for (int q = 1; q < KS; ++q) sc += srow[q * HG * AP_SP + j];
-  return live ? sc * a.scale : -INFINITY;
-}
-
 // The online softmax of one key tile (after its scores' KS partial sums are in Ss): 4 threads per head row, keys
 // 4 (tid % 4) .. + 3 each; the tile's weights replace the scores in Ss part 0, m_s and l_s advance, and f_s holds the
 // factor that rescales the rows' output accumulators.
@@ -421,7 +410,10 @@ __device__ __forceinline__ void ap_softmax(const PrefillAttn& a, int k0, int n_k
     float v[4], mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      v[j] = ap_key_score<HG, KS>(a, srow, j, k0 + j0 + j < n_keys && ok[j0 + j]);
+      float sc = srow[j];
+#pragma unroll
+      for (int q = 1; q < KS; ++q) sc += srow[q * HG * AP_SP + j];
+      v[j] = (k0 + j0 + j < n_keys && ok[j0 + j]) ? sc * a.scale : -INFINITY;
       mx = fmaxf(mx, v[j]);
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

@@ -39,18 +39,17 @@ __device__ __forceinline__ void split_bf16_pair(float2 x, uint32_t& hi, uint32_t
 
 // Shared layout (bytes from the start): the two key buffers' mbarriers (TMA form), Qh, Ql [HG][d + 8] bfloat16 (rows
 // 1040 bytes apart for d = 512: ldmatrix's 8 rows hit distinct 16-byte bank groups), then the union region.
-// lean (A3_LEAN): the tile's softmax weights in a buffer of their own (HG rows of AP_SP floats) before the scores.
 struct A3Layout {
   int qb, dsb;
   size_t qh, ql, uni, kbuf_bytes, tail_bytes, stage_bytes, total;
-  __host__ __device__ A3Layout(int d, int pk, int n_sel_staged, bool lean = false) {
+  __host__ __device__ A3Layout(int d, int pk, int n_sel_staged) {
     qb = d + 8;
     dsb = ap_smem_row_bytes<true>(d, pk);
     qh = 16;
     ql = qh + 2 * (size_t)A3_HG * qb;
     uni = ql + 2 * (size_t)A3_HG * qb;
     kbuf_bytes = 2 * (size_t)AP_KT * dsb;
-    tail_bytes = 4 * ((size_t)(A3_KS + (lean ? 1 : 0)) * A3_HG * AP_SP + 3 * A3_HG + 2 * AP_KT + n_sel_staged);
+    tail_bytes = 4 * ((size_t)A3_KS * A3_HG * AP_SP + 3 * A3_HG + 2 * AP_KT + n_sel_staged);
     stage_bytes = 4 * (size_t)16 * (d + AP_PAD);
     total = uni + (kbuf_bytes + tail_bytes > stage_bytes ? kbuf_bytes + tail_bytes : stage_bytes);
   }
@@ -173,67 +172,16 @@ __device__ __forceinline__ void a3_load_tile_tma(const PrefillAttn& a, int t, in
   if (lane < AP_KT) ok[lane] = src != nullptr;
 }
 
-// The online softmax of one key tile on all eight warps (A3_LEAN; ap_softmax runs on four): eight threads per head row,
-// two keys each, where ap_softmax's thread q of the row holds keys 4q .. 4q + 3 (here threads 2q and 2q + 1 of the
-// row's eight). Every value is ap_softmax's bits: the same scores (ap_key_score), the maximum (exact in any
-// order), the same expf, and the row's sum in ap_softmax's order: ((e0 + e1) + e2) + e3 per four keys (the pair
-// swaps its two values), then the four sums as its two butterfly steps (xor 1, 2 there; xor 2, 4 here). The weights go
-// to P (rows of AP_SP floats), not over the scores, so the next tile's scores need no barrier against this tile's P.V.
-template <int HG, int KS>
-__device__ __forceinline__ void a3_softmax_wide(const PrefillAttn& a, int k0, int n_keys, const int* ok, const float* Ss,
-                                                float* P, float* m_s, float* l_s, float* f_s) {
-  static_assert(8 * HG == AP_THREADS, "eight threads per head row");
-  const int tid = threadIdx.x, row = tid >> 3, sub = tid & 7, j0 = 2 * sub;
-  const float* srow = Ss + row * AP_SP + j0;
-  float v[2], mx = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    v[j] = ap_key_score<HG, KS>(a, srow, j, k0 + j0 + j < n_keys && ok[j0 + j]);
-    mx = fmaxf(mx, v[j]);
-  }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-  const float mo = m_s[row];
-  mx = fmaxf(mx, mo);
-  float e[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    e[j] = v[j] == -INFINITY ? 0.0f : expf(v[j] - mx);
-    P[row * AP_SP + j0 + j] = e[j];
-  }
-  const float o0 = __shfl_xor_sync(0xffffffffu, e[0], 1), o1 = __shfl_xor_sync(0xffffffffu, e[1], 1);
-  const bool second = sub & 1;  // keys 4q + 2, 4q + 3 of ap_softmax's thread q
-  float sum = 0.0f;
-  sum += second ? o0 : e[0];
-  sum += second ? o1 : e[1];
-  sum += second ? e[0] : o0;
-  sum += second ? e[1] : o1;
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-  if (sub == 0) {
-    const float alpha = mx == -INFINITY ? 1.0f : expf(mo - mx);
-    l_s[row] = l_s[row] * alpha + sum;
-    m_s[row] = mx;
-    f_s[row] = alpha;
-  }
-}
-
 // NB output tiles (8 columns each) of exact columns and NR of RoPE columns per warp: warp part cp owns the exact tiles
 // NB cp .. + NB - 1 and the RoPE tiles NR cp .. + NR - 1 (so every warp has the same mix of work). Key rows: pk
 // bfloat16 columns, then the RoPE columns' hi, then their lo (byte 2 c is column c's value or hi, 2 c + 2 (d - pk) its
 // lo).
 // OST ($DS4_GPU_ATTN_OSTAGE): the split output staged in the query planes' shared memory (free after the last tile:
 // ap_split_stage_bytes fits them exactly at d = 512) and written out in whole runs (ap_split_flush).
-// LEAN ($DS4_GPU_ATTN_LEAN, TMA only): two barriers per key tile instead of three. The softmax weights have a buffer of
-// their own (P) and the next tile's bulk copies are issued after the barrier that follows this tile's scores (every warp
-// has then finished the previous tile's P.V, the last reader of the buffer they refill), so the barrier at the top of
-// the tile goes; the softmax runs on all eight warps (a3_softmax_wide). The same bits.
-template <int NB, int NR, bool TMA, bool QREGS = false, bool OST = false, bool LEAN = false>
+template <int NB, int NR, bool TMA, bool QREGS = false, bool OST = false>
 __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const __grid_constant__ PrefillAttn a) {
   constexpr int MT = A3_MT, HG = A3_HG, KS = A3_KS, KC = A3_KC, NT = NB + NR;
   static_assert(NB % 2 == 0 && NR == 2, "output tiles go in pairs (one transposed ldmatrix.x4 each)");
-  static_assert(!LEAN || TMA, "LEAN: the bulk-copy form");
   extern __shared__ __align__(16) float sh[];
   const int t = blockIdx.x, h_base = blockIdx.y * HG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, i4 = lane & 3;
@@ -243,14 +191,13 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   const int n_keys = a.Wn + n_cmp;
   const int64_t n_vis = a.ratio > 0 ? (p + 1) / a.ratio : 0;
   const bool stage_sel = a.prefetch && a.sel && a.comp;
-  const A3Layout lay(d, pk, stage_sel ? a.n_sel : 0, LEAN);
+  const A3Layout lay(d, pk, stage_sel ? a.n_sel : 0);
   uint8_t* base = (uint8_t*)sh;
   uint64_t* kbar = (uint64_t*)base;  // TMA: one mbarrier per key buffer
   __nv_bfloat16* Qh = (__nv_bfloat16*)(base + lay.qh);
   __nv_bfloat16* Ql = (__nv_bfloat16*)(base + lay.ql);
   uint8_t* Kbuf = base + lay.uni;  // [2][AP_KT] key rows of dsb bytes, after the queries are split
-  float* Pw = (float*)(Kbuf + lay.kbuf_bytes);  // LEAN: [HG][AP_SP] the tile's weights (else part 0 of Ss holds them)
-  float* Ss = Pw + (LEAN ? HG * AP_SP : 0);      // [KS][HG][AP_SP] partial scores
+  float* Ss = (float*)(Kbuf + lay.kbuf_bytes);  // [KS][HG][AP_SP] partial scores; part 0 then the tile's weights
   float* m_s = Ss + KS * HG * AP_SP;
   float* l_s = m_s + HG;
   float* f_s = l_s + HG;
@@ -293,9 +240,7 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
   for (int k0 = 0, buf = 0; k0 < n_keys; k0 += AP_KT, buf ^= 1) {
-    if (LEAN) {
-      mbar_wait(&kbar[buf], (k0 / AP_KT >> 1) & 1);  // this tile's rows; its ok flags: the barrier after the scores
-    } else if (TMA) {
+    if (TMA) {
       fence_async_smem();  // this thread's reads of the buffer the next copies refill, before them
       __syncthreads();     // the previous tile's reads of its buffer, Ss and f_s are done
       if (warp == 0 && k0 + AP_KT < n_keys)
@@ -362,17 +307,8 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
       sp[8 * AP_SP] = c[2];
       sp[8 * AP_SP + 1] = c[3];
     }
-    if constexpr (LEAN) {
-      fence_async_smem();  // this thread's reads of the other buffer (the previous tile's P.V), before its refill
-      __syncthreads();     // the scores are in Ss; every warp is past the previous tile's P.V
-      if (warp == 0 && k0 + AP_KT < n_keys)
-        a3_load_tile_tma(a, t, p, n_vis, n_keys, k0 + AP_KT, Kbuf + (buf ^ 1) * AP_KT * dsb, ok_s + (buf ^ 1) * AP_KT,
-                         dsb, sel_s, &kbar[buf ^ 1]);
-      a3_softmax_wide<HG, KS>(a, k0, n_keys, ok, Ss, Pw, m_s, l_s, f_s);
-    } else {
-      __syncthreads();
-      ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
-    }
+    __syncthreads();
+    ap_softmax<HG, KS>(a, k0, n_keys, ok, Ss, m_s, l_s, f_s);
     __syncthreads();
     const float r0 = f_s[16 * mt_o + g], r1 = f_s[16 * mt_o + g + 8];
     if (__any_sync(0xffffffffu, r0 != 1.0f || r1 != 1.0f)) {  // no new maximum in any of the warp's rows: x 1 skipped
@@ -386,7 +322,7 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
     }
     // P [16 heads x 16 keys] . V [16 keys x 8 columns]: the weights split once per tile, the values as B fragments by
     // a transposed ldmatrix.x4 on the key rows, two output tiles per load
-    const float* p0 = (LEAN ? Pw : Ss) + (16 * mt_o + g) * AP_SP;
+    const float* p0 = Ss + (16 * mt_o + g) * AP_SP;
     uint32_t ph[4], pl[4];
     split_bf16_pair(*(const float2*)(p0 + 2 * i4), ph[0], pl[0]);
     split_bf16_pair(*(const float2*)(p0 + 8 * AP_SP + 2 * i4), ph[1], pl[1]);
@@ -421,16 +357,15 @@ __global__ void __launch_bounds__(AP_THREADS, 2) prefill_attn_bf16_kernel(const 
                              l_s, f_s, Ss, OST ? base + lay.qh : nullptr);
 }
 
-template <int NB, int NR, bool TMA, bool QREGS, bool OST = false, bool LEAN = false>
+template <int NB, int NR, bool TMA, bool QREGS, bool OST = false>
 void launch_bf16(const PrefillAttn& a, size_t shm, cudaStream_t s) {
   static size_t shm_set = 0;
   if (shm > shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST, LEAN>,
+    DS4_CHECK(cudaFuncSetAttribute(prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = shm;
   }
-  prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST, LEAN>
-      <<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
+  prefill_attn_bf16_kernel<NB, NR, TMA, QREGS, OST><<<dim3(a.T, (a.H + A3_HG - 1) / A3_HG), AP_THREADS, shm, s>>>(a);
 }
 
 
@@ -451,13 +386,6 @@ void set_attn_qregs(int mode) { attn_qregs_switch.set(mode); }
 // overrides it (0, 1; -1 the environment).
 static EnvSwitch attn_ostage_switch{"DS4_GPU_ATTN_OSTAGE", 1, 1};
 void set_attn_ostage(int mode) { attn_ostage_switch.set(mode); }
-// $DS4_GPU_ATTN_LEAN (v42, prepared, default 0): 1 form 3's bulk-copy kernels with two barriers per key tile and the
-// softmax on all eight warps (the kernel's LEAN), where its shared memory (2.5 KB more) still fits two CTAs per SM; 0 the
-// three-barrier loop. The same bits. set_attn_lean overrides it (0, 1; -1 the environment).
-static EnvSwitch attn_lean_switch{"DS4_GPU_ATTN_LEAN", 1, 0};
-void set_attn_lean(int mode) { attn_lean_switch.set(mode); }
-static int g_attn_lean_launches = 0;  // launches of the LEAN kernel (the tests' proof that it ran)
-int attn_lean_launches() { return g_attn_lean_launches; }
 
 bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg) {
   return d == 512 && pk_dims == 448 && (out_hpg <= 0 || A3_HG % out_hpg == 0);
@@ -476,12 +404,7 @@ bool launch_prefill_attn_bf16(const PrefillAttn& a, cudaStream_t s) {
   const bool qregs = attn_qregs_switch.get() && (!a.q_post_on || !a.q_post.freq ||
                                                  a.q_post.rope_dim <= 32 * A3_QREGS_RK);  // per warp: 56 / 4 exact, 8 / 4 RoPE tiles
   const bool ost = a.out_hi && attn_ostage_switch.get() && ap_f32_stage_bytes(A3_HG, a.d) <= lay.uni - lay.qh;
-  const A3Layout lean_lay(a.d, a.pk_dims, stage_sel ? a.n_sel : 0, true);
-  const bool lean = tma && qregs && ost && attn_lean_switch.get() && lean_lay.total <= 113 * 1024;
-  if (lean) {
-    launch_bf16<14, 2, true, true, true, true>(a, lean_lay.total, s);
-    ++g_attn_lean_launches;
-  } else if (tma && qregs && ost) launch_bf16<14, 2, true, true, true>(a, lay.total, s);
+  if (tma && qregs && ost) launch_bf16<14, 2, true, true, true>(a, lay.total, s);
   else if (tma && qregs) launch_bf16<14, 2, true, true>(a, lay.total, s);
   else if (tma) launch_bf16<14, 2, true, false>(a, lay.total, s);
   else launch_bf16<14, 2, false, false>(a, lay.total, s);

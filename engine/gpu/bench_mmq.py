@@ -39,8 +39,7 @@ def main(argv=None) -> int:
                         help="instead: the routed experts as the session launches them (T tokens x 6 of 256 Flash "
                              "experts: the IQ2_XXS gate through the token-row table, the Q2_K down from the SwiGLU "
                              "source), each with mmq's rows found per stage and once per CTA (DS4_GPU_MMQ_XPTR 0 / "
-                             "1), with the fragments in pairs (DS4_GPU_MMQ_PAIRS=1), and with the K-quants' next stage "
-                             "and IQ2_XXS's decoded before the buffer's barrier (DS4_GPU_MMQ_EARLY=2)")
+                             "1), and with the fragments in pairs (DS4_GPU_MMQ_PAIRS=1)")
 
     args = bench_args(argv, __doc__, "bench_mmq", 8192, 5, "activation rows (--experts: tokens)", extra)
     if args is None:
@@ -93,9 +92,9 @@ def main(argv=None) -> int:
 
 
 def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> int:
-    """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on, DS4_GPU_MMQ_PAIRS and then
-    DS4_GPU_MMQ_EARLY=2 on top, in this process (and whether all give the same bits); the quantization of the launch's
-    activations is included, as in the session."""
+    """ms per routed-expert launch at Flash shapes, with DS4_GPU_MMQ_XPTR off and on and DS4_GPU_MMQ_PAIRS on top, in
+    this process (and whether all give the same bits); the quantization of the launch's activations is included, as
+    in the session."""
     from .moe_gemm import expert_tiles
 
     n_embd, n_ff, n_expert, k = 4096, 2048, 256, 6
@@ -128,26 +127,23 @@ def bench_experts(ext, upload, T: int, reps: int, rng: np.random.Generator) -> i
     ext.mmq_experts(gate, arr(x), tiles.data_ptr(), tiles.shape[0], arr(u), rows.data_ptr())  # an up stand-in
     print(f"routed experts, {T} tokens x {k} of {n_expert} ({tiles.shape[0]} activation tiles of "
           f"{ext.mmq_tile_rows()} rows): ms per launch")
-    settings = {"XPTR=0 PAIRS=0": (0, 0, 0), "XPTR=1 PAIRS=0": (1, 0, 0), "XPTR=1 PAIRS=1": (1, 1, 0),
-                "XPTR=1 PAIRS=1 EARLY=2": (1, 1, 2)}
+    settings = {"XPTR=0 PAIRS=0": (0, 0), "XPTR=1 PAIRS=0": (1, 0), "XPTR=1 PAIRS=1": (1, 1)}
     times, outs = {}, {}
     try:
-        for name, (xptr, pairs, early) in settings.items():
+        for name, (xptr, pairs) in settings.items():
             ext.set_mmq_xptr(xptr)
             ext.set_mmq_pairs(pairs)
-            ext.set_mmq_early(early)
             times[name] = (time_ms(gate_launch, reps), time_ms(down_launch, reps))
             torch.cuda.synchronize()
             outs[name] = (g.clone(), y.clone())
     finally:
         ext.set_mmq_xptr(-1)
         ext.set_mmq_pairs(-1)
-        ext.set_mmq_early(-1)
     base = "XPTR=0 PAIRS=0"
     same = all(torch.equal(a, b) for name in settings for a, b in zip(outs[base], outs[name]))
     for name, (tg, td) in times.items():
         g0, d0 = times[base]
-        print(f"  DS4_GPU_MMQ_{name:<22} gate (IQ2_XXS) {tg:6.2f}   down (Q2_K) {td:6.2f}   per 43-layer prefill "
+        print(f"  DS4_GPU_MMQ_{name:<15} gate (IQ2_XXS) {tg:6.2f}   down (Q2_K) {td:6.2f}   per 43-layer prefill "
               f"(gate, up, down) {43 * (2 * tg + td):7.1f} ms   against the first: gate {tg / g0:.3f}, down {td / d0:.3f}")
     print(f"  the same bits in every setting: {'yes' if same else 'NO'}")
     return 0 if same else 1

@@ -208,10 +208,6 @@ void bind_fused_ops(py::module_& m) {
   m.def("set_attn_ostage", &set_attn_ostage, py::arg("mode"),
         "prefill attention form 3's split output: 1 staged in shared memory and written in whole runs per head row, 0 "
         "stored from the fragments (the same bits), -1 back to $DS4_GPU_ATTN_OSTAGE; read at each launch");
-  m.def("set_attn_lean", &set_attn_lean, py::arg("mode"),
-        "prefill attention form 3 (bulk copies, split output): 1 two barriers per key tile and the softmax on all eight "
-        "warps, 0 three barriers (the same bits), -1 back to $DS4_GPU_ATTN_LEAN; read at each launch");
-  m.def("attn_lean_launches", &attn_lean_launches, "prefill attention form 3 launches that took the lean loop");
   m.def("prefill_attn_bf16_takes", &prefill_attn_bf16_takes, py::arg("d"), py::arg("pk_dims"), py::arg("out_hpg"),
         "whether prefill attention form 3 takes these shapes (out_hpg: the split output's heads per group, 0: none)");
   m.def("prefill_attn_takes", &prefill_attn_takes, py::arg("H"), py::arg("d"));

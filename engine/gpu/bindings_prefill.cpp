@@ -201,11 +201,6 @@ void bind_prefill_products(py::module_& m) {
   m.def("set_mmq_pairs", &set_mmq_pairs, py::arg("mode"),
         "1: mmq's K-quant row-pointer kernels take their fragments in pairs (one tile-rows test per pair), 0: one at "
         "a time (the same bits); -1: $DS4_GPU_MMQ_PAIRS again.");
-  m.def("mmq_early_launches", &mmq_early_launches, "mmq launches that took the EARLY form ($DS4_GPU_MMQ_EARLY)");
-  m.def("set_mmq_early", &set_mmq_early, py::arg("mode"),
-        "mmq's K-quant pair forms (the routed Q2_K down): 1 the next stage's weights decoded into registers before the "
-        "barrier that frees their buffer, 2 also IQ2_XXS's four-CTA form (the routed gate and up), 0 after it (the same "
-        "bits), -1 back to $DS4_GPU_MMQ_EARLY");
 }
 
 }  // namespace ds4ext

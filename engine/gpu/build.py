@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / "build"
-CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_tma.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "attn_decode.cu", "hc.cu", "hc_cluster.cu", "hc_mix.cu", "topk.cu", "dequant.cu", "router.cu", "attn_prefill.cu", "attn_prefill_bf16.cu", "mmq.cu", "expert_tiles.cu", "mmf.cu", "mmw.cu", "barrier.cu", "indexer.cu", "read_stream.cu", "compress_prefill.cu", "step_edges.cu"]
+CU_SOURCES = ["repack.cu", "matvec.cu", "matvec_stream.cu", "matvec_tma.cu", "matvec_chain.cu", "moe.cu", "moe_mma.cu", "fused.cu", "attn_decode.cu", "hc.cu", "hc_cluster.cu", "hc_mix.cu", "topk.cu", "dequant.cu", "router.cu", "attn_prefill.cu", "attn_prefill_bf16.cu", "mmq.cu", "mmf.cu", "mmw.cu", "barrier.cu", "indexer.cu", "read_stream.cu", "compress_prefill.cu", "step_edges.cu"]
 CPP_SOURCES = ["bindings.cpp", "bindings_fused.cpp", "bindings_prefill.cpp"]  # the module (host code, pybind11)
 HEADERS = ["common.cuh", "mbarrier.cuh", "mv_core.cuh", "mv_stream.cuh", "block_ops.cuh", "iq2_tables.inc", "moe_mma.cuh", "router.cuh", "grid_barrier.cuh", "mma_ops.cuh", "attn_prefill.cuh"]
 

@@ -438,8 +438,6 @@ bool prefill_attn_bf16_takes(int d, int pk_dims, int out_hpg);
 void set_attn_tma(int mode);
 void set_attn_qregs(int mode);  // 1/0: form 3 stages its query rows in registers, or in shared memory; -1: env
 void set_attn_ostage(int mode);  // 1/0: form 3 stages its split output in shared memory, or stores fragments; -1: env
-void set_attn_lean(int mode);  // 1/0: form 3 with two barriers per key tile (v42, the same bits); -1: env
-int attn_lean_launches();       // how many form 3 launches took that loop
 void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // mmq.cu: y[t, g rows_g + r] = W[g rows_g + r] . x[t, g K ..] for T activation rows quantized by quantize_x, on the int8
 // tensor cores straight from the codes (prefill); mmq_takes: Q8_0, Q2_K, Q4_K or IQ2_XXS with columns a multiple of
@@ -455,8 +453,6 @@ void set_mmq_min_mma(int mode);  // 2/1/0: the K-quants' min terms on the TF32 t
 void set_mmq_four(int mode);  // 1/0: IQ2_XXS with one weights' buffer and four CTAs per SM, or three; -1: env
 void set_mmq_xptr(int mode);  // 1/0: the four-CTA forms find their activation rows once per CTA, or per stage; -1: env
 void set_mmq_pairs(int mode);  // 1/0: the K-quants' row-pointer forms take fragments in pairs, or one by one; -1: env
-void set_mmq_early(int mode);  // 1: the K-quants' pair forms decode the next stage before the barrier, 2: IQ2_XXS too; -1: env
-int mmq_early_launches();       // how many mmq launches took that form
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).

@@ -26,7 +26,6 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
-#include "mbarrier.cuh"
 #include "mma_ops.cuh"
 #include "moe_mma.cuh"
 #include "mv_core.cuh"
@@ -83,8 +82,6 @@ __host__ __device__ constexpr size_t mq_stage_bytes() { return (ONEW ? 1 : 2) * 
 
 template <int QT>
 __host__ __device__ constexpr bool has_mins() { return QT == QT_Q2_K || QT == QT_Q4_K; }
-template <int QT>
-__host__ __device__ constexpr size_t mq_grid_bytes() { return QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0; }
 
 
 
@@ -242,58 +239,30 @@ __device__ __forceinline__ void mmq_load_w_rows(const MmqArgs& a, const MmqWRows
     load_xb<QT, false>(a.w.qs + wr.q[i], a.w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
 }
 
-// This thread's (weight row, block) pairs of a stage decoded into registers (rows past the matrix zeroed), and their
-// store into the stage's shared weights. Apart so that EARLY can decode before the barrier that frees the buffer.
-template <int NT>
-struct MmqWRegs {
-  uint32_t c[mq_pairs<NT>()][8];
-  float ds[mq_pairs<NT>()], m0[mq_pairs<NT>()], m1[mq_pairs<NT>()];
-};
-
 template <int QT, int NT>
-__device__ __forceinline__ void mmq_decode_regs(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
-                                                const unsigned long long* grid, MmqWRegs<NT>& o) {
+__device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
+                                             const unsigned long long* grid, MmqWStage& st) {
 #pragma unroll
   for (int i = 0; i < mq_pairs<NT>(); ++i) {
-    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2;
+    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
     XbCodes d;
     decode_xb<QT>(raw[i], Iq2Tables{grid}, d);
     const bool ok = tl.r0 + row < a.rows_g;
+    uint32_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       uint32_t v = d.c[j];
       if constexpr (QT == QT_Q2_K) v *= (uint32_t)(j < 4 ? d.mul0 : d.mul1);  // bytes <= 3 x 15: no carries
-      o.c[i][j] = ok ? v : 0u;
+      c[j] = ok ? v : 0u;
     }
-    o.ds[i] = ok ? d.dscale : 0.0f;
+    *(uint4*)&st.w[row][32 * b] = make_uint4(c[0], c[1], c[2], c[3]);
+    *(uint4*)&st.w[row][32 * b + 16] = make_uint4(c[4], c[5], c[6], c[7]);
+    st.ds[row][b] = ok ? d.dscale : 0.0f;
     if constexpr (has_mins<QT>()) {
-      o.m0[i] = ok ? d.min0 : 0.0f;
-      o.m1[i] = ok ? d.min1 : 0.0f;
+      st.mn[row][2 * b] = ok ? d.min0 : 0.0f;
+      st.mn[row][2 * b + 1] = ok ? d.min1 : 0.0f;
     }
   }
-}
-
-template <int QT, int NT>
-__device__ __forceinline__ void mmq_store_w(const MmqWRegs<NT>& o, MmqWStage& st) {
-#pragma unroll
-  for (int i = 0; i < mq_pairs<NT>(); ++i) {
-    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
-    *(uint4*)&st.w[row][32 * b] = make_uint4(o.c[i][0], o.c[i][1], o.c[i][2], o.c[i][3]);
-    *(uint4*)&st.w[row][32 * b + 16] = make_uint4(o.c[i][4], o.c[i][5], o.c[i][6], o.c[i][7]);
-    st.ds[row][b] = o.ds[i];
-    if constexpr (has_mins<QT>()) {
-      st.mn[row][2 * b] = o.m0[i];
-      st.mn[row][2 * b + 1] = o.m1[i];
-    }
-  }
-}
-
-template <int QT, int NT>
-__device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
-                                             const unsigned long long* grid, MmqWStage& st) {
-  MmqWRegs<NT> o;
-  mmq_decode_regs<QT, NT>(a, tl, raw, grid, o);
-  mmq_store_w<QT, NT>(o, st);
 }
 
 // MMIN (mmq_min_mma()): the K-quants' min terms of a whole stage as TF32 tensor-core products, acc -= mn . s16 over
@@ -344,14 +313,9 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
 // PAIRS ($DS4_GPU_MMQ_PAIRS, the K-quants): the partial form's fragments in pairs, one tile-rows test per pair.
-// EARLY ($DS4_GPU_MMQ_EARLY, with ONEW): that barrier split in two (an mbarrier: arrive after the products, wait before
-// the stores), the next stage's weights decoded into registers between them, so a warp done with its products decodes
-// while the others finish theirs (v41's ncu of the Q2_K down: 14% of its samples at the decoded weights' first store,
-// waiting at the barrier; with __syncthreads there ptxas sinks the decode past it). The same bits.
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false, bool EARLY = false>
+          bool PAIRS = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
-  static_assert(!EARLY || ONEW, "EARLY: the one-buffer form");
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
@@ -361,9 +325,6 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   MmqWStage* stw = reinterpret_cast<MmqWStage*>(mq_smem);
   MmqXStage<NT>* stx = reinterpret_cast<MmqXStage<NT>*>(mq_smem + (ONEW ? 1 : 2) * sizeof(MmqWStage));
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + mq_stage_bytes<NT, ONEW>());
-  // EARLY: the weights buffer's split barrier (after the grid table)
-  uint64_t* wbar = reinterpret_cast<uint64_t*>(mq_smem + mq_stage_bytes<NT, ONEW>() + mq_grid_bytes<QT>());
-  if (EARLY && threadIdx.x == 0) mbar_init(wbar, mq_threads<NT>());  // visible after the first stage's barrier
   const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -525,15 +486,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
       }
     }
     if constexpr (MMIN) mmq_min_products<NT, NN>(W, S, wm, wn, lane, tl.an_mma, acc);
-    if constexpr (ONEW && EARLY) {
-      if (next) {  // a split barrier: __syncthreads would let ptxas sink the decode past it
-        mbar_arrive(wbar);  // this thread is done with this stage's weights
-        MmqWRegs<NT> dec;
-        mmq_decode_regs<QT, NT>(a, tl, raw, grid, dec);
-        mbar_wait(wbar, s & 1);  // every thread is
-        mmq_store_w<QT, NT>(dec, stw[0]);
-      }
-    } else if constexpr (ONEW) {
+    if constexpr (ONEW) {
       if (next) {
         __syncthreads();  // every warp is done with this stage's weights
         mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
@@ -554,16 +507,16 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
 }
 
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false, bool EARLY = false>
+          bool PAIRS = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
-  const size_t shm = mq_stage_bytes<NT, ONEW>() + mq_grid_bytes<QT>() + (EARLY ? sizeof(uint64_t) : 0);
+  const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, EARLY>,
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, EARLY><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 // $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
@@ -592,26 +545,11 @@ static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
 // 7.69 -> 7.49 ms; IQ2_XXS's gate went 5.47 -> 5.60 that way (its partial tiles' warps), so IQ2_XXS keeps one
 // fragment at a time. The same bits. set_mmq_pairs overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
-// $DS4_GPU_MMQ_EARLY (v42, prepared, default 0): 1 the K-quants' four-CTA pair forms (the routed Q2_K down) decode the
-// next stage's weights before the barrier that frees their buffer (EARLY); 2 also IQ2_XXS's four-CTA row-pointer form
-// (the routed gate and up); 0 after it. The same bits. set_mmq_early overrides it (0-2; -1 the environment).
-static EnvSwitch mmq_early_switch{"DS4_GPU_MMQ_EARLY", 2, 0};
-static int& mmq_early_count() {  // launches of the EARLY kernels (the tests' proof that they ran)
-  static int n = 0;
-  return n;
-}
 
 // The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
 template <int QT, int NT, bool X8, bool MMIN>
 void launch_pairs(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
-  if constexpr (NT == 64) {
-    if (mmq_early_switch.get()) {
-      launch_as<QT, NT, false, X8, MMIN, true, true, true, true>(a, grid, stream);
-      ++mmq_early_count();
-    } else {
-      launch_as<QT, NT, false, X8, MMIN, true, true, true>(a, grid, stream);
-    }
-  }
+  if constexpr (NT == 64) launch_as<QT, NT, false, X8, MMIN, true, true, true>(a, grid, stream);
 }
 
 template <int NT, bool X8>
@@ -640,10 +578,7 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && xp && mmq_early_switch.get() == 2) {
-        launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true, false, true>(a, grid, stream);
-        ++mmq_early_count();
-      } else if (NT == 64 && mmq_four_switch.get() && xp)
+      if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
@@ -710,8 +645,6 @@ void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
 void set_mmq_four(int mode) { mmq_four_switch.set(mode); }
 void set_mmq_xptr(int mode) { mmq_xptr_switch.set(mode); }
 void set_mmq_pairs(int mode) { mmq_pairs_switch.set(mode); }
-void set_mmq_early(int mode) { mmq_early_switch.set(mode); }
-int mmq_early_launches() { return mmq_early_count(); }
 
 int mmq_tile_rows() {
   static const int rows = [] {
@@ -753,6 +686,47 @@ bool mmq_s256_default() {
     return e && *e && std::atoi(e) != 0;
   }();
   return v;
+}
+
+// The routed experts' tile table on the device, so no host sync waits for the expert counts: counts [E] (int64, as
+// torch.bincount gives them) of the activation rows sorted by expert -> tiles[i] = (first row, rows <= nt, expert, 0)
+// in the order of moe_gemm.expert_tiles, then (0, 0, 0, 0) up to max_tiles: those CTAs exit at once (mmq_kernel's
+// an <= 0). One block, one thread per expert; the two exclusive scans by warp shuffles.
+__global__ void __launch_bounds__(1024) expert_tiles_kernel(const int64_t* counts, int E, int nt, int4* tiles,
+                                                            int max_tiles) {
+  __shared__ int s_rows[32], s_tiles[32];
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const int c = e < E ? (int)counts[e] : 0, n = (c + nt - 1) / nt;
+  int rows = c, tl = n;  // inclusive scans within the warp
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, rows, o), b = __shfl_up_sync(0xffffffffu, tl, o);
+    if (lane >= o) rows += a, tl += b;
+  }
+  if (lane == 31) s_rows[warp] = rows, s_tiles[warp] = tl;
+  __syncthreads();
+  if (warp == 0) {  // the warps' totals, scanned
+    int wr = lane < (int)(blockDim.x >> 5) ? s_rows[lane] : 0, wt = lane < (int)(blockDim.x >> 5) ? s_tiles[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, wr, o), b = __shfl_up_sync(0xffffffffu, wt, o);
+      if (lane >= o) wr += a, wt += b;
+    }
+    s_rows[lane] = wr, s_tiles[lane] = wt;
+  }
+  __syncthreads();
+  const int row0 = rows - c + (warp ? s_rows[warp - 1] : 0), tile0 = tl - n + (warp ? s_tiles[warp - 1] : 0);
+  for (int j = 0; j < n && tile0 + j < max_tiles; ++j)
+    tiles[tile0 + j] = make_int4(row0 + j * nt, min(nt, c - j * nt), e, 0);
+  const int total = s_tiles[(blockDim.x >> 5) - 1];
+  for (int i = total + threadIdx.x; i < max_tiles; i += blockDim.x) tiles[i] = make_int4(0, 0, 0, 0);
+}
+
+void launch_expert_tiles(const int64_t* counts, int E, int nt, int4* tiles, int max_tiles, cudaStream_t stream) {
+  if (E < 1 || E > 1024) throw std::invalid_argument("expert_tiles: 1 .. 1024 experts");
+  if (nt < 1 || max_tiles < 1) throw std::invalid_argument("expert_tiles: tile rows and max_tiles must be positive");
+  expert_tiles_kernel<<<1, (E + 31) / 32 * 32, 0, stream>>>(counts, E, nt, tiles, max_tiles);
+  DS4_CHECK_LAUNCH("expert_tiles");
 }
 
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
