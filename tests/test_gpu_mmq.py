@@ -571,11 +571,11 @@ def test_mmq_gateup_equals_the_two_products_then_swiglu_and_quantize_x(n_ff, wei
         assert ext.mmq_gateup(gate, up, ext.Array.from_numpy(x), tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(),
                               R, limit, ptr(wts), ptr(order))
         assert ext.mmq_experts_q(down, h.data_ptr(), R, tiles.data_ptr(), nt, arr(got_y))
-        assert not ext.mmq_gateup(down, down, ext.Array.from_numpy(x[:, :n_ff]), tiles.data_ptr(), nt,
-                                  rows.data_ptr(), h.data_ptr(), R, limit)  # Q2_K pairs: declined
+        x_ff, x_half = (ext.Array.from_numpy(np.ascontiguousarray(x[:, :c])) for c in (n_ff, 512))
+        assert not ext.mmq_gateup(down, down, x_ff, tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(), R,
+                                  limit)  # Q2_K pairs: declined
         with pytest.raises(ValueError, match="x must be"):
-            ext.mmq_gateup(gate, up, ext.Array.from_numpy(x[:, :512]), tiles.data_ptr(), nt, rows.data_ptr(),
-                           h.data_ptr(), R, limit)
+            ext.mmq_gateup(gate, up, x_half, tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(), R, limit)
         ext.synchronize()
     finally:
         ext.set_moe_x8(-1)
