@@ -508,85 +508,6 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
         assert np.array_equal(new[0], new[1])  # through the row table or gathered: the same rows
 
 
-def xq_planes(buf, R: int, n: int):
-    """The planes of an xq_bytes(R, n) buffer (torch uint8 on the device) as numpy: hi, lo, scale, sum16."""
-    a = lambda v: (v + 255) // 256 * 256  # noqa: E731  (bindings.cpp align256)
-    raw = buf.cpu().numpy()
-    hi = raw[:R * n].view(np.int8).reshape(R, n)
-    lo = raw[a(R * n):a(R * n) + R * n].view(np.int8).reshape(R, n)
-    s0 = 2 * a(R * n)
-    scale = raw[s0:s0 + R * n // 32 * 4].view(np.float32).reshape(R, n // 32)
-    s1 = s0 + a(R * n // 32 * 4)
-    sum16 = raw[s1:s1 + R * n // 16 * 4].view(np.float32).reshape(R, n // 16)
-    return hi, lo, scale, sum16
-
-
-@pytest.mark.parametrize("x8", [0, 1])
-@pytest.mark.parametrize("n_ff,weighted", [(96, True), (256, False), (256, True)])
-def test_mmq_gateup_equals_the_two_products_then_swiglu_and_quantize_x(n_ff, weighted, x8):
-    """DS4_GPU_MMQ_GU=1 (v43): the routed gate and up in one launch writing the down product's input quantized gives
-    every bit of the two products' float32 outputs, the SwiGLU launch (clamp, routing weights through the expert
-    order) and quantize_x; the down product on those planes gives mmq_experts' SwiGLU-source bits. Expert tiles full
-    and partial (1, 20, 65, 128 rows), rows read through a row table, 16- and 8-bit activations."""
-    import torch
-
-    from ds4.engine.gpu.moe_gemm import expert_tiles
-
-    ext = gpu.load()
-    rng = np.random.default_rng(43 + n_ff)
-    n_embd, n_expert, T, limit = 1024, 6, 90, 7.0
-    counts = [64, 1, 20, 65, 128, 33]
-    R = sum(counts)
-    gate, up = (gpu.upload(f"blk.0.ffn_{nm}_exps.gu{n_ff}", Q.IQ2_XXS, (n_embd, n_ff, n_expert),
-                           random_blocks(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng)) for nm in ("gate", "up"))
-    down = gpu.upload(f"blk.0.ffn_down_exps.gu{n_ff}", Q.Q2_K, (n_ff, n_embd, n_expert),
-                      random_blocks(Q.Q2_K, n_embd * n_expert, n_ff, rng))
-    x = (rng.standard_normal((T, n_embd)) * 3).astype(np.float32)
-    g0 = torch.Generator().manual_seed(n_ff)
-    wts = torch.rand(R, generator=g0).cuda() if weighted else None
-    order = torch.randperm(R, generator=g0).cuda() if weighted else None
-    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
-    rows = torch.tensor(rng.integers(0, T, R), dtype=torch.int64, device="cuda")
-    h = torch.zeros(ext.xq_bytes(R, n_ff), dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()  # torch's copies run on its stream; the extension's own stream does not wait for them
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
-    nt = tiles.shape[0]
-    ext.set_moe_x8(x8)
-    try:
-        # the two products, the SwiGLU launch, quantize_x; the down product quantizing swiglu(g, u) itself
-        g, u, sw = (torch.empty((R, n_ff), device="cuda") for _ in range(3))
-        assert ext.mmq_experts(gate, ext.Array.from_numpy(x), tiles.data_ptr(), nt, arr(g), rows.data_ptr(), up, arr(u))
-        ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), limit, sw.data_ptr(), ptr(wts), n_ff, ptr(order))
-        hi, lo = (torch.empty((R, n_ff), dtype=torch.int8, device="cuda") for _ in range(2))
-        scale, sum16 = torch.empty((R, n_ff // 32), device="cuda"), torch.empty((R, n_ff // 16), device="cuda")
-        ext.quantize_x(sw.data_ptr(), R, n_ff, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr())
-        want_y, got_y = (torch.full((R, n_embd), float("nan"), device="cuda") for _ in range(2))
-        assert ext.mmq_experts(down, arr(g), tiles.data_ptr(), nt, arr(want_y), s256=0, up=arr(u), limit=limit,
-                               row_w=ptr(wts), row_of=ptr(order))
-        ext.set_mmq_gu(0)
-        assert not ext.mmq_gateup(gate, up, ext.Array.from_numpy(x), tiles.data_ptr(), nt, rows.data_ptr(),
-                                  h.data_ptr(), R, limit, ptr(wts), ptr(order))
-        ext.set_mmq_gu(1)
-        assert ext.mmq_gateup(gate, up, ext.Array.from_numpy(x), tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(),
-                              R, limit, ptr(wts), ptr(order))
-        assert ext.mmq_experts_q(down, h.data_ptr(), R, tiles.data_ptr(), nt, arr(got_y))
-        x_ff, x_half = (ext.Array.from_numpy(np.ascontiguousarray(x[:, :c])) for c in (n_ff, 512))
-        assert not ext.mmq_gateup(down, down, x_ff, tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(), R,
-                                  limit)  # Q2_K pairs: declined
-        with pytest.raises(ValueError, match="x must be"):
-            ext.mmq_gateup(gate, up, x_half, tiles.data_ptr(), nt, rows.data_ptr(), h.data_ptr(), R, limit)
-        ext.synchronize()
-    finally:
-        ext.set_moe_x8(-1)
-        ext.set_mmq_gu(-1)
-    want = [t.cpu().numpy() for t in (hi, lo, scale, sum16)]
-    for name, got, ref in zip(("hi", "lo", "scale", "sum16"), xq_planes(h, R, n_ff), want):
-        assert np.array_equal(got, ref), name
-    assert np.abs(want[0]).max() > 64  # the planes hold values, not the zeros the buffer started with
-    assert torch.isfinite(got_y).all() and torch.equal(got_y, want_y)
-
-
 def test_mmq_declines_other_weights_and_checks_shapes():
     ext = gpu.load()
     rng = np.random.default_rng(6)
@@ -673,38 +594,11 @@ def test_mmq_row_pointers_in_the_session(small_reference):
     assert np.array_equal(logits(1, pairs=1), base)
 
 
-def test_mmq_gateup_in_the_session(small_reference):
-    """DS4_GPU_MMQ_GU=1 in the session (small, 600 tokens in chunks of 256; its routed gate and up are IQ2_XXS): every
-    position's logits bit for bit against the two products, and the fused launch ran."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs torch with CUDA")
-    from ds4.engine.gpu.session import Session as GpuSession
-
-    m, toks, _ = small_reference
-    ext = gpu.load()
-
-    def logits(mode: int) -> tuple[np.ndarray, dict]:
-        ext.set_mmq_gu(mode)
-        try:
-            g = GpuSession(m, ctx=1024, prefill_chunk=256)
-            g.W.ext = _Counting(g.W.ext, [])
-            return g.prefill(toks, all_logits=True), g.W.ext.by_kernel
-        finally:
-            ext.set_mmq_gu(-1)
-
-    base, by_base = logits(0)
-    fused, by_fused = logits(1)
-    assert by_fused.get("mmq_gateup", 0) > 0 and by_fused.get("mmq_experts_q", 0) > 0  # only after a taken pair
-    assert by_base.get("mmq_experts_q", 0) == 0
-    assert np.array_equal(fused, base)
-
-
 class _Counting:
     """The extension module with its product calls counted: whether each took the shapes, into calls, and per kernel
     into by_kernel (everything else passes through)."""
 
-    COUNTED = ("mmq", "mmq_experts", "mmf_experts", "mmw_experts", "mmq_gateup", "mmq_experts_q")
+    COUNTED = ("mmq", "mmq_experts", "mmf_experts", "mmw_experts")
 
     def __init__(self, ext, calls):
         self._ext, self._calls, self.by_kernel = ext, calls, {}

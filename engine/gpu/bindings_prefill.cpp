@@ -75,47 +75,6 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   return true;
 }
 
-// The routed gate and up in one launch (mmq.cu mmq_gateup): x's rows quantized once (read through rows as
-// mmq_experts reads them), and the down product's input h = quantize_x(swiglu(gate . x, up . x) clamped at limit,
-// times row_w[row_of[i]]) written to the caller's buffer at h (xq_bytes(R, rows per expert) bytes): no float32 g or u.
-// False (nothing launched) where mmq_gateup_takes declines the pair.
-bool mmq_gateup(const Tensor& gate, const Tensor& up, const Array& x, uintptr_t tiles, int ntiles, uintptr_t rows,
-                uintptr_t h, int64_t R, float limit, uintptr_t row_w, uintptr_t row_of) {
-  if (gate.ne.size() != 3 || up.ne != gate.ne)
-    throw std::invalid_argument("mmq_gateup '" + gate.name + "', '" + up.name + "': two expert tensors of one shape");
-  const int n_expert = (int)gate.ne[2];
-  const int64_t n = gate.p.ncols, n_ff = gate.p.nrows / n_expert;
-  if (x.shape.size() != 2 || x.shape[1] != n || (!rows && x.shape[0] != R))
-    throw std::invalid_argument("mmq_gateup '" + gate.name + "': x must be [R, " + std::to_string(n) + "] (or [T, " +
-                                std::to_string(n) + "] with rows)");
-  if (!h) throw std::invalid_argument("mmq_gateup: h must be a device buffer of xq_bytes(R, rows per expert) bytes");
-  const bool direct = rows && mmq_xrows_default();
-  const int64_t Rq = direct ? x.shape[0] : R;
-  g_prefill_scratch.reserve(xq_bytes(Rq, n));
-  g_prefill_scratch.begin();
-  XQ xq = take_xq(Rq, n, g_prefill_scratch);
-  if (!mmq_gateup_takes(gate.p, up.p, n_expert, xq)) return false;
-  if (R < 1 || ntiles < 1) return true;
-  launch_quantize_x(x.f(), (int)Rq, (int)n, xq, stream(), direct ? nullptr : (const int64_t*)rows);
-  launch_mmq_gateup(gate.p, up.p, n_expert, xq, (const int4*)tiles, ntiles, xq_at((uint8_t*)h, R, n_ff), limit,
-                    (const float*)row_w, (const int64_t*)row_of, stream(), direct ? (const int64_t*)rows : nullptr);
-  return true;
-}
-
-// The routed experts' product on activation planes quantized beforehand (mmq_gateup's h: xq_bytes(R, cols) bytes at h).
-bool mmq_experts_q(const Tensor& w, uintptr_t h, int64_t R, uintptr_t tiles, int ntiles, Array& y) {
-  if (w.ne.size() != 3) throw std::invalid_argument("mmq_experts_q '" + w.name + "': expert tensors are [cols, rows, experts]");
-  const int n_expert = (int)w.ne[2];
-  if (!mmq_takes(w.p, n_expert)) return false;
-  const int64_t rows_e = w.p.nrows / n_expert;
-  if (y.shape.size() != 2 || y.shape[0] != R || y.shape[1] != rows_e)
-    throw std::invalid_argument("mmq_experts_q '" + w.name + "': y must be [R, " + std::to_string(rows_e) + "]");
-  if (!h) throw std::invalid_argument("mmq_experts_q: h must be a device buffer of xq_bytes(R, cols) bytes");
-  if (R < 1 || ntiles < 1) return true;
-  launch_mmq_experts(w.p, n_expert, xq_at((uint8_t*)h, R, w.p.ncols), (const int4*)tiles, ntiles, y.f(), stream());
-  return true;
-}
-
 // The experts of an expert tensor ([cols, rows, experts]), for the products' argument checks.
 int experts_of(const Tensor& w, const char* fn) {
   if (w.ne.size() != 3) throw std::invalid_argument(std::string(fn) + " '" + w.name + "': expert tensors are [cols, rows, experts]");
@@ -195,17 +154,6 @@ void bind_prefill_products(py::module_& m) {
         "(x's shape): the rows are swiglu(x, up) clamped at limit, times row_w[row_of[i]] (row_w, row_of: device "
         "addresses or 0), quantized without a float copy. "
         "False where the kernel does not take the expert tensors.");
-  m.def("mmq_gateup", &mmq_gateup, py::arg("gate"), py::arg("up"), py::arg("x"), py::arg("tiles"), py::arg("ntiles"),
-        py::arg("rows"), py::arg("h"), py::arg("R"), py::arg("limit"), py::arg("row_w") = 0, py::arg("row_of") = 0,
-        "The routed gate and up products in one launch (IQ2_XXS pairs): activation rows as mmq_experts takes them "
-        "(tiles, rows), and h (device address of xq_bytes(R, rows per expert) bytes) receives the down product's input "
-        "quantized: swiglu(gate . x, up . x) clamped at limit, times row_w[row_of[i]]. False where the pair is not "
-        "taken ($DS4_GPU_MMQ_GU / set_mmq_gu off, other types or tile forms).");
-  m.def("mmq_experts_q", &mmq_experts_q, py::arg("w"), py::arg("h"), py::arg("R"), py::arg("tiles"), py::arg("ntiles"),
-        py::arg("y"), "mmq_experts on activation planes quantized beforehand (mmq_gateup's h, R rows).");
-  m.def("set_mmq_gu", &set_mmq_gu, py::arg("mode"),
-        "1: the routed gate and up in one launch writing the down's quantized input (mmq_gateup), 0: not taken; -1: "
-        "$DS4_GPU_MMQ_GU again.");
   m.def("mmf_experts", &mmf_experts, py::arg("w"), py::arg("hi"), py::arg("lo"), py::arg("sum_hi"), py::arg("sum_lo"),
         py::arg("s"), py::arg("tiles"), py::arg("ntiles"), py::arg("y"),
         "y[i] = W_e . x[i] for activation rows sorted by expert on the float16 tensor cores, the codes as exact float16 "

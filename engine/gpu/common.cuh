@@ -460,15 +460,6 @@ void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaS
 void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* tiles, int ntiles, float* y,
                         cudaStream_t stream, bool s256 = false, const int64_t* x_rows = nullptr);
 bool mmq_s256_default();  // $DS4_GPU_MMQ_S256 (default 0), read once
-// The routed gate and up (IQ2_XXS pairs of one shape) in one launch whose epilogue writes the down product's input:
-// hq (rows of x, the experts' rows as columns) = quantize_x(swiglu(gate . x, up . x) clamped at limit, times
-// row_w[row_of[i]]), the planes of the SwiGLU launch then quantize_x. mmq_gateup_takes: $DS4_GPU_MMQ_GU (set_mmq_gu)
-// and the four-CTA row-pointer IQ2_XXS form (64-row tiles) take the pair; else the caller takes two products.
-bool mmq_gateup_takes(const Packed& gate, const Packed& up, int n_expert, const XQ& x);
-void set_mmq_gu(int mode);  // 1/0: mmq_gateup on or off; -1: $DS4_GPU_MMQ_GU
-void launch_mmq_gateup(const Packed& gate, const Packed& up, int n_expert, const XQ& x, const int4* tiles, int ntiles,
-                       const XQ& hq, float limit, const float* row_w, const int64_t* row_of, cudaStream_t stream,
-                       const int64_t* x_rows);
 bool mmq_xrows_default();  // $DS4_GPU_MMQ_XROWS (default 1): gathered expert rows quantized once per token, read once
 // mmf.cu: the routed experts' prefill products on the float16 tensor cores, the codes as exact float16 integers
 // (IQ2_XXS, Q2_K, Q4_K; columns a multiple of 256). Activation rows sorted by expert, split as split_half splits them

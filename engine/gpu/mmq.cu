@@ -28,9 +28,7 @@
 #include "common.cuh"
 #include "mma_ops.cuh"
 #include "moe_mma.cuh"
-#include "block_ops.cuh"
 #include "mv_core.cuh"
-#include "xquant.cuh"
 
 namespace ds4gpu {
 
@@ -56,21 +54,7 @@ struct MmqArgs {
   int skip_rows;      // warps skip the n8 fragments past a partial tile's rows (mmq_skip_rows())
   int straight;       // full fragments without a test between them (mmq_straight())
   const int64_t* x_rows;  // experts: activation row i is x's row x_rows[i] (x quantized once per token); null: row i
-  // GU (the routed gate and up in one launch, mmq_gateup): w2 the up experts; each CTA covers MQ_GU features, rows
-  // 0..31 of its weight tile from w (gate), 32..63 from w2 (up); h = swiglu(g, u) clamped at limit, times
-  // row_w[row_of[i]] (either may be null), quantized into hq (rows_g columns per activation row)
-  Packed w2;
-  XQ hq;
-  float limit;
-  const float* row_w;
-  const int64_t* row_of;
 };
-
-// GU: output features per CTA (a 32-column block of h, so each activation row's block is quantized in the CTA)
-constexpr int MQ_GU = 32;
-// GU: the weight tile's row row (0..63) is feature r0 + mq_feature<GU>(row) of gate (row < 32) or up
-template <bool GU>
-__host__ __device__ constexpr int mq_feature(int row) { return GU ? row % MQ_GU : row; }
 
 // S256 (Q2_K, x quantized per 256 columns): the hi and lo products accumulate in the mma's int32 registers over the
 // eight 32-column blocks of each super-block (Q2_K's scale is one d per 256 columns once its 4-bit multipliers are in
@@ -110,10 +94,10 @@ struct MmqTile {
   int an_mma;  // activation rows the products cover: an, or NT with DS4_GPU_MMQ_SKIP=0 (the v12 kernel, an A/B)
 };
 
-template <int NT, bool GU = false>
+template <int NT>
 __device__ __forceinline__ MmqTile mmq_tile(const MmqArgs& a) {
   MmqTile t;
-  t.r0 = blockIdx.x * (GU ? MQ_GU : MQ_M);
+  t.r0 = blockIdx.x * MQ_M;
   if (a.tiles) {
     const int4 e = a.tiles[blockIdx.y];
     t.a0 = e.x;
@@ -234,12 +218,12 @@ struct MmqWRows {
   uint32_t q[mq_pairs<NT>()], s[mq_pairs<NT>()];
 };
 
-template <int NT, bool GU = false>
+template <int NT>
 __device__ __forceinline__ MmqWRows<NT> mmq_w_rows(const MmqArgs& a, const MmqTile& tl) {
   MmqWRows<NT> wr;
 #pragma unroll
   for (int i = 0; i < mq_pairs<NT>(); ++i) {
-    const int p = threadIdx.x + mq_threads<NT>() * i, row = mq_feature<GU>(p >> 2);
+    const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2;
     const int64_t r = tl.wrow0 + min(tl.r0 + row, a.rows_g - 1);  // rows past the matrix: any row, zeroed on decode
     wr.q[i] = (uint32_t)(r * a.w.qs_row);
     wr.s[i] = (uint32_t)(r * a.w.sc_row);
@@ -247,18 +231,15 @@ __device__ __forceinline__ MmqWRows<NT> mmq_w_rows(const MmqArgs& a, const MmqTi
   return wr;
 }
 
-// GU: pair i = 0 holds rows 0..31 (gate), i = 1 rows 32..63 (up; mmq_gateup's launch checks mq_pairs == 2)
-template <int QT, int NT, bool GU = false>
+template <int QT, int NT>
 __device__ __forceinline__ void mmq_load_w_rows(const MmqArgs& a, const MmqWRows<NT>& wr, int k0,
                                                 RawXb (&raw)[mq_pairs<NT>()]) {
 #pragma unroll
-  for (int i = 0; i < mq_pairs<NT>(); ++i) {
-    const Packed& w = GU && i == 1 ? a.w2 : a.w;
-    load_xb<QT, false>(w.qs + wr.q[i], w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
-  }
+  for (int i = 0; i < mq_pairs<NT>(); ++i)
+    load_xb<QT, false>(a.w.qs + wr.q[i], a.w.sc + wr.s[i], k0 / 32 + (threadIdx.x & 3), a.nb, raw[i]);
 }
 
-template <int QT, int NT, bool GU = false>
+template <int QT, int NT>
 __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl, const RawXb (&raw)[mq_pairs<NT>()],
                                              const unsigned long long* grid, MmqWStage& st) {
 #pragma unroll
@@ -266,7 +247,7 @@ __device__ __forceinline__ void mmq_decode_w(const MmqArgs& a, const MmqTile& tl
     const int p = threadIdx.x + mq_threads<NT>() * i, row = p >> 2, b = p & 3;
     XbCodes d;
     decode_xb<QT>(raw[i], Iq2Tables{grid}, d);
-    const bool ok = tl.r0 + mq_feature<GU>(row) < a.rows_g;
+    const bool ok = tl.r0 + row < a.rows_g;
     uint32_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -318,39 +299,6 @@ __device__ __forceinline__ void mmq_min_products(const MmqWStage& W, const MmqXS
   }
 }
 
-// GU's epilogue: the gate warps' and the up warps' sums to shared memory (gate and up planes of [NT][MQ_GU + 1]
-// floats over the stages, which no warp reads any more), then one warp per activation row and lane per feature:
-// h = swiglu(g, u) w with quantize_x_kernel's SwiGLU operations and put_x_block's quantization, so the planes are
-// those of the SwiGLU launch followed by quantize_x, bit for bit (tests/test_gpu_mmq.py -k gateup).
-template <int NT, int NN>
-__device__ __forceinline__ void mmq_gu_epilogue(const MmqArgs& a, const MmqTile& tl, const float (&acc)[2][NN][4],
-                                                float* hs) {
-  constexpr int LD = MQ_GU + 1;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * (NT / 2);
-  __syncthreads();  // every warp is done with the last stage
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int n = 0; n < NN; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wm + 16 * m + g + 8 * (e >> 1), t = wn + 8 * n + 2 * q + (e & 1);
-        hs[((r / MQ_GU) * NT + t) * LD + r % MQ_GU] = acc[m][n][e];  // rows past the tile: never read
-      }
-  __syncthreads();
-  const int64_t nxb = a.rows_g / MQ_GU;
-  for (int t = warp; t < tl.an; t += mq_threads<NT>() / 32) {
-    const int64_t row = tl.a0 + t;
-    const float gv = hs[t * LD + lane], uv = hs[(NT + t) * LD + lane];
-    const float rw = a.row_w ? a.row_w[a.row_of ? a.row_of[row] : row] : 1.0f;
-    const float x = fminf(gv, a.limit), c = fminf(fmaxf(uv, -a.limit), a.limit);
-    float v = x * sigmoidf_(x) * c;
-    if (a.row_w) v = v * rw;
-    put_x_block(a.hq, row * nxb + tl.r0 / MQ_GU, lane, v);
-  }
-}
-
 // CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers. ONEW (one weights' buffer: 54
 // KB of shared memory at NT = 64, 56 with IQ2_XXS's grid table): 4, which caps registers at 128 (the MMIN form needs
 // 120; IQ2_XXS's straight form 168, so 20 bytes spill there).
@@ -365,23 +313,19 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
 // PAIRS ($DS4_GPU_MMQ_PAIRS, the K-quants): the partial form's fragments in pairs, one tile-rows test per pair.
-// GU (mmq_gateup): warps 0 and 2 compute MQ_GU gate features, warps 1 and 3 the same features of up; the epilogue
-// stages both through shared memory and quantizes swiglu(g, u) w per activation row into a.hq (mmq_gu_epilogue).
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false, bool GU = false>
+          bool PAIRS = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
-  static_assert(!GU || (XP && ONEW && !S256 && !MMIN && !PAIRS && mq_pairs<NT>() == 2 && MQ_M == 2 * MQ_GU),
-                "GU: the four-CTA row-pointer form, one pair of gate rows and one of up rows per thread");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
   static_assert(!ONEW || MMIN || QT == QT_IQ2_XXS, "ONEW: the MMIN form (118 registers) or IQ2_XXS (128, spills)");
   MmqWStage* stw = reinterpret_cast<MmqWStage*>(mq_smem);
   MmqXStage<NT>* stx = reinterpret_cast<MmqXStage<NT>*>(mq_smem + (ONEW ? 1 : 2) * sizeof(MmqWStage));
   unsigned long long* grid = reinterpret_cast<unsigned long long*>(mq_smem + mq_stage_bytes<NT, ONEW>());
-  const MmqTile tl = mmq_tile<NT, GU>(a);
+  const MmqTile tl = mmq_tile<NT>(a);
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   static_assert(offsetof(MmqXStage<NT>, lo) == NT * MQ_LD, "XP: the lo plane follows the hi plane");
@@ -411,15 +355,15 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   MmqWRows<NT> wr;
   if constexpr (XP) {
     xr = mmq_x_rows<NT>(a, tl);
-    wr = mmq_w_rows<NT, GU>(a, tl);
+    wr = mmq_w_rows<NT>(a, tl);
     mmq_load_x_rows<QT, NT, X8>(a, xr, 0, stx[0]);
-    mmq_load_w_rows<QT, NT, GU>(a, wr, 0, raw);
+    mmq_load_w_rows<QT, NT>(a, wr, 0, raw);
   } else {
     mmq_load_x<QT, NT, X8>(a, tl, 0, stx[0]);
     mmq_load_w<QT, NT>(a, tl, 0, raw);
   }
   if constexpr (QT == QT_IQ2_XXS) __syncthreads();  // the grid table
-  mmq_decode_w<QT, NT, GU>(a, tl, raw, grid, stw[0]);
+  mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
   for (int s = 0; s < nstages; ++s) {
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // stage s is in shared memory; every warp is done with stage s - 1 (the other buffer)
@@ -427,7 +371,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
     if (next) {
       if constexpr (XP) {
         mmq_load_x_rows<QT, NT, X8>(a, xr, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
-        mmq_load_w_rows<QT, NT, GU>(a, wr, (s + 1) * MQ_KS, raw);
+        mmq_load_w_rows<QT, NT>(a, wr, (s + 1) * MQ_KS, raw);
       } else {
         mmq_load_x<QT, NT, X8>(a, tl, (s + 1) * MQ_KS, stx[(s + 1) & 1]);
         mmq_load_w<QT, NT>(a, tl, (s + 1) * MQ_KS, raw);
@@ -545,15 +489,11 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
     if constexpr (ONEW) {
       if (next) {
         __syncthreads();  // every warp is done with this stage's weights
-        mmq_decode_w<QT, NT, GU>(a, tl, raw, grid, stw[0]);
+        mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[0]);
       }
     } else if (next) {
       mmq_decode_w<QT, NT>(a, tl, raw, grid, stw[(s + 1) & 1]);  // its last reader was stage s - 1
     }
-  }
-  if constexpr (GU) {
-    mmq_gu_epilogue<NT, NN>(a, tl, acc, reinterpret_cast<float*>(mq_smem));
-    return;
   }
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -567,17 +507,16 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
 }
 
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false, bool GU = false>
+          bool PAIRS = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
-  static_assert(!GU || 2 * NT * (MQ_GU + 1) * sizeof(float) <= mq_stage_bytes<NT, ONEW>(), "GU: the epilogue's planes");
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, GU>,
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, GU><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 // $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
@@ -802,43 +741,6 @@ void launch_mmq_experts(const Packed& w, int n_expert, const XQ& x, const int4* 
   a.x_rows = x_rows;
   if (s256 && w.ncols % 256) throw std::invalid_argument("mmq_experts: S256 needs columns in whole 256-column blocks");
   launch(a, w.qtype, dim3((rows_g + MQ_M - 1) / MQ_M, ntiles, 1), stream, s256, moe_x8());
-}
-
-// $DS4_GPU_MMQ_GU (v43): 1 the routed gate and up in one launch that writes the down product's input quantized
-// (mmq_gateup), 0 (default until measured) the two products' float32 outputs, quantized by the down's mmq_experts.
-static EnvSwitch mmq_gu_switch{"DS4_GPU_MMQ_GU", 1, 0};
-void set_mmq_gu(int mode) { mmq_gu_switch.set(mode); }
-
-bool mmq_gateup_takes(const Packed& gate, const Packed& up, int n_expert, const XQ& x) {
-  const int64_t rows_g = n_expert > 0 ? gate.nrows / n_expert : 0;
-  return mmq_gu_switch.get() != 0 && gate.qtype == QT_IQ2_XXS && up.qtype == QT_IQ2_XXS && gate.nrows == up.nrows &&
-         gate.ncols == up.ncols && gate.qs_row == up.qs_row && gate.sc_row == up.sc_row &&
-         mmq_takes(gate, n_expert) && rows_g % MQ_GU == 0 && mmq_tile_rows() == 64 && mmq_four_switch.get() != 0 &&
-         mmq_xptr_switch.get() != 0 && x.rows > 0 && x.rows * x.n < (int64_t{1} << 31) &&
-         gate.nrows * gate.qs_row < (int64_t{1} << 32) && gate.nrows * gate.sc_row < (int64_t{1} << 32);
-}
-
-void launch_mmq_gateup(const Packed& gate, const Packed& up, int n_expert, const XQ& x, const int4* tiles, int ntiles,
-                       const XQ& hq, float limit, const float* row_w, const int64_t* row_of, cudaStream_t stream,
-                       const int64_t* x_rows) {
-  if (!mmq_gateup_takes(gate, up, n_expert, x)) throw std::invalid_argument("mmq_gateup: the pair is not taken");
-  if (x.n != gate.ncols) throw std::invalid_argument("mmq_gateup: activation width is not the experts' columns");
-  const int rows_g = (int)(gate.nrows / n_expert);
-  if (hq.n != rows_g) throw std::invalid_argument("mmq_gateup: h's planes must have the experts' rows as columns");
-  if (ntiles <= 0) return;
-  if (ntiles > 65535) throw std::invalid_argument("mmq_gateup: more than 65535 activation tiles");
-  MmqArgs a = make_args(gate, x, nullptr, rows_g, 0, rows_g);
-  a.tiles = tiles;
-  a.x_rows = x_rows;
-  a.w2 = up;
-  a.hq = hq;
-  a.limit = limit;
-  a.row_w = row_w;
-  a.row_of = row_of;
-  const dim3 grid(rows_g / MQ_GU, ntiles, 1);
-  if (moe_x8()) launch_as<QT_IQ2_XXS, 64, false, true, false, true, true, false, true>(a, grid, stream);
-  else launch_as<QT_IQ2_XXS, 64, false, false, false, true, true, false, true>(a, grid, stream);
-  DS4_CHECK_LAUNCH("mmq_gateup");
 }
 
 }  // namespace ds4gpu

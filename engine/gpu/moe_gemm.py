@@ -226,21 +226,10 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         tiles = torch.tensor(expert_tiles(counts, gu_rows), dtype=torch.int32, device=dev)
         down_tiles = tiles if down_rows == gu_rows else torch.tensor(expert_tiles(counts, down_rows),
                                                                      dtype=torch.int32, device=dev)
-    W._sync_stream()
-    fused = kernel in ("mmq", "mmw") and MOE_FUSE  # the SwiGLU with the routing weights, the combine in slot order
-    if fused and kernel == "mmq" and MMQ_SWIGLU_Q and not MMQ_S256:
-        # gate and up in one launch writing the down's quantized input (mmq_gateup; $DS4_GPU_MMQ_GU): no g or u
-        flat_w = wts.reshape(-1).contiguous()
-        h = torch.empty(ext.xq_bytes(n_asg, n_ff), dtype=torch.uint8, device=dev)
-        if ext.mmq_gateup(gate, up, W._arr(b.contiguous()), tiles.data_ptr(), tiles.shape[0], (order // k).data_ptr(),
-                          h.data_ptr(), n_asg, float(limit), flat_w.data_ptr(), order.data_ptr()):
-            y_sorted = torch.empty((n_asg, n_embd), dtype=F32, device=dev)
-            if not ext.mmq_experts_q(down, h.data_ptr(), n_asg, down_tiles.data_ptr(), down_tiles.shape[0],
-                                     W._arr(y_sorted)):
-                return None
-            return _combine_slots(ext, y_sorted, order, T, k, n_embd)
     g = torch.empty((n_asg, n_ff), dtype=F32, device=dev)
     u = torch.empty_like(g)
+    W._sync_stream()
+    fused = kernel in ("mmq", "mmw") and MOE_FUSE  # the SwiGLU with the routing weights, the combine in slot order
     if fused and kernel == "mmq":  # gate and up from one quantization of b's rows, read in expert order: no copy
         if not ext.mmq_experts(gate, W._arr(b.contiguous()), tiles.data_ptr(), tiles.shape[0], W._arr(g),
                                (order // k).data_ptr(), up, W._arr(u)):
@@ -269,20 +258,15 @@ def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, 
         product = _mmq_product if down_kernel == "mmq" else _mmf_product
         if not product(W, down, _activations(W, h, down.qtype, down_kernel), down_tiles, y_sorted):
             return None
-    if fused:
-        return _combine_slots(ext, y_sorted, order, T, k, n_embd)
+    if fused:  # each token's k rows summed in slot order, straight from the expert order
+        slot_row = torch.empty_like(order)
+        slot_row[order] = torch.arange(n_asg, device=dev)
+        out = torch.empty((T, n_embd), dtype=F32, device=dev)
+        ext.moe_combine(y_sorted.data_ptr(), slot_row.data_ptr(), T, k, n_embd, out.data_ptr())
+        return out
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to (token, expert) order: the k-sum below is deterministic
     return y.view(T, k, n_embd).sum(dim=1)
-
-
-def _combine_slots(ext, y_sorted: torch.Tensor, order: torch.Tensor, T: int, k: int, n_embd: int) -> torch.Tensor:
-    """Each token's k expert rows (y_sorted, in expert order) summed in slot order, straight from the expert order."""
-    slot_row = torch.empty_like(order)
-    slot_row[order] = torch.arange(order.numel(), device=order.device)
-    out = torch.empty((T, n_embd), dtype=F32, device=y_sorted.device)
-    ext.moe_combine(y_sorted.data_ptr(), slot_row.data_ptr(), T, k, n_embd, out.data_ptr())
-    return out
 
 
 class MmfActivations(NamedTuple):
