@@ -272,10 +272,26 @@ def quantize_x256_model(x: np.ndarray):
     return hi, lo, np.repeat(s / np.float32(254.0), 8, axis=1), half[:, 0::2] + half[:, 1::2]
 
 
+def quantize_x_row_model(x: np.ndarray):
+    """repack.cu quantize_x_row_kernel in numpy float32: one scale per row (stored for each 32-column block), the
+    16-column sums as four threads add them (each its four columns pairwise, then xor 1, then xor 2)."""
+    R, n = x.shape
+    hi, lo, s = hilo_model(x, n)
+    v = x.reshape(R, n // 4, 4)
+    a = (v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3])
+    a = a.reshape(R, n // 16, 4)
+    return hi, lo, np.repeat(s / np.float32(254.0), n // 32, axis=1), (a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])
+
+
+QUANTIZE_X_MODELS = {32: quantize_x_model, 256: quantize_x256_model, 0: quantize_x_row_model}
+
+
 @pytest.mark.parametrize("group,R,n,gather", [(32, 1, 4096, False), (32, 7, 96, False), (32, 33, 2048, True),
-                                               (256, 1, 4096, False), (256, 9, 256, False), (256, 33, 2048, True)])
+                                               (256, 1, 4096, False), (256, 9, 256, False), (256, 33, 2048, True),
+                                               (0, 1, 4096, False), (0, 9, 512, False), (0, 33, 2048, True)])
 def test_quantize_x_matches_its_model_bit_for_bit(group, R, n, gather):
-    """quantize_x at decode's 32 columns per scale and at mmq S256's 256, against the numpy models."""
+    """quantize_x at decode's 32 columns per scale, at mmq S256's 256 and with one scale per row (group 0: mmq's
+    XROW form), against the numpy models."""
     import torch
 
     ext = gpu.load()
@@ -289,12 +305,83 @@ def test_quantize_x_matches_its_model_bit_for_bit(group, R, n, gather):
     scale, sum16 = torch.empty((R, n // 32), device="cuda"), torch.empty((R, n // 16), device="cuda")
     ext.quantize_x(x.data_ptr(), R, n, idx.data_ptr() if gather else 0, hi.data_ptr(), lo.data_ptr(),
                    scale.data_ptr(), sum16.data_ptr(), group=group)
-    want = (quantize_x_model if group == 32 else quantize_x256_model)(src[rows])
+    want = QUANTIZE_X_MODELS[group](src[rows])
     for name, got, ref in zip(("hi", "lo", "scale", "sum16"), (hi, lo, scale, sum16), want):
         assert np.array_equal(got.cpu().numpy(), ref), name
     with pytest.raises(ValueError, match="group"):
         ext.quantize_x(x.data_ptr(), R, n, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
                        group=64)
+    with pytest.raises(ValueError, match="one scale per row"):  # rows of 512 .. 4096 columns, a multiple of 512
+        ext.quantize_x(x.data_ptr(), R, 256, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
+                       group=0)
+
+
+def test_mmq_xrow_gate_and_up_match_the_reference():
+    """DS4_GPU_MMQ_XROW=1 (v44): the routed IQ2_XXS gate and up on activations with one scale per row, through the
+    XROW kernel (the row's scale applied once, at the store). Against the same planes through the per-block kernel
+    (mode 2: the same sums, to float rounding), against the float64 product of x quantized per row, and the gate/up
+    pair against separate products. Expert tiles full and partial through the row table (the session's form). Not
+    taken, so decode's 32-column scales and the bits of mode 0: Q2_K weights, 8-bit activations, rows that are not a
+    multiple of 512."""
+    import torch
+
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(44)
+    n_ff, n_expert, T = 136, 6, 90
+    counts = [64, 1, 20, 65, 128, 33]
+    R = sum(counts)
+    x_rows = rng.integers(0, T, R)
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    rows = torch.tensor(x_rows, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()  # torch's copies run on its stream; the extension's own stream does not wait for them
+
+    def experts(w, x, mode, w2=None, x8=0):
+        ys = [ext.Array.empty([R, n_ff]) for _ in range(1 if w2 is None else 2)]
+        for y in ys:
+            y.fill(float("nan"))
+        ext.set_mmq_xrow(mode)
+        ext.set_moe_x8(x8)
+        try:
+            assert ext.mmq_xrow_mode() == mode
+            assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], ys[0], rows.data_ptr(),
+                                   w2, ys[1] if w2 is not None else None)
+        finally:
+            ext.set_mmq_xrow(-1)
+            ext.set_moe_x8(-1)
+        return [y.numpy() for y in ys]
+
+    n_embd = 1024
+    gate, up = (gpu.upload(f"blk.0.ffn_{nm}_exps.xrow", Q.IQ2_XXS, (n_embd, n_ff, n_expert),
+                           random_blocks(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng)) for nm in ("gate", "up"))
+    raw = random_blocks(Q.IQ2_XXS, n_ff * n_expert, n_embd, rng)
+    w = gpu.upload("blk.0.ffn_gate_exps.xrow_ref", Q.IQ2_XXS, (n_embd, n_ff, n_expert), raw)
+    x = (rng.standard_normal((T, n_embd)) * rng.choice([1e-2, 1.0, 30.0], size=(T, 1))).astype(np.float32)
+    x[:, 7] *= 25.0  # an outlier column: the row's scale is coarser than the 32-column one there
+    (got,), (same_planes,), (per_block,) = experts(w, x, 1), experts(w, x, 2), experts(w, x, 0)
+    assert np.isfinite(got).all()
+    assert rel_err(got, same_planes) <= 1e-6
+    assert not np.array_equal(got, same_planes), "the XROW kernel did not run (its sums round in another order)"
+    xq = ops.quantize_hilo(torch.from_numpy(x), group=n_embd).numpy().astype(np.float64)[x_rows]
+    wd = dequant(Q.IQ2_XXS, raw, n_embd).reshape(n_expert, n_ff, n_embd)
+    expert = np.repeat(np.arange(n_expert), counts)
+    ref = np.einsum("rc,roc->ro", xq, wd[expert])
+    assert rel_err(got, ref) <= 1e-5
+    assert not np.array_equal(got, per_block)  # x's rows quantized otherwise than decode's 32-column blocks
+    pair = experts(gate, x, 1, up)
+    for wt, y in zip((gate, up), pair):
+        assert np.array_equal(experts(wt, x, 1)[0], y)
+    # not taken: Q2_K, 8-bit activations, a row length that is not a multiple of 512
+    q2k = gpu.upload("blk.0.ffn_down_exps.xrow", Q.Q2_K, (n_embd, n_ff, n_expert),
+                     random_blocks(Q.Q2_K, n_ff * n_expert, n_embd, rng))
+    assert np.array_equal(experts(q2k, x, 1)[0], experts(q2k, x, 0)[0])
+    assert np.array_equal(experts(w, x, 1, x8=1)[0], experts(w, x, 0, x8=1)[0])
+    w768 = gpu.upload("blk.0.ffn_gate_exps.xrow768", Q.IQ2_XXS, (768, n_ff, n_expert),
+                      random_blocks(Q.IQ2_XXS, n_ff * n_expert, 768, rng))
+    x768 = np.ascontiguousarray(x[:, :768])
+    assert np.array_equal(experts(w768, x768, 1)[0], experts(w768, x768, 0)[0])
 
 
 def test_mmq_s256_q2k_experts_match_the_reference():
@@ -592,6 +679,32 @@ def test_mmq_row_pointers_in_the_session(small_reference):
     base = logits(0)
     assert np.array_equal(logits(1), base)
     assert np.array_equal(logits(1, pairs=1), base)
+
+
+def test_mmq_xrow_in_the_session(small_reference):
+    """DS4_GPU_MMQ_XROW=1 in the session (small, 600 tokens in chunks of 256: the routed gate and up on activations
+    with one scale per row) against the CPU engine (the issue's 1e-3), and not the per-block form's logits."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with CUDA")
+    from ds4.engine.gpu.session import Session as GpuSession
+
+    m, toks, want = small_reference
+    ext = gpu.load()
+
+    def logits(mode: int) -> np.ndarray:
+        ext.set_mmq_xrow(mode)
+        try:
+            return GpuSession(m, ctx=1024, prefill_chunk=256).sync(toks)
+        finally:
+            ext.set_mmq_xrow(-1)
+
+    got, base = logits(1), logits(0)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    err0 = float(np.linalg.norm(base - want) / np.linalg.norm(want))
+    print(f"\nmmq XROW prefill against the CPU engine: rel {err:.2e} (32-column scales: {err0:.2e})")
+    assert err <= 1e-3
+    assert not np.array_equal(got, base)
 
 
 class _Counting:

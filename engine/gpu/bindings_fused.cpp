@@ -316,7 +316,8 @@ void bind_fused_ops(py::module_& m) {
     launch_quantize_x(ptr<const float>(x), nvec, n, q, stream(), ptr<const int64_t>(rows), group);
   }, "The activation planes the quantized kernels read: nvec rows of n floats (rows: int64 source row per output row, "
      "or 0), hi and lo int8 [nvec, n], scale [nvec, n / 32], sum16 [nvec, n / 16] (device addresses); group: columns "
-     "per scale, 32 (decode's) or 256 (mmq's S256 form; the scale still stored per 32 columns)",
+     "per scale, 32 (decode's), 256 (mmq's S256 form) or 0 (one per row: mmq's XROW form; n a multiple of 512 up to 4096); "
+     "the scale is stored per 32 columns in every case",
      py::arg("x"), py::arg("nvec"), py::arg("n"), py::arg("rows"), py::arg("hi"), py::arg("lo"), py::arg("scale"),
      py::arg("sum16"), py::arg("group") = 32);
   m.def("moe_combine", [](uintptr_t y_sorted, uintptr_t slot_row, int tokens, int k, int n, uintptr_t out) {

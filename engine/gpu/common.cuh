@@ -108,6 +108,7 @@ struct XQ {
   float* sum16 = nullptr;
   int n = 0;
   int64_t rows = 0;  // rows in the planes (xq_at / take_xq; 0: not known)
+  bool row_scale = false;  // quantize_x group 0: one scale per row (mmq's XROW kernels apply it once, after the sums)
 };
 
 // ---- programmatic dependent launch (sm_90) ----
@@ -202,8 +203,9 @@ inline bool cluster_fits(void (*kernel)(KArgs...), int ctas, int threads) {
 void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, uint8_t* qs, int64_t qs_row,
                    uint8_t* sc, int64_t sc_row, cudaStream_t stream);
 // rows != null: quantized row r is x row rows[r] (x then has at least max(rows) + 1 rows of n values).
-// group 32 (decode's quantization) or 256 (mmq's S256 form: one scale per 256 columns, still stored per 32-column
-// block, so every reader of the planes takes either; n a multiple of group).
+// group 32 (decode's quantization), 256 (mmq's S256 form: one scale per 256 columns, still stored per 32-column
+// block, so every reader of the planes takes either; n a multiple of group) or 0 (mmq's XROW form: one scale per row,
+// stored per 32-column block too; n a multiple of 512 up to 4096).
 // SwiGLU source of quantize_x (prefill's routed down input, never stored as floats): x is the gate product g, and
 // the quantized row r is swiglu(g[r], up[r]) * row_w[row_of[r]] with fused.cu swiglu_kernel's operations.
 struct XSwiglu {
@@ -453,6 +455,10 @@ void set_mmq_min_mma(int mode);  // 2/1/0: the K-quants' min terms on the TF32 t
 void set_mmq_four(int mode);  // 1/0: IQ2_XXS with one weights' buffer and four CTAs per SM, or three; -1: env
 void set_mmq_xptr(int mode);  // 1/0: the four-CTA forms find their activation rows once per CTA, or per stage; -1: env
 void set_mmq_pairs(int mode);  // 1/0: the K-quants' row-pointer forms take fragments in pairs, or one by one; -1: env
+// $DS4_GPU_MMQ_XROW: 1 the routed IQ2_XXS gate and up on activations with one scale per row (mmq's XROW kernel), 2
+// the same planes through the per-block kernel, 0 decode's 32-column scales; set_mmq_xrow overrides it (-1: env)
+void set_mmq_xrow(int mode);
+int mmq_xrow_mode();
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).

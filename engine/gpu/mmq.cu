@@ -313,12 +313,16 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
 // PAIRS ($DS4_GPU_MMQ_PAIRS, the K-quants): the partial form's fragments in pairs, one tile-rows test per pair.
+// XROW ($DS4_GPU_MMQ_XROW; IQ2_XXS, the routed gate and up): the activations quantized with one scale per row
+// (quantize_x group 0), so the per-block epilogue is IMAD, I2FP, FFMA by the weight's block scale alone (no FMUL of
+// the two scales) and the row's scale multiplies each sum once, at the store.
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false>
+          bool PAIRS = false, bool XROW = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
+  static_assert(!XROW || (QT == QT_IQ2_XXS && !X8 && !S256), "XROW: IQ2_XXS on 16-bit activations");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
   static_assert(!ONEW || MMIN || QT == QT_IQ2_XXS, "ONEW: the MMIN form (118 registers) or IQ2_XXS (128, spills)");
@@ -413,10 +417,10 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
         } else {
           ldsm_x4(bf, (lane & 16) ? &S.lo[tr][kb] : &S.hi[tr][kb]);
         }
-        float xs[2], s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
+        float xs[2] = {1.0f, 1.0f}, s0[2] = {0.0f, 0.0f}, s1[2] = {0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          xs[j] = X8 && !S256 ? 254.0f * S.xs[tc + j][b] : S.xs[tc + j][b];
+          if constexpr (!XROW) xs[j] = X8 && !S256 ? 254.0f * S.xs[tc + j][b] : S.xs[tc + j][b];
           if constexpr (BLOCK_MINS) {
             s0[j] = S.s16[tc + j][2 * b];
             s1[j] = S.s16[tc + j][2 * b + 1];
@@ -453,6 +457,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
               // the batch-1 kernels' arithmetic: the exact int32 254 hi + lo, one rounding to float (I2FP: full rate)
               float& y = acc[m][n][e];
               if constexpr (X8) y = fmaf(wd[m][h] * xs[j], (float)ch[e], y);  // xs[j] holds 254 xs here
+              else if constexpr (XROW) y = fmaf(wd[m][h], (float)(254 * ch[e] + cl[e]), y);  // xs at the store
               else y = fmaf(wd[m][h] * xs[j], (float)(254 * ch[e] + cl[e]), y);
               if constexpr (BLOCK_MINS) y = fmaf(-m1[m][h], s1[j], fmaf(-m0[m][h], s0[j], y));
             }
@@ -502,21 +507,23 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = tl.r0 + wm + 16 * m + g + 8 * (e >> 1), t = wn + 8 * n + 2 * q + (e & 1);
-        if (r < a.rows_g && t < tl.an) a.y[(tl.a0 + t) * a.ldy + tl.ycol0 + r] = acc[m][n][e];
+        // XROW: the row's scale from the last stage's planes (every block of a row holds it; nothing overwrote them)
+        const float v = XROW ? acc[m][n][e] * stx[(nstages - 1) & 1].xs[t][0] : acc[m][n][e];
+        if (r < a.rows_g && t < tl.an) a.y[(tl.a0 + t) * a.ldy + tl.ycol0 + r] = v;
       }
 }
 
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
-          bool PAIRS = false>
+          bool PAIRS = false, bool XROW = false>
 void launch_as(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
   const size_t shm = mq_stage_bytes<NT, ONEW>() + (QT == QT_IQ2_XXS ? 256 * sizeof(unsigned long long) : 0);
   static bool shm_set = false;
   if (!shm_set) {
-    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS>,
+    DS4_CHECK(cudaFuncSetAttribute(mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, XROW>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm));
     shm_set = true;
   }
-  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS><<<grid, mq_threads<NT>(), shm, stream>>>(a);
+  mmq_kernel<QT, NT, S256, X8, MMIN, ONEW, XP, PAIRS, XROW><<<grid, mq_threads<NT>(), shm, stream>>>(a);
 }
 
 // $DS4_GPU_MMQ_MINMMA (v27, default 2): 1 the K-quants' min terms on the TF32 tensor cores (MMIN); 2 also one
@@ -545,6 +552,12 @@ static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
 // 7.69 -> 7.49 ms; IQ2_XXS's gate went 5.47 -> 5.60 that way (its partial tiles' warps), so IQ2_XXS keeps one
 // fragment at a time. The same bits. set_mmq_pairs overrides it (0, 1; -1 the environment).
 static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
+// $DS4_GPU_MMQ_XROW (v44): 1 the routed gate and up (IQ2_XXS) on activations quantized with one scale per row
+// (mmq_experts quantizes them with group 0), multiplied by the XROW kernel: per element and 32-column block IMAD,
+// I2FP, FFMA instead of IMAD, I2FP, FMUL, FFMA (the loop's 128 FMUL of ~1070 dynamic instructions per stage); 2 the
+// same planes through the per-block kernel (the tests' reference: the same sums to float rounding); 0 decode's
+// 32-column scales. mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-2; -1 the environment).
+static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 2, 0};
 
 // The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
 template <int QT, int NT, bool X8, bool MMIN>
@@ -578,7 +591,9 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && xp)
+      if (NT == 64 && mmq_four_switch.get() && xp && a.x.row_scale && !X8 && mmq_xrow_switch.get() == 1)
+        launch_as<QT_IQ2_XXS, NT, false, false, false, true, true, false, true>(a, grid, stream);
+      else if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
@@ -645,6 +660,8 @@ void set_mmq_min_mma(int mode) { mmq_min_mma_switch.set(mode); }
 void set_mmq_four(int mode) { mmq_four_switch.set(mode); }
 void set_mmq_xptr(int mode) { mmq_xptr_switch.set(mode); }
 void set_mmq_pairs(int mode) { mmq_pairs_switch.set(mode); }
+void set_mmq_xrow(int mode) { mmq_xrow_switch.set(mode); }
+int mmq_xrow_mode() { return mmq_xrow_switch.get(); }
 
 int mmq_tile_rows() {
   static const int rows = [] {

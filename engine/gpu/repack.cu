@@ -217,6 +217,57 @@ __global__ void quantize_x256_kernel(const float* x, int64_t nsb_total, XQ out, 
   if ((lane & 1) == 0) out.sum16[sb * 16 + lane / 2] = sum;
 }
 
+// group 0 (mmq's XROW form, the routed gate and up): one scale per row. One CTA of 128 threads per row, four consecutive
+// columns per chunk (float4 in, char4 out) at columns 4 (tid + 128 j), j < n / 512: s = the row's amax / 127, hi and lo
+// per value with quantize_x_kernel's formulas; scale s / 254 written for every 32-column block, so every reader of the
+// planes takes them; sum16: each thread's four values ((v0 + v1) + (v2 + v3)), then the neighbours' (xor 1, xor 2).
+constexpr int kRowThreads = 128, kRowChunks = 8;  // n <= 4096
+__global__ void __launch_bounds__(kRowThreads) quantize_x_row_kernel(const float* x, XQ out, const int64_t* rows,
+                                                                     int n) {
+  pdl_begin();
+  __shared__ float s_amax[kRowThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, nch = n / (4 * kRowThreads);
+  const int64_t r = blockIdx.x, src = rows ? rows[r] : r;
+  float v[kRowChunks][4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kRowChunks; ++j) {
+    if (j >= nch) break;
+    const float4 f = reinterpret_cast<const float4*>(x + src * n)[tid + kRowThreads * j];
+    v[j][0] = f.x, v[j][1] = f.y, v[j][2] = f.z, v[j][3] = f.w;
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
+  }
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (lane == 0) s_amax[tid >> 5] = amax;
+  __syncthreads();
+  amax = fmaxf(fmaxf(s_amax[0], s_amax[1]), fmaxf(s_amax[2], s_amax[3]));
+  const float s = amax / 127.0f;
+#pragma unroll
+  for (int j = 0; j < kRowChunks; ++j) {
+    if (j >= nch) break;
+    char4 hq = make_char4(0, 0, 0, 0), lq = make_char4(0, 0, 0, 0);
+    if (amax > 0.0f) {
+      int h[4], l[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float t = v[j][i] / s, hr = rintf(t);
+        h[i] = (int)hr;
+        l[i] = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
+      }
+      hq = make_char4((signed char)h[0], (signed char)h[1], (signed char)h[2], (signed char)h[3]);
+      lq = make_char4((signed char)l[0], (signed char)l[1], (signed char)l[2], (signed char)l[3]);
+    }
+    const int64_t c4 = r * (n / 4) + tid + kRowThreads * j;  // this chunk in units of four columns
+    reinterpret_cast<char4*>(out.hi)[c4] = hq;
+    reinterpret_cast<char4*>(out.lo)[c4] = lq;
+    float sum = (v[j][0] + v[j][1]) + (v[j][2] + v[j][3]);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if ((tid & 7) == 0) out.scale[c4 / 8] = s / 254.0f;
+    if ((tid & 3) == 0) out.sum16[c4 / 4] = sum;
+  }
+}
+
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows, int group,
                        XSwiglu sw) {
   if (sw.up && (group != 32 || rows)) throw std::invalid_argument("quantize_x: SwiGLU source needs group 32, no rows");
@@ -229,7 +280,15 @@ void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t str
     DS4_CHECK_LAUNCH("quantize_x (group 256)");
     return;
   }
-  if (group != 32) throw std::invalid_argument("quantize_x: group must be 32 or 256");
+  if (group == 0) {
+    if (sw.up) throw std::invalid_argument("quantize_x: SwiGLU source needs group 32");
+    if (n % (4 * kRowThreads) || n > 4 * kRowThreads * kRowChunks)
+      throw std::invalid_argument("quantize_x: one scale per row (group 0) needs a length of 512 .. 4096, a multiple of 512");
+    if (nvec > 0) launch_k(quantize_x_row_kernel, dim3((unsigned)nvec), dim3(kRowThreads), 0, stream, x, out, rows, n);
+    DS4_CHECK_LAUNCH("quantize_x (one scale per row)");
+    return;
+  }
+  if (group != 32) throw std::invalid_argument("quantize_x: group must be 32, 256 or 0 (one scale per row)");
   if (n % 32) throw std::invalid_argument("activation length must be a multiple of 32");
   const int64_t total = (int64_t)nvec * n / 32;
   const int threads = 256, blocks_per_cta = threads / 8;
