@@ -288,7 +288,8 @@ QUANTIZE_X_MODELS = {32: quantize_x_model, 256: quantize_x256_model, 0: quantize
 
 @pytest.mark.parametrize("group,R,n,gather", [(32, 1, 4096, False), (32, 7, 96, False), (32, 33, 2048, True),
                                                (256, 1, 4096, False), (256, 9, 256, False), (256, 33, 2048, True),
-                                               (0, 1, 4096, False), (0, 9, 512, False), (0, 33, 2048, True)])
+                                               (0, 1, 4096, False), (0, 9, 512, False), (0, 33, 2048, True),
+                                               (0, 5, 768, False), (0, 3, 256, True)])
 def test_quantize_x_matches_its_model_bit_for_bit(group, R, n, gather):
     """quantize_x at decode's 32 columns per scale, at mmq S256's 256 and with one scale per row (group 0: mmq's
     XROW form), against the numpy models."""
@@ -311,8 +312,8 @@ def test_quantize_x_matches_its_model_bit_for_bit(group, R, n, gather):
     with pytest.raises(ValueError, match="group"):
         ext.quantize_x(x.data_ptr(), R, n, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
                        group=64)
-    with pytest.raises(ValueError, match="one scale per row"):  # rows of 512 .. 4096 columns, a multiple of 512
-        ext.quantize_x(x.data_ptr(), R, 256, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
+    with pytest.raises(ValueError, match="one scale per row"):  # multiples of 256 up to 2048, of 512 up to 4096
+        ext.quantize_x(x.data_ptr(), R, 2304, 0, hi.data_ptr(), lo.data_ptr(), scale.data_ptr(), sum16.data_ptr(),
                        group=0)
 
 
@@ -321,8 +322,8 @@ def test_mmq_xrow_gate_and_up_match_the_reference():
     XROW kernel (the row's scale applied once, at the store). Against the same planes through the per-block kernel
     (mode 2: the same sums, to float rounding), against the float64 product of x quantized per row, and the gate/up
     pair against separate products. Expert tiles full and partial through the row table (the session's form). Not
-    taken, so decode's 32-column scales and the bits of mode 0: Q2_K weights, 8-bit activations, rows that are not a
-    multiple of 512."""
+    taken, so decode's 32-column scales and the bits of mode 0: Q2_K weights, 8-bit activations, rows longer than
+    4096."""
     import torch
 
     from ds4.engine.gpu import ops
@@ -373,15 +374,15 @@ def test_mmq_xrow_gate_and_up_match_the_reference():
     pair = experts(gate, x, 1, up)
     for wt, y in zip((gate, up), pair):
         assert np.array_equal(experts(wt, x, 1)[0], y)
-    # not taken: Q2_K, 8-bit activations, a row length that is not a multiple of 512
+    # not taken: Q2_K, 8-bit activations, rows of more than 4096 columns
     q2k = gpu.upload("blk.0.ffn_down_exps.xrow", Q.Q2_K, (n_embd, n_ff, n_expert),
                      random_blocks(Q.Q2_K, n_ff * n_expert, n_embd, rng))
     assert np.array_equal(experts(q2k, x, 1)[0], experts(q2k, x, 0)[0])
     assert np.array_equal(experts(w, x, 1, x8=1)[0], experts(w, x, 0, x8=1)[0])
-    w768 = gpu.upload("blk.0.ffn_gate_exps.xrow768", Q.IQ2_XXS, (768, n_ff, n_expert),
-                      random_blocks(Q.IQ2_XXS, n_ff * n_expert, 768, rng))
-    x768 = np.ascontiguousarray(x[:, :768])
-    assert np.array_equal(experts(w768, x768, 1)[0], experts(w768, x768, 0)[0])
+    wide = gpu.upload("blk.0.ffn_gate_exps.xrow4608", Q.IQ2_XXS, (4608, n_ff, n_expert),
+                      random_blocks(Q.IQ2_XXS, n_ff * n_expert, 4608, rng))
+    xw = rng.standard_normal((T, 4608)).astype(np.float32)
+    assert np.array_equal(experts(wide, xw, 1)[0], experts(wide, xw, 0)[0])
 
 
 def test_mmq_s256_q2k_experts_match_the_reference():
@@ -681,9 +682,63 @@ def test_mmq_row_pointers_in_the_session(small_reference):
     assert np.array_equal(logits(1, pairs=1), base)
 
 
-def test_mmq_xrow_in_the_session(small_reference):
-    """DS4_GPU_MMQ_XROW=1 in the session (small, 600 tokens in chunks of 256: the routed gate and up on activations
-    with one scale per row) against the CPU engine (the issue's 1e-3), and not the per-block form's logits."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mmq_xrow_down_matches_the_reference(weighted):
+    """DS4_GPU_MMQ_XROW=3 (v44): the routed Q2_K down on its SwiGLU source quantized with one scale per row, the
+    min terms' sums in units of that scale, through the XROW form of the MMIN kernel. Against the same planes (their
+    sums as they are) through the per-block kernel (mode 2), against the float64 product of the stored SwiGLU output
+    quantized per row; mode 1 leaves the down on decode's 32-column planes (mode 0's bits)."""
+    import torch
+
+    from ds4.engine.gpu import ops
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(443)
+    n_embd, n_ff, n_expert = 512, 1024, 6
+    counts = [70, 0, 1, 64, 129, 9]
+    R = sum(counts)
+    g0 = torch.Generator().manual_seed(443)
+    g, u = (torch.randn(R, n_ff, generator=g0).cuda() * 5 for _ in range(2))
+    wts = torch.rand(R, generator=g0).cuda() if weighted else None
+    order = torch.randperm(R, generator=g0).cuda() if weighted else None
+    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
+    raw = random_blocks(Q.Q2_K, n_embd * n_expert, n_ff, rng)
+    w = gpu.upload(f"blk.0.ffn_down_exps.xrow{int(weighted)}", Q.Q2_K, (n_ff, n_embd, n_expert), raw)
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
+    h = torch.empty_like(g)
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, h.data_ptr(), ptr(wts), n_ff, ptr(order))
+    torch.cuda.synchronize()  # torch's stream against the extension's
+
+    def down(mode: int) -> np.ndarray:
+        y = torch.full((R, n_embd), float("nan"), device="cuda")
+        torch.cuda.synchronize()
+        ext.set_mmq_xrow(mode)
+        try:
+            assert ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(y), s256=0, up=arr(u), limit=7.0,
+                                   row_w=ptr(wts), row_of=ptr(order))
+            ext.synchronize()
+        finally:
+            ext.set_mmq_xrow(-1)
+        return y.cpu().numpy()
+
+    got, same_planes, per_block = down(3), down(2), down(0)
+    assert np.isfinite(got).all()
+    assert rel_err(got, same_planes) <= 1e-6
+    assert not np.array_equal(got, same_planes), "the XROW kernel did not run (its sums round in another order)"
+    hq = ops.quantize_hilo(h.cpu(), group=n_ff).numpy().astype(np.float64)
+    wd = dequant(Q.Q2_K, raw, n_ff).reshape(n_expert, n_embd, n_ff)
+    expert = np.repeat(np.arange(n_expert), counts)
+    assert rel_err(got, np.einsum("rc,roc->ro", hq, wd[expert])) <= 1e-4
+    assert np.array_equal(down(1), per_block)
+
+
+@pytest.mark.parametrize("mode", [1, 3])
+def test_mmq_xrow_in_the_session(small_reference, mode):
+    """DS4_GPU_MMQ_XROW=1 and 3 in the session (small, 600 tokens in chunks of 256: the routed gate and up, and with
+    3 the down, on activations with one scale per row) against the CPU engine (the issue's 1e-3), and not the
+    per-block form's logits."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs torch with CUDA")
@@ -699,10 +754,10 @@ def test_mmq_xrow_in_the_session(small_reference):
         finally:
             ext.set_mmq_xrow(-1)
 
-    got, base = logits(1), logits(0)
+    got, base = logits(mode), logits(0)
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     err0 = float(np.linalg.norm(base - want) / np.linalg.norm(want))
-    print(f"\nmmq XROW prefill against the CPU engine: rel {err:.2e} (32-column scales: {err0:.2e})")
+    print(f"\nmmq XROW={mode} prefill against the CPU engine: rel {err:.2e} (32-column scales: {err0:.2e})")
     assert err <= 1e-3
     assert not np.array_equal(got, base)
 

@@ -63,18 +63,17 @@ bool mmq_experts(const Tensor& w, const Array& x, uintptr_t tiles, int ntiles, A
   // with rows: x's T token rows quantized once and read through rows by the kernel (v26), not a quantized copy of
   // the R = k T gathered rows ($DS4_GPU_MMQ_XROWS=0: the copy)
   const bool direct = rows && !big && mmq_xrows_default();
-  // XROW (the routed gate and up, IQ2_XXS): one activation scale per row (quantize_x group 0)
-  const bool xrow = mmq_xrow_mode() != 0 && w.p.qtype == QT_IQ2_XXS && !up && !big && !moe_x8() && n % 512 == 0 &&
-                    n <= 4096;
   const int64_t Rq = direct ? x.shape[0] : R;
+  // XROW ($DS4_GPU_MMQ_XROW): one activation scale per row (quantize_x group 0) for the XROW kernels
+  const XrowPlan xrow = big ? XrowPlan() : mmq_xrow_plan(w.p, Rq, n, up != nullptr, moe_x8());
   g_prefill_scratch.reserve(xq_bytes(Rq, n));
   g_prefill_scratch.begin();
   XQ xq = take_xq(Rq, n, g_prefill_scratch);
-  xq.row_scale = xrow;
+  xq.row_scale = xrow.xrow_kernel;
   XSwiglu sw;
   if (up) sw = XSwiglu{up->f(), limit, (const float*)row_w, (const int64_t*)row_of};
   launch_quantize_x(x.f(), (int)Rq, (int)n, xq, stream(), direct ? nullptr : (const int64_t*)rows,
-                    big ? 256 : xrow ? 0 : 32, sw);
+                    big ? 256 : xrow.row_planes ? 0 : 32, sw, xrow.xrow_kernel && w.p.qtype == QT_Q2_K);
   const int64_t* x_rows = direct ? (const int64_t*)rows : nullptr;
   launch_mmq_experts(w.p, n_expert, xq, (const int4*)tiles, ntiles, y.f(), stream(), big, x_rows);
   if (w2) launch_mmq_experts(w2->p, n_expert, xq, (const int4*)tiles, ntiles, y2->f(), stream(), false, x_rows);
@@ -206,8 +205,8 @@ void bind_prefill_products(py::module_& m) {
         "$DS4_GPU_MMQ_XPTR again.");
   m.def("set_mmq_xrow", &set_mmq_xrow, py::arg("mode"),
         "1: the routed IQ2_XXS gate and up (mmq_experts) on activations with one scale per row, multiplied by mmq's "
-        "XROW kernel; 2: the same planes through the per-block kernel; 0: decode's 32-column scales; -1: "
-        "$DS4_GPU_MMQ_XROW again.");
+        "XROW kernel; 3: also the Q2_K down (its SwiGLU source); 2: those planes through the per-block kernels; 0: "
+        "decode's 32-column scales; -1: $DS4_GPU_MMQ_XROW again.");
   m.def("mmq_xrow_mode", &mmq_xrow_mode, "The routed gate and up's activation scales: $DS4_GPU_MMQ_XROW or set_mmq_xrow's.");
   m.def("set_mmq_pairs", &set_mmq_pairs, py::arg("mode"),
         "1: mmq's K-quant row-pointer kernels take their fragments in pairs (one tile-rows test per pair), 0: one at "

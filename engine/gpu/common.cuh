@@ -108,7 +108,8 @@ struct XQ {
   float* sum16 = nullptr;
   int n = 0;
   int64_t rows = 0;  // rows in the planes (xq_at / take_xq; 0: not known)
-  bool row_scale = false;  // quantize_x group 0: one scale per row (mmq's XROW kernels apply it once, after the sums)
+  bool row_scale = false;  // one scale per row, for mmq's XROW kernels (they apply it once, after the sums; the
+                           // 16-column sums are then in units of that scale: quantize_x's sums_per_scale)
 };
 
 // ---- programmatic dependent launch (sm_90) ----
@@ -205,7 +206,7 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 // rows != null: quantized row r is x row rows[r] (x then has at least max(rows) + 1 rows of n values).
 // group 32 (decode's quantization), 256 (mmq's S256 form: one scale per 256 columns, still stored per 32-column
 // block, so every reader of the planes takes either; n a multiple of group) or 0 (mmq's XROW form: one scale per row,
-// stored per 32-column block too; n a multiple of 512 up to 4096).
+// stored per 32-column block too; quantize_x_row_takes(n)).
 // SwiGLU source of quantize_x (prefill's routed down input, never stored as floats): x is the gate product g, and
 // the quantized row r is swiglu(g[r], up[r]) * row_w[row_of[r]] with fused.cu swiglu_kernel's operations.
 struct XSwiglu {
@@ -214,8 +215,10 @@ struct XSwiglu {
   const float* row_w = nullptr;
   const int64_t* row_of = nullptr;
 };
+// sums_per_scale (group 0 only): the 16-column sums divided by the row's scale (mmq's XROW min terms).
+bool quantize_x_row_takes(int64_t n);  // group 0's lengths: multiples of 256 up to 2048, of 512 up to 4096
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows = nullptr,
-                       int group = 32, XSwiglu sw = XSwiglu());
+                       int group = 32, XSwiglu sw = XSwiglu(), bool sums_per_scale = false);
 // dequant.cu: rows row0..row0+nrows of a weight, times scale, as f16 into out (row stride ld elements);
 // lo != null: also the remainder (value - out) as f16, so out + lo carries ~22 significant bits. b8 != null: also the
 // float8 operand of fp8_split's corrections, rows [lo 2^11 k | hi k] of 2 ncols bytes, k = *kp (device scalar).
@@ -459,6 +462,13 @@ void set_mmq_pairs(int mode);  // 1/0: the K-quants' row-pointer forms take frag
 // the same planes through the per-block kernel, 0 decode's 32-column scales; set_mmq_xrow overrides it (-1: env)
 void set_mmq_xrow(int mode);
 int mmq_xrow_mode();
+// How mmq_experts quantizes the activations of w (rows x n; swiglu_source: the down's SwiGLU input): row_planes one
+// scale per row (quantize_x group 0), xrow_kernel through the XROW form (XQ::row_scale; K-quants: the sums in units of
+// the row's scale). Both false: decode's 32-column planes.
+struct XrowPlan {
+  bool row_planes = false, xrow_kernel = false;
+};
+XrowPlan mmq_xrow_plan(const Packed& w, int64_t rows, int64_t n, bool swiglu_source, bool x8);
 void launch_mmq(const Packed& w, const XQ& x, int T, int groups, float* y, cudaStream_t stream);
 // s256 (Q2_K only): x quantized with group 256, so the int32 sums run over each 256-column super-block inside the
 // mma accumulators and the float epilogue runs once per super-block (DS4_GPU_MMQ_S256; mmq_s256_default()).

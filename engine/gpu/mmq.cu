@@ -313,16 +313,18 @@ __host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 ||
 // ONEW: one buffer for the decoded weights (the activations stay double-buffered): the next stage is decoded after a
 // barrier that ends this stage's products, so a CTA needs ~20% less shared memory and four fit an SM (16 warps).
 // PAIRS ($DS4_GPU_MMQ_PAIRS, the K-quants): the partial form's fragments in pairs, one tile-rows test per pair.
-// XROW ($DS4_GPU_MMQ_XROW; IQ2_XXS, the routed gate and up): the activations quantized with one scale per row
-// (quantize_x group 0), so the per-block epilogue is IMAD, I2FP, FFMA by the weight's block scale alone (no FMUL of
-// the two scales) and the row's scale multiplies each sum once, at the store.
+// XROW ($DS4_GPU_MMQ_XROW; IQ2_XXS, the routed gate and up; with mode 3 also the MMIN Q2_K down): the activations
+// quantized with one scale per row (quantize_x group 0), so the per-block epilogue is IMAD, I2FP, FFMA by the
+// weight's block scale alone (no FMUL of the two scales) and the row's scale multiplies each sum once, at the store.
+// The K-quants' min terms (MMIN) then take the 16-column sums in units of that scale (quantize_x's sums_per_scale).
 template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false, bool ONEW = false, bool XP = false,
           bool PAIRS = false, bool XROW = false>
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
   static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
-  static_assert(!XROW || (QT == QT_IQ2_XXS && !X8 && !S256), "XROW: IQ2_XXS on 16-bit activations");
+  static_assert(!XROW || ((QT == QT_IQ2_XXS || (QT == QT_Q2_K && MMIN)) && !X8 && !S256),
+                "XROW: IQ2_XXS or the MMIN Q2_K form, on 16-bit activations");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
   extern __shared__ __align__(16) unsigned char mq_smem[];
   static_assert(!ONEW || MMIN || QT == QT_IQ2_XXS, "ONEW: the MMIN form (118 registers) or IQ2_XXS (128, spills)");
@@ -554,10 +556,11 @@ static EnvSwitch mmq_xptr_switch{"DS4_GPU_MMQ_XPTR", 1, 1};
 static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
 // $DS4_GPU_MMQ_XROW (v44): 1 the routed gate and up (IQ2_XXS) on activations quantized with one scale per row
 // (mmq_experts quantizes them with group 0), multiplied by the XROW kernel: per element and 32-column block IMAD,
-// I2FP, FFMA instead of IMAD, I2FP, FMUL, FFMA (the loop's 128 FMUL of ~1070 dynamic instructions per stage); 2 the
-// same planes through the per-block kernel (the tests' reference: the same sums to float rounding); 0 decode's
-// 32-column scales. mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-2; -1 the environment).
-static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 2, 0};
+// I2FP, FFMA instead of IMAD, I2FP, FMUL, FFMA (the loop's 128 FMUL of ~1070 dynamic instructions per stage); 3 also
+// the Q2_K down (its SwiGLU source quantized per row, the min terms' sums in units of the row's scale); 2 the row
+// planes through the per-block kernels (the tests' reference: the same sums to float rounding); 0 decode's 32-column
+// scales. mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-3; -1 the environment).
+static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 3, 0};
 
 // The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
 template <int QT, int NT, bool X8, bool MMIN>
@@ -576,7 +579,10 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
   switch (qtype) {
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
-      if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
+      if (a.x.row_scale) {  // the sums in units of the row's scale: only the XROW form reads them right
+        if (!(mmin == 2 && NT == 64 && pairs && !X8 && !s256)) throw std::logic_error("mmq: row-scale planes, no XROW form");
+        if constexpr (NT == 64) launch_as<QT_Q2_K, NT, false, false, true, true, true, true, true>(a, grid, stream);
+      } else if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
       else if (mmin == 2 && NT == 64 && pairs) launch_pairs<QT_Q2_K, NT, X8, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q2_K, NT, false, X8, true, true, true>(a, grid, stream);
       else if (mmin == 2 && NT == 64) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
@@ -591,9 +597,10 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
-      if (NT == 64 && mmq_four_switch.get() && xp && a.x.row_scale && !X8 && mmq_xrow_switch.get() == 1)
-        launch_as<QT_IQ2_XXS, NT, false, false, false, true, true, false, true>(a, grid, stream);
-      else if (NT == 64 && mmq_four_switch.get() && xp)
+      if (a.x.row_scale) {  // mmq_xrow_plan chose the planes for this form
+        if (!(NT == 64 && mmq_four_switch.get() && xp && !X8)) throw std::logic_error("mmq: row-scale planes, no XROW form");
+        if constexpr (NT == 64) launch_as<QT_IQ2_XXS, NT, false, false, false, true, true, false, true>(a, grid, stream);
+      } else if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
       else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
@@ -662,6 +669,23 @@ void set_mmq_xptr(int mode) { mmq_xptr_switch.set(mode); }
 void set_mmq_pairs(int mode) { mmq_pairs_switch.set(mode); }
 void set_mmq_xrow(int mode) { mmq_xrow_switch.set(mode); }
 int mmq_xrow_mode() { return mmq_xrow_switch.get(); }
+
+XrowPlan mmq_xrow_plan(const Packed& w, int64_t rows, int64_t n, bool swiglu_source, bool x8) {
+  const int mode = mmq_xrow_switch.get();
+  const bool iq2 = w.qtype == QT_IQ2_XXS && !swiglu_source && (mode == 1 || mode == 3);
+  const bool q2k = w.qtype == QT_Q2_K && swiglu_source && mode == 3;
+  const bool shape = quantize_x_row_takes(n) && rows > 0 && rows * n < (int64_t{1} << 31) && !x8 &&
+                     mmq_tile_rows() == 64 && mmq_xptr_switch.get() != 0 && w.nrows * w.qs_row < (int64_t{1} << 32) &&
+                     w.nrows * w.sc_row < (int64_t{1} << 32);
+  XrowPlan p;
+  if (!shape) return p;
+  if ((iq2 && mmq_four_switch.get()) || (q2k && mmq_min_mma_switch.get() == 2 && mmq_pairs_switch.get())) {
+    p.row_planes = p.xrow_kernel = true;
+  } else if (mode == 2 && (w.qtype == QT_IQ2_XXS || w.qtype == QT_Q2_K)) {
+    p.row_planes = true;  // the per-block kernels on the same planes (their sums as they are)
+  }
+  return p;
+}
 
 int mmq_tile_rows() {
   static const int rows = [] {

@@ -217,17 +217,23 @@ __global__ void quantize_x256_kernel(const float* x, int64_t nsb_total, XQ out, 
   if ((lane & 1) == 0) out.sum16[sb * 16 + lane / 2] = sum;
 }
 
-// group 0 (mmq's XROW form, the routed gate and up): one scale per row. One CTA of 128 threads per row, four consecutive
-// columns per chunk (float4 in, char4 out) at columns 4 (tid + 128 j), j < n / 512: s = the row's amax / 127, hi and lo
+// group 0 (mmq's XROW form, the routed experts): one scale per row. One CTA of THREADS (128 where n is a multiple of 512,
+// else 64) per row, four consecutive columns per chunk (float4 in, char4 out) at columns 4 (tid + THREADS j),
+// j < n / (4 THREADS) <= 8: s = the row's amax / 127, hi and lo
 // per value with quantize_x_kernel's formulas; scale s / 254 written for every 32-column block, so every reader of the
-// planes takes them; sum16: each thread's four values ((v0 + v1) + (v2 + v3)), then the neighbours' (xor 1, xor 2).
-constexpr int kRowThreads = 128, kRowChunks = 8;  // n <= 4096
-__global__ void __launch_bounds__(kRowThreads) quantize_x_row_kernel(const float* x, XQ out, const int64_t* rows,
-                                                                     int n) {
+// planes takes them; sum16: each thread's four values ((v0 + v1) + (v2 + v3)), then the neighbours' (xor 1, xor 2),
+// with sums_per_scale divided by that scale (mmq's XROW min terms). SWIGLU: quantize_x_kernel's SwiGLU source.
+constexpr int kRowChunks = 8;  // n <= 32 THREADS
+template <bool SWIGLU, int THREADS>
+__global__ void __launch_bounds__(THREADS) quantize_x_row_kernel(const float* x, XQ out, const int64_t* rows, int n,
+                                                                 XSwiglu sw, bool sums_per_scale) {
+  constexpr int kRowThreads = THREADS;
   pdl_begin();
   __shared__ float s_amax[kRowThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, nch = n / (4 * kRowThreads);
   const int64_t r = blockIdx.x, src = rows ? rows[r] : r;
+  float rw = 1.0f;
+  if constexpr (SWIGLU) rw = sw.row_w ? sw.row_w[sw.row_of ? sw.row_of[src] : src] : 1.0f;
   float v[kRowChunks][4];
   float amax = 0.0f;
 #pragma unroll
@@ -235,12 +241,24 @@ __global__ void __launch_bounds__(kRowThreads) quantize_x_row_kernel(const float
     if (j >= nch) break;
     const float4 f = reinterpret_cast<const float4*>(x + src * n)[tid + kRowThreads * j];
     v[j][0] = f.x, v[j][1] = f.y, v[j][2] = f.z, v[j][3] = f.w;
-    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
+    if constexpr (SWIGLU) {
+      const float4 u4 = reinterpret_cast<const float4*>(sw.up + src * n)[tid + kRowThreads * j];
+      const float u[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float a = fminf(v[j][i], sw.limit), c = fminf(fmaxf(u[i], -sw.limit), sw.limit);
+        v[j][i] = a * sigmoidf_(a) * c;
+        if (sw.row_w) v[j][i] = v[j][i] * rw;
+      }
+    }
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j][0]), fabsf(v[j][1])), fmaxf(fabsf(v[j][2]), fabsf(v[j][3]))));
   }
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (lane == 0) s_amax[tid >> 5] = amax;
   __syncthreads();
-  amax = fmaxf(fmaxf(s_amax[0], s_amax[1]), fmaxf(s_amax[2], s_amax[3]));
+  amax = s_amax[0];
+#pragma unroll
+  for (int w = 1; w < kRowThreads / 32; ++w) amax = fmaxf(amax, s_amax[w]);
   const float s = amax / 127.0f;
 #pragma unroll
   for (int j = 0; j < kRowChunks; ++j) {
@@ -263,14 +281,19 @@ __global__ void __launch_bounds__(kRowThreads) quantize_x_row_kernel(const float
     float sum = (v[j][0] + v[j][1]) + (v[j][2] + v[j][3]);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if ((tid & 7) == 0) out.scale[c4 / 8] = s / 254.0f;
-    if ((tid & 3) == 0) out.sum16[c4 / 4] = sum;
+    const float scale = s / 254.0f;
+    if ((tid & 7) == 0) out.scale[c4 / 8] = scale;
+    if ((tid & 3) == 0) out.sum16[c4 / 4] = sums_per_scale && amax > 0.0f ? sum / scale : sum;
   }
 }
 
+bool quantize_x_row_takes(int64_t n) { return n > 0 && n % 256 == 0 && (n % 512 == 0 ? n <= 4096 : n <= 2048); }
+
 void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t stream, const int64_t* rows, int group,
-                       XSwiglu sw) {
-  if (sw.up && (group != 32 || rows)) throw std::invalid_argument("quantize_x: SwiGLU source needs group 32, no rows");
+                       XSwiglu sw, bool sums_per_scale) {
+  if (sw.up && ((group != 32 && group != 0) || rows))
+    throw std::invalid_argument("quantize_x: SwiGLU source needs group 32 or 0, no rows");
+  if (sums_per_scale && group != 0) throw std::invalid_argument("quantize_x: sums per scale need group 0");
   if (group == 256) {
     if (n % 256) throw std::invalid_argument("quantize_x: group 256 needs a length that is a multiple of 256");
     const int64_t total = (int64_t)nvec * (n / 256);
@@ -281,10 +304,16 @@ void launch_quantize_x(const float* x, int nvec, int n, XQ out, cudaStream_t str
     return;
   }
   if (group == 0) {
-    if (sw.up) throw std::invalid_argument("quantize_x: SwiGLU source needs group 32");
-    if (n % (4 * kRowThreads) || n > 4 * kRowThreads * kRowChunks)
-      throw std::invalid_argument("quantize_x: one scale per row (group 0) needs a length of 512 .. 4096, a multiple of 512");
-    if (nvec > 0) launch_k(quantize_x_row_kernel, dim3((unsigned)nvec), dim3(kRowThreads), 0, stream, x, out, rows, n);
+    if (!quantize_x_row_takes(n))
+      throw std::invalid_argument("quantize_x: one scale per row (group 0) needs a length of 256 .. 4096, a multiple of "
+                                  "256 (of 512 past 2048)");
+    const bool wide = n % 512 == 0;
+    const dim3 grid((unsigned)nvec), block(wide ? 128 : 64);
+    if (nvec <= 0) return;
+    if (sw.up && wide) launch_k(quantize_x_row_kernel<true, 128>, grid, block, 0, stream, x, out, rows, n, sw, sums_per_scale);
+    else if (sw.up) launch_k(quantize_x_row_kernel<true, 64>, grid, block, 0, stream, x, out, rows, n, sw, sums_per_scale);
+    else if (wide) launch_k(quantize_x_row_kernel<false, 128>, grid, block, 0, stream, x, out, rows, n, sw, sums_per_scale);
+    else launch_k(quantize_x_row_kernel<false, 64>, grid, block, 0, stream, x, out, rows, n, sw, sums_per_scale);
     DS4_CHECK_LAUNCH("quantize_x (one scale per row)");
     return;
   }
