@@ -6,6 +6,8 @@ Skipped without a built extension and a CUDA device."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,19 @@ def quantized(x: np.ndarray) -> np.ndarray:
     from ds4.engine.gpu import ops
 
     return ops.quantize_hilo(torch.from_numpy(x)).numpy().astype(np.float64)
+
+
+@contextlib.contextmanager
+def decode_planes():
+    """The routed experts' activations on decode's 32-column scales (DS4_GPU_MMQ_XROW=0), for the tests that hold a
+    kernel form to another bit for bit or to the 32-column reference: XROW's one scale per row exists only in the
+    four-CTA row-pointer forms (its own tests hold it)."""
+    ext = gpu.load()
+    ext.set_mmq_xrow(0)
+    try:
+        yield
+    finally:
+        ext.set_mmq_xrow(-1)
 
 
 @pytest.mark.parametrize("cols,rows,T,groups", [
@@ -99,7 +114,8 @@ def test_mmq_experts_match_the_reference(gate_type):
     y = ext.Array.empty([sum(counts), n_ff])
     y.fill(float("nan"))
     assert ext.mmq_takes(w, n_expert)
-    assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
+    with decode_planes():
+        assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
     wd = dequant(gate_type, raw, n_embd).reshape(n_expert, n_ff, n_embd)
     expert = np.repeat(np.arange(n_expert), counts)
     ref = np.einsum("rc,roc->ro", quantized(x), wd[expert])
@@ -532,7 +548,8 @@ def test_mmq_one_weights_buffer_gives_the_same_bits(qtype):
         try:
             y = ext.Array.empty([sum(counts), n_ff])
             y.fill(float("nan"))
-            assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
+            with decode_planes():
+                assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y)
             return y.numpy(), run_mmq(w, x[:100])
         finally:
             switch(-1)
@@ -582,7 +599,8 @@ def test_mmq_row_pointers_give_the_same_bits(qtype, x8):
         ext.set_mmq_pairs(pairs)
         ext.set_moe_x8(x8)
         try:
-            return experts(x, rows.data_ptr()), experts(gathered, 0), run_mmq(w, gathered[:100]), run_mmq(wg, xg, 8)
+            with decode_planes():
+                return experts(x, rows.data_ptr()), experts(gathered, 0), run_mmq(w, gathered[:100]), run_mmq(wg, xg, 8)
         finally:
             ext.set_mmq_xptr(-1)
             ext.set_mmq_pairs(-1)
@@ -672,7 +690,8 @@ def test_mmq_row_pointers_in_the_session(small_reference):
         ext.set_mmq_xptr(mode)
         ext.set_mmq_pairs(pairs)
         try:
-            return GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
+            with decode_planes():
+                return GpuSession(m, ctx=1024, prefill_chunk=256).prefill(toks, all_logits=True)
         finally:
             ext.set_mmq_xptr(-1)
             ext.set_mmq_pairs(-1)

@@ -559,8 +559,10 @@ static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
 // I2FP, FFMA instead of IMAD, I2FP, FMUL, FFMA (the loop's 128 FMUL of ~1070 dynamic instructions per stage); 3 also
 // the Q2_K down (its SwiGLU source quantized per row, the min terms' sums in units of the row's scale); 2 the row
 // planes through the per-block kernels (the tests' reference: the same sums to float rounding); 0 decode's 32-column
-// scales. mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-3; -1 the environment).
-static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 3, 0};
+// scales. Measured (v44, H100, Flash's first 20 layers): bench_mmq --experts at 6144 tokens, the gate 4.35 -> 3.84 ms
+// and the down 6.05 -> 5.68; ds4-bench's 2048 -> 8192 row 10389 / 10347 -> 10831 / 10597 t/s (+3.3%); the default 3.
+// mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-3; -1 the environment).
+static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 3, 3};
 
 // The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
 template <int QT, int NT, bool X8, bool MMIN>

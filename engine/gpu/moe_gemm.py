@@ -195,7 +195,8 @@ def expert_tiles(counts: list[int], tile: int) -> list[tuple[int, int, int, int]
 def routed_experts_codes(W, gate, up, down, b: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, limit: float,
                          kernel: str):
     """routed_experts straight from the experts' codes, the assignments sorted by expert: no padding, no weight
-    copies. kernel `mmq` (mmq.cu: int8 tensor cores, the activations rounded as decode rounds them), `mmf` (mmf.cu:
+    copies. kernel `mmq` (mmq.cu: int8 tensor cores on 16-bit activations, one scale per row where
+    $DS4_GPU_MMQ_XROW takes them, else per 32 columns as decode rounds them), `mmf` (mmf.cu:
     float16 tensor cores, the codes as exact float16 integers, the activations split to ~22 bits as the hi/lo GEMMs
     split them) or `mmw` (gate and up of IQ2_XXS experts as mmf computes them, on the warpgroup MMA; down on mmq).
     None where the kernel does not take the expert tensors (the caller falls back)."""
