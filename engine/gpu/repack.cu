@@ -131,6 +131,32 @@ void launch_repack(int qtype, const uint8_t* raw, int64_t rows, int64_t ncols, u
 // x themselves, moe.cu gu_quantize_x and mv_stream.cuh, use that tree): column pairs differing in bit 3 first, then
 // bit 2 (both across threads), then bit 1 and bit 0 (inside the thread).
 // SWIGLU: the values are swiglu(x, sw.up) * sw.row_w[sw.row_of[row]] (swiglu_kernel's operations, so the same bits).
+// Four values of the SwiGLU source in place: swiglu(v, u) times the row's routing weight rw (swiglu_kernel's operations).
+__device__ __forceinline__ void swiglu4(float (&v)[4], const float (&u)[4], const XSwiglu& sw, float rw) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a = fminf(v[i], sw.limit), c = fminf(fmaxf(u[i], -sw.limit), sw.limit);
+    v[i] = a * sigmoidf_(a) * c;
+    if (sw.row_w) v[i] = v[i] * rw;
+  }
+}
+
+// Four values' planes at scale s: hi = rint(v / s), lo = clamp(rint((v / s - hi) 254)); zero where !live_scale (an
+// all-zero or NaN block / row).
+__device__ __forceinline__ void hilo4(const float (&v)[4], float s, bool live_scale, char4& hq, char4& lq) {
+  hq = make_char4(0, 0, 0, 0), lq = make_char4(0, 0, 0, 0);
+  if (!live_scale) return;
+  int h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float t = v[i] / s, hr = rintf(t);
+    h[i] = (int)hr;
+    l[i] = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
+  }
+  hq = make_char4((signed char)h[0], (signed char)h[1], (signed char)h[2], (signed char)h[3]);
+  lq = make_char4((signed char)l[0], (signed char)l[1], (signed char)l[2], (signed char)l[3]);
+}
+
 template <bool SWIGLU>
 __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, const int64_t* rows, int nb, XSwiglu sw) {
   pdl_begin();
@@ -146,28 +172,13 @@ __global__ void quantize_x_kernel(const float* x, int64_t nxb_total, XQ out, con
     const float u[4] = {u4.x, u4.y, u4.z, u4.w};
     const int64_t r = src / nb;
     const float rw = sw.row_w ? sw.row_w[sw.row_of ? sw.row_of[r] : r] : 1.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float a = fminf(v[i], sw.limit), c = fminf(fmaxf(u[i], -sw.limit), sw.limit);
-      v[i] = a * sigmoidf_(a) * c;
-      if (sw.row_w) v[i] = v[i] * rw;
-    }
+    swiglu4(v, u, sw, rw);
   }
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float s = amax / 127.0f;
-  char4 hq = make_char4(0, 0, 0, 0), lq = make_char4(0, 0, 0, 0);
-  if (amax > 0.0f) {
-    int h[4], l[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float t = v[i] / s, hr = rintf(t);
-      h[i] = (int)hr;
-      l[i] = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
-    }
-    hq = make_char4((signed char)h[0], (signed char)h[1], (signed char)h[2], (signed char)h[3]);
-    lq = make_char4((signed char)l[0], (signed char)l[1], (signed char)l[2], (signed char)l[3]);
-  }
+  char4 hq, lq;
+  hilo4(v, s, amax > 0.0f, hq, lq);
   // column c = 4 sub + i: bit 3 of c is bit 1 of sub, bit 2 is bit 0 of sub
   float a[4];
 #pragma unroll
@@ -244,12 +255,7 @@ __global__ void __launch_bounds__(THREADS) quantize_x_row_kernel(const float* x,
     if constexpr (SWIGLU) {
       const float4 u4 = reinterpret_cast<const float4*>(sw.up + src * n)[tid + kRowThreads * j];
       const float u[4] = {u4.x, u4.y, u4.z, u4.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float a = fminf(v[j][i], sw.limit), c = fminf(fmaxf(u[i], -sw.limit), sw.limit);
-        v[j][i] = a * sigmoidf_(a) * c;
-        if (sw.row_w) v[j][i] = v[j][i] * rw;
-      }
+      swiglu4(v[j], u, sw, rw);
     }
     amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[j][0]), fabsf(v[j][1])), fmaxf(fabsf(v[j][2]), fabsf(v[j][3]))));
   }
@@ -263,18 +269,8 @@ __global__ void __launch_bounds__(THREADS) quantize_x_row_kernel(const float* x,
 #pragma unroll
   for (int j = 0; j < kRowChunks; ++j) {
     if (j >= nch) break;
-    char4 hq = make_char4(0, 0, 0, 0), lq = make_char4(0, 0, 0, 0);
-    if (amax > 0.0f) {
-      int h[4], l[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float t = v[j][i] / s, hr = rintf(t);
-        h[i] = (int)hr;
-        l[i] = max(-127, min(127, (int)rintf((t - hr) * 254.0f)));
-      }
-      hq = make_char4((signed char)h[0], (signed char)h[1], (signed char)h[2], (signed char)h[3]);
-      lq = make_char4((signed char)l[0], (signed char)l[1], (signed char)l[2], (signed char)l[3]);
-    }
+    char4 hq, lq;
+    hilo4(v[j], s, amax > 0.0f, hq, lq);
     const int64_t c4 = r * (n / 4) + tid + kRowThreads * j;  // this chunk in units of four columns
     reinterpret_cast<char4*>(out.hi)[c4] = hq;
     reinterpret_cast<char4*>(out.lo)[c4] = lq;
