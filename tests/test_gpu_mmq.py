@@ -7,6 +7,7 @@ Skipped without a built extension and a CUDA device."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -217,40 +218,82 @@ def test_expert_tiles_on_the_device_equal_the_host_table(counts):
         ext.expert_tiles(c.data_ptr(), 2000, nt, tiles.data_ptr(), max_tiles)
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_mmq_experts_swiglu_source_equals_swiglu_then_the_product(weighted):
-    """The routed down product quantizing swiglu(g, u) (times the routing weights through the expert order) straight
-    from g and u gives every bit of the SwiGLU launch followed by the product of its stored output."""
+class SwigluDown(NamedTuple):
+    """A routed Q2_K down product's inputs: the gate and up products g, u [R, n_ff], the routing weights through the
+    expert order (or None), the tile table, the weight (and its raw blocks) and h = the SwiGLU launch's output."""
+    g: Any
+    u: Any
+    wts: Any
+    order: Any
+    tiles: Any
+    raw: np.ndarray
+    w: Any
+    h: Any
+    counts: list
+    n_embd: int
+
+
+def swiglu_down_case(seed: int, n_ff: int, weighted: bool, name: str) -> SwigluDown:
     import torch
 
     from ds4.engine.gpu.moe_gemm import expert_tiles
 
     ext = gpu.load()
-    rng = np.random.default_rng(57)
-    n_embd, n_ff, n_expert = 512, 256, 6
+    rng = np.random.default_rng(seed)
+    n_embd, n_expert = 512, 6
     counts = [70, 0, 1, 64, 129, 9]
     R = sum(counts)
-    g0 = torch.Generator().manual_seed(57)
+    g0 = torch.Generator().manual_seed(seed)
     g, u = (torch.randn(R, n_ff, generator=g0).cuda() * 5 for _ in range(2))
     wts = torch.rand(R, generator=g0).cuda() if weighted else None
     order = torch.randperm(R, generator=g0).cuda() if weighted else None
     tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
     raw = random_blocks(Q.Q2_K, n_embd * n_expert, n_ff, rng)
-    w = gpu.upload("blk.0.ffn_down_exps.swiglu_q", Q.Q2_K, (n_ff, n_embd, n_expert), raw)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    w = gpu.upload(f"blk.0.ffn_down_exps.{name}{int(weighted)}", Q.Q2_K, (n_ff, n_embd, n_expert), raw)
     h = torch.empty_like(g)
-    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, h.data_ptr(), ptr(wts), n_ff, ptr(order))
+    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, h.data_ptr(), _ptr(wts), n_ff, _ptr(order))
     torch.cuda.synchronize()  # torch's stream against the extension's
-    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
-    want, got = (torch.full((R, n_embd), float("nan"), device="cuda") for _ in range(2))
+    return SwigluDown(g, u, wts, order, tiles, raw, w, h, counts, n_embd)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _arr(t):
+    return gpu.load().Array.view(t.data_ptr(), list(t.shape), False)
+
+
+def swiglu_down(c: SwigluDown, source: Any) -> Any:
+    """The down product from the SwiGLU source (source None: g and u, quantized straight from them) or of the stored
+    rows `source`, into a fresh [R, n_embd] torch array."""
+    import torch
+
+    ext = gpu.load()
+    y = torch.full((sum(c.counts), c.n_embd), float("nan"), device="cuda")
     torch.cuda.synchronize()
-    assert ext.mmq_experts(w, arr(h), tiles.data_ptr(), tiles.shape[0], arr(want), s256=0)
-    assert ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(got), s256=0, up=arr(u), limit=7.0,
-                           row_w=ptr(wts), row_of=ptr(order))
+    if source is None:
+        assert ext.mmq_experts(c.w, _arr(c.g), c.tiles.data_ptr(), c.tiles.shape[0], _arr(y), s256=0, up=_arr(c.u),
+                               limit=7.0, row_w=_ptr(c.wts), row_of=_ptr(c.order))
+    else:
+        assert ext.mmq_experts(c.w, _arr(source), c.tiles.data_ptr(), c.tiles.shape[0], _arr(y), s256=0)
     ext.synchronize()
+    return y
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mmq_experts_swiglu_source_equals_swiglu_then_the_product(weighted):
+    """The routed down product quantizing swiglu(g, u) (times the routing weights through the expert order) straight
+    from g and u gives every bit of the SwiGLU launch followed by the product of its stored output (on decode's
+    32-column planes: the stored rows never take XROW's, which the SwiGLU source does by default)."""
+    import torch
+
+    c = swiglu_down_case(57, 256, weighted, "swiglu_q")
+    with decode_planes():
+        want, got = swiglu_down(c, c.h), swiglu_down(c, None)
     assert torch.isfinite(got).all() and torch.equal(got, want)
     with pytest.raises(ValueError, match="up must have"):
-        ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(got), up=arr(u[:5]))
+        gpu.load().mmq_experts(c.w, _arr(c.g), c.tiles.data_ptr(), c.tiles.shape[0], _arr(got), up=_arr(c.u[:5]))
 
 
 def hilo_model(x: np.ndarray, group: int):
@@ -707,48 +750,26 @@ def test_mmq_xrow_down_matches_the_reference(weighted):
     min terms' sums in units of that scale, through the XROW form of the MMIN kernel. Against the same planes (their
     sums as they are) through the per-block kernel (mode 2), against the float64 product of the stored SwiGLU output
     quantized per row; mode 1 leaves the down on decode's 32-column planes (mode 0's bits)."""
-    import torch
-
     from ds4.engine.gpu import ops
-    from ds4.engine.gpu.moe_gemm import expert_tiles
 
     ext = gpu.load()
-    rng = np.random.default_rng(443)
-    n_embd, n_ff, n_expert = 512, 1024, 6
-    counts = [70, 0, 1, 64, 129, 9]
-    R = sum(counts)
-    g0 = torch.Generator().manual_seed(443)
-    g, u = (torch.randn(R, n_ff, generator=g0).cuda() * 5 for _ in range(2))
-    wts = torch.rand(R, generator=g0).cuda() if weighted else None
-    order = torch.randperm(R, generator=g0).cuda() if weighted else None
-    tiles = torch.tensor(expert_tiles(counts, ext.mmq_tile_rows()), dtype=torch.int32, device="cuda")
-    raw = random_blocks(Q.Q2_K, n_embd * n_expert, n_ff, rng)
-    w = gpu.upload(f"blk.0.ffn_down_exps.xrow{int(weighted)}", Q.Q2_K, (n_ff, n_embd, n_expert), raw)
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    arr = lambda t: ext.Array.view(t.data_ptr(), list(t.shape), False)  # noqa: E731
-    h = torch.empty_like(g)
-    ext.swiglu(g.data_ptr(), u.data_ptr(), g.numel(), 7.0, h.data_ptr(), ptr(wts), n_ff, ptr(order))
-    torch.cuda.synchronize()  # torch's stream against the extension's
+    n_ff, n_expert = 1024, 6
+    c = swiglu_down_case(443, n_ff, weighted, "xrow")
 
     def down(mode: int) -> np.ndarray:
-        y = torch.full((R, n_embd), float("nan"), device="cuda")
-        torch.cuda.synchronize()
         ext.set_mmq_xrow(mode)
         try:
-            assert ext.mmq_experts(w, arr(g), tiles.data_ptr(), tiles.shape[0], arr(y), s256=0, up=arr(u), limit=7.0,
-                                   row_w=ptr(wts), row_of=ptr(order))
-            ext.synchronize()
+            return swiglu_down(c, None).cpu().numpy()
         finally:
             ext.set_mmq_xrow(-1)
-        return y.cpu().numpy()
 
     got, same_planes, per_block = down(3), down(2), down(0)
     assert np.isfinite(got).all()
     assert rel_err(got, same_planes) <= 1e-6
     assert not np.array_equal(got, same_planes), "the XROW kernel did not run (its sums round in another order)"
-    hq = ops.quantize_hilo(h.cpu(), group=n_ff).numpy().astype(np.float64)
-    wd = dequant(Q.Q2_K, raw, n_ff).reshape(n_expert, n_embd, n_ff)
-    expert = np.repeat(np.arange(n_expert), counts)
+    hq = ops.quantize_hilo(c.h.cpu(), group=n_ff).numpy().astype(np.float64)
+    wd = dequant(Q.Q2_K, c.raw, n_ff).reshape(n_expert, c.n_embd, n_ff)
+    expert = np.repeat(np.arange(n_expert), c.counts)
     assert rel_err(got, np.einsum("rc,roc->ro", hq, wd[expert])) <= 1e-4
     assert np.array_equal(down(1), per_block)
 
