@@ -140,7 +140,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 def quantize_hilo(x: torch.Tensor, group: int = 32, hi_only: bool = False) -> torch.Tensor:
     """The activation the extension's quantized kernels see (repack.cu quantize_x_kernel), in float32.
 
-    Per 32 columns (group; 256: mmq's S256 form): s = amax / 127, hi = rint(x / s),
+    Per 32 columns (group; 256: mmq's S256 form; the row length: mmq's XROW form): s = amax / 127, hi = rint(x / s),
     lo = clamp(rint((x / s - hi) · 254), ±127), x' = s / 254 · (254 · hi + lo). Used to emulate the kernels'
     arithmetic on the CPU. hi_only: lo = 0, the routed experts' 8-bit activations (DS4_GPU_MOE_X8).
     """
