@@ -444,6 +444,77 @@ def test_mmq_xrow_gate_and_up_match_the_reference():
     assert np.array_equal(experts(wide, xw, 1)[0], experts(wide, xw, 0)[0])
 
 
+@contextlib.contextmanager
+def tile_rows(n: int):
+    """mmq's activation rows per CTA tile for the launches inside (64: four warps; 128: eight, two CTAs per SM)."""
+    ext = gpu.load()
+    ext.set_mmq_tile_rows(n)
+    try:
+        assert ext.mmq_tile_rows() == n
+        yield
+    finally:
+        ext.set_mmq_tile_rows(-1)
+
+
+@pytest.mark.parametrize("qtype,xrow", [(Q.IQ2_XXS, 1), (Q.IQ2_XXS, 0), (Q.Q2_K, 0), (Q.Q4_K, 0), (Q.Q8_0, 0)])
+def test_mmq_128_row_tiles_give_the_bits_of_64(qtype, xrow):
+    """128-row tiles (eight warps of 32 x 32) compute every output element with the 64-row tiles' arithmetic in the
+    same order (each warp's 32 x 32 block, stage by stage): the routed experts through the row table, XROW's per-row
+    scales and decode's 32-column ones, tiles full and partial at either size, and a dense product with groups."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    ext = gpu.load()
+    rng = np.random.default_rng(128 + int(qtype))
+    n_embd, n_ff, n_expert, T = 1024, 136, 6, 150
+    counts = [129, 1, 64, 0, 200, 33]
+    R = sum(counts)
+    raw = random_blocks(qtype, n_ff * n_expert, n_embd, rng)
+    w = gpu.upload(f"blk.0.ffn_gate_exps.t128{qtype.name}", qtype, (n_embd, n_ff, n_expert), raw)
+    x = rng.standard_normal((T, n_embd)).astype(np.float32)
+    rows = torch.tensor(rng.integers(0, T, R), dtype=torch.int64, device="cuda")
+
+    def experts(nt: int) -> np.ndarray:
+        with tile_rows(nt):
+            tiles = torch.tensor(expert_tiles(counts, nt), dtype=torch.int32, device="cuda")
+            torch.cuda.synchronize()  # torch's copies against the extension's stream
+            y = ext.Array.empty([R, n_ff])
+            y.fill(float("nan"))
+            ext.set_mmq_xrow(xrow)
+            try:
+                assert ext.mmq_experts(w, ext.Array.from_numpy(x), tiles.data_ptr(), tiles.shape[0], y, rows.data_ptr())
+            finally:
+                ext.set_mmq_xrow(-1)
+            return y.numpy()
+
+    y64, y128 = experts(64), experts(128)
+    assert np.isfinite(y64).all()
+    assert np.array_equal(y128, y64)
+    dense = gpu.upload(f"mmq.t128.{qtype.name}", qtype, (n_embd, 8 * 96), random_blocks(qtype, 8 * 96, n_embd, rng))
+    xd = rng.standard_normal((T, 2 * n_embd)).astype(np.float32)
+    with tile_rows(128):
+        d128 = run_mmq(dense, xd, 2)
+    assert np.array_equal(d128, run_mmq(dense, xd, 2))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mmq_128_row_tiles_down_gives_the_bits_of_64(weighted):
+    """The routed Q2_K down from its SwiGLU source (XROW's per-row planes, the default) on 128-row tiles: the bits of
+    64-row tiles."""
+    import torch
+
+    from ds4.engine.gpu.moe_gemm import expert_tiles
+
+    c = swiglu_down_case(128, 1024, weighted, "t128")
+    y64 = swiglu_down(c, None).cpu().numpy()
+    with tile_rows(128):
+        c128 = c._replace(tiles=torch.tensor(expert_tiles(c.counts, 128), dtype=torch.int32, device="cuda"))
+        y128 = swiglu_down(c128, None).cpu().numpy()
+    assert np.isfinite(y64).all()
+    assert np.array_equal(y128, y64)
+
+
 def test_mmq_s256_q2k_experts_match_the_reference():
     """DS4_GPU_MMQ_S256's form (Q2_K, x per 256 columns, the super-block's sums in the mma's int32 registers) against
     the float64 product of x quantized per 256 columns; other weight types and gate/up pairs ignore the request."""
