@@ -190,10 +190,6 @@ void bind_prefill_products(py::module_& m) {
   m.def("launch_empty", [](int n) { launch_empty(n, stream()); }, py::arg("n"),
         "n launches of an empty kernel on the current stream (the launch-gap peer of the barriers).");
   m.def("mmq_tile_rows", &mmq_tile_rows, "Activation rows per mmq tile (DS4_GPU_MMQ_ROWS: 64 or 128).");
-  m.def("set_mmq_tile_rows", &set_mmq_tile_rows, py::arg("rows"),
-        "64 or 128 activation rows per mmq tile (128: eight warps, two CTAs per SM) for the launches that follow; the "
-        "expert tile tables must be built with the same count (moe_gemm reads mmq_tile_rows() per call). -1: "
-        "$DS4_GPU_MMQ_ROWS again.");
   m.def("set_mmq_straight", &set_mmq_straight, py::arg("v"),
         "1: a warp whose fragments all hold tile rows runs them without a test between them (v14, default), 0: the "
         "test before each (v13); the same bits. -1: $DS4_GPU_MMQ_STRAIGHT again.");

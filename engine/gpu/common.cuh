@@ -450,7 +450,6 @@ void launch_prefill_attn(const PrefillAttn& a, cudaStream_t s);
 // [rows of x, rows per expert].
 bool mmq_takes(const Packed& w, int groups);
 int mmq_tile_rows();
-void set_mmq_tile_rows(int rows);  // 64 or 128 activation rows per mmq tile for the launches that follow; -1: env
 // mmq.cu: the tile table of launch_mmq_experts built on the device from the experts' row counts (int64 [E]), padded
 // with empty tiles to max_tiles (>= ceil(rows / nt) + E holds every expert's tiles)
 void launch_expert_tiles(const int64_t* counts, int E, int nt, int4* tiles, int max_tiles, cudaStream_t stream);  // activation rows per CTA tile: DS4_GPU_MMQ_ROWS, 64 (default) or 128

@@ -684,11 +684,6 @@ XrowPlan mmq_xrow_plan(const Packed& w, int64_t rows, int64_t n, bool swiglu_sou
   return p;
 }
 
-static int& mmq_tile_rows_override() {
-  static int v = 0;
-  return v;
-}
-
 int mmq_tile_rows() {
   static const int rows = [] {
     const char* v = std::getenv("DS4_GPU_MMQ_ROWS");
@@ -697,12 +692,7 @@ int mmq_tile_rows() {
     if (r != 64 && r != 128) throw std::invalid_argument("DS4_GPU_MMQ_ROWS must be 64 or 128");
     return r;
   }();
-  return mmq_tile_rows_override() ? mmq_tile_rows_override() : rows;
-}
-
-void set_mmq_tile_rows(int rows) {
-  if (rows != 64 && rows != 128 && rows != -1) throw std::invalid_argument("mmq tile rows: 64, 128 or -1 (the environment)");
-  mmq_tile_rows_override() = rows < 0 ? 0 : rows;
+  return rows;
 }
 
 bool mmq_takes(const Packed& w, int groups) {
