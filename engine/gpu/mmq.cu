@@ -9,8 +9,8 @@
 // hi + lo (4 bytes per weight) and three float16 GEMMs (hi.hi + hi.lo + lo.hi) for ~22 bits of the activations;
 // here two int8 products per block (hi and lo) at twice the float16 rate, and no weight copy.
 //
-// Tiles: a CTA computes 64 weight rows x NT = 64 (or 128) activation rows with NT / 16 warps (2 x NT / 32; 32 x 32
-// each: 2 m16 x 4 n8 tiles of mma.m16n8k32.s8) over stages of 128 columns (4 blocks of 32), double-buffered: the activation planes by cp.async,
+// Tiles: a CTA computes 64 weight rows x NT = 64 (or 128) activation rows with 4 warps (2 x 2; 32 x NT / 2 each:
+// 2 m16 x NT / 16 n8 tiles of mma.m16n8k32.s8) over stages of 128 columns (4 blocks of 32), double-buffered: the activation planes by cp.async,
 // the weights' raw blocks through registers, decoded into shared memory (decode_xb, the batch-1 kernels' decode)
 // while the previous stage is multiplied. Shared rows are padded to 144 bytes, so the ldmatrix phases (8 rows x 16
 // bytes) hit 32 different banks.
@@ -39,8 +39,7 @@ constexpr int MQ_KS = 128;         // columns per stage
 constexpr int MQ_NB = MQ_KS / 32;  // 32-column blocks per stage
 constexpr int MQ_LD = MQ_KS + 16;  // padded bytes per shared row
 template <int NT>
-__host__ __device__ constexpr int mq_threads() { return 2 * NT; }  // 2 x NT / 32 warps of 32 weight rows x 32 activation rows
-constexpr int MQ_WN = 32;  // activation rows per warp
+__host__ __device__ constexpr int mq_threads() { return 128; }  // 2 x 2 warps of 32 weight rows x NT / 2 activation rows
 template <int NT>
 __host__ __device__ constexpr int mq_pairs() { return MQ_M * MQ_NB / mq_threads<NT>(); }  // (row, block) decodes per thread and stage
 
@@ -150,7 +149,7 @@ __device__ __forceinline__ void mmq_load_x(const MmqArgs& a, const MmqTile& tl, 
 // 32-bit element offsets into the planes (mmq's launch checks rows x n < 2^31).
 template <int NT>
 struct MmqXRows {
-  static constexpr int J = NT * (MQ_KS / 16) / mq_threads<NT>();  // rows per thread: 4
+  static constexpr int J = NT * (MQ_KS / 16) / mq_threads<NT>();  // rows per thread: NT / 16
   int off[J];     // x row times x.n, plus the tile's first column and this thread's 16 (tid % 8)
   uint32_t ok;    // bit j: row j is inside the tile (else zero-filled)
   int soff;       // tid < NT: the row's offset in the scale plane, x row times x.n / 32 plus the tile's column / 32
@@ -300,12 +299,11 @@ __device__ __forceinline__ void mmq_min_products(const MmqWStage& W, const MmqXS
   }
 }
 
-// CTAs per SM: K-quants need more registers. ONEW (one weights' buffer: 54 KB of shared memory at NT = 64, 56 with
-// IQ2_XXS's grid table): 4, which caps registers at 128 (the MMIN form needs 120; IQ2_XXS's straight form 168, so 20
-// bytes spill there). 128-row tiles (8 warps; ~98 KB with ONEW, ~110 KB without): 2, the same 16 warps and 128
-// registers per SM as four 64-row CTAs, with each stage's weights decoded once for twice the activation rows.
+// CTAs per SM: K-quants and 128-row tiles (twice the accumulators) need more registers. ONEW (one weights' buffer: 54
+// KB of shared memory at NT = 64, 56 with IQ2_XXS's grid table): 4, which caps registers at 128 (the MMIN form needs
+// 120; IQ2_XXS's straight form 168, so 20 bytes spill there).
 template <int QT, int NT, bool ONEW = false>
-__host__ __device__ constexpr int mq_min_ctas() { return NT == 128 ? 2 : ONEW ? 4 : has_mins<QT>() ? 2 : 3; }
+__host__ __device__ constexpr int mq_min_ctas() { return ONEW ? 4 : NT == 128 || has_mins<QT>() ? 2 : 3; }
 
 // X8 (moe_x8(): the routed experts' 8-bit activations): the lo plane is neither loaded nor multiplied, one mma per
 // fragment instead of two, and the 254 is folded into the activation scale (I2FP of the hi sum, which is exact: |sum|
@@ -324,6 +322,7 @@ template <int QT, int NT, bool S256 = false, bool X8 = false, bool MMIN = false,
 __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>()) mmq_kernel(MmqArgs a) {
   static_assert(!S256 || QT == QT_Q2_K, "the S256 form is for Q2_K");
   static_assert(!MMIN || (has_mins<QT>() && !S256), "MMIN: the K-quants' per-32-column form");
+  static_assert(!PAIRS || (NT / 16) % 2 == 0, "PAIRS: an even number of fragments per warp");
   static_assert(!XROW || ((QT == QT_IQ2_XXS || (QT == QT_Q2_K && MMIN)) && !X8 && !S256),
                 "XROW: IQ2_XXS or the MMIN Q2_K form, on 16-bit activations");
   constexpr bool BLOCK_MINS = has_mins<QT>() && !MMIN;  // the min terms per block in the epilogue (FFMAs)
@@ -336,10 +335,10 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   if (tl.an <= 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   static_assert(offsetof(MmqXStage<NT>, lo) == NT * MQ_LD, "XP: the lo plane follows the hi plane");
-  const int wm = (warp & 1) * 32, wn = (warp >> 1) * MQ_WN;  // this warp's weight rows and activation rows in the tile
+  const int wm = (warp & 1) * 32, wn = (warp >> 1) * (NT / 2);  // this warp's weight rows and activation rows in the tile
   // XP: this lane's B fragment row (activation row wn + lane % 8 of the hi plane, or of lo for lanes 16-31)
   const int x_lane = ((lane & 16) ? NT * MQ_LD : 0) + (wn + (lane & 7)) * MQ_LD + 16 * ((lane >> 3) & 1);
-  constexpr int NN = MQ_WN / 8;  // n8 fragments per warp: a warp's activation rows over 8
+  constexpr int NN = NT / 16;  // n8 fragments per warp: a warp's activation rows over 8
   if constexpr (QT == QT_IQ2_XXS) iq2_tables_init(grid);
   float acc[2][NN][4];
   int ih[S256 ? 2 : 1][S256 ? NN : 1][4], il[S256 ? 2 : 1][S256 ? NN : 1][4];  // S256: the super-block's int32 sums
@@ -356,7 +355,7 @@ __global__ void __launch_bounds__(mq_threads<NT>(), mq_min_ctas<QT, NT, ONEW>())
   // all of this warp's fragments hold tile rows (uniform per warp). Not for the K-quants: their straight form needs 202
   // registers (2 CTAs per SM), or 168 with spills, against v13's 136 (the Q2_K expert down measured 8.3 -> 9.4 ms per
   // 8192-token layer that way, v14 call 3)
-  const bool full_n = !has_mins<QT>() && a.straight && wn + MQ_WN <= tl.an_mma;
+  const bool full_n = !has_mins<QT>() && a.straight && wn + NT / 2 <= tl.an_mma;
   RawXb raw[mq_pairs<NT>()];
   MmqXRows<NT> xr;
   MmqWRows<NT> wr;
@@ -565,6 +564,12 @@ static EnvSwitch mmq_pairs_switch{"DS4_GPU_MMQ_PAIRS", 1, 1};
 // mmq_xrow_mode() reads it; set_mmq_xrow overrides it (0-3; -1 the environment).
 static EnvSwitch mmq_xrow_switch{"DS4_GPU_MMQ_XROW", 3, 3};
 
+// The PAIRS forms exist for the K-quants' four-CTA tiles only (NT = 64: ONEW); other NT never call this.
+template <int QT, int NT, bool X8, bool MMIN>
+void launch_pairs(const MmqArgs& a, dim3 grid, cudaStream_t stream) {
+  if constexpr (NT == 64) launch_as<QT, NT, false, X8, MMIN, true, true, true>(a, grid, stream);
+}
+
 template <int NT, bool X8>
 void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool s256) {
   const int mmin = mmq_min_mma_switch.get();
@@ -577,29 +582,29 @@ void launch_nt(const MmqArgs& a, int qtype, dim3 grid, cudaStream_t stream, bool
     case QT_Q8_0: launch_as<QT_Q8_0, NT, false, X8>(a, grid, stream); break;
     case QT_Q2_K:
       if (a.x.row_scale) {  // the sums in units of the row's scale: only the XROW form reads them right
-        if (!(mmin == 2 && pairs && !X8 && !s256)) throw std::logic_error("mmq: row-scale planes, no XROW form");
-        launch_as<QT_Q2_K, NT, false, false, true, true, true, true, true>(a, grid, stream);
+        if (!(mmin == 2 && NT == 64 && pairs && !X8 && !s256)) throw std::logic_error("mmq: row-scale planes, no XROW form");
+        if constexpr (NT == 64) launch_as<QT_Q2_K, NT, false, false, true, true, true, true, true>(a, grid, stream);
       } else if (s256) launch_as<QT_Q2_K, NT, true, X8>(a, grid, stream);
-      else if (mmin == 2 && pairs) launch_as<QT_Q2_K, NT, false, X8, true, true, true, true>(a, grid, stream);
-      else if (mmin == 2 && xp) launch_as<QT_Q2_K, NT, false, X8, true, true, true>(a, grid, stream);
-      else if (mmin == 2) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && pairs) launch_pairs<QT_Q2_K, NT, X8, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q2_K, NT, false, X8, true, true, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64) launch_as<QT_Q2_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q2_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q2_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_Q4_K:
-      if (mmin == 2 && pairs) launch_as<QT_Q4_K, NT, false, X8, true, true, true, true>(a, grid, stream);
-      else if (mmin == 2 && xp) launch_as<QT_Q4_K, NT, false, X8, true, true, true>(a, grid, stream);
-      else if (mmin == 2) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
+      if (mmin == 2 && NT == 64 && pairs) launch_pairs<QT_Q4_K, NT, X8, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64 && xp) launch_as<QT_Q4_K, NT, false, X8, true, true, true>(a, grid, stream);
+      else if (mmin == 2 && NT == 64) launch_as<QT_Q4_K, NT, false, X8, true, true>(a, grid, stream);
       else if (mmin) launch_as<QT_Q4_K, NT, false, X8, true>(a, grid, stream);
       else launch_as<QT_Q4_K, NT, false, X8>(a, grid, stream);
       break;
     case QT_IQ2_XXS:
       if (a.x.row_scale) {  // mmq_xrow_plan chose the planes for this form
-        if (!(mmq_four_switch.get() && xp && !X8)) throw std::logic_error("mmq: row-scale planes, no XROW form");
-        launch_as<QT_IQ2_XXS, NT, false, false, false, true, true, false, true>(a, grid, stream);
-      } else if (mmq_four_switch.get() && xp)
+        if (!(NT == 64 && mmq_four_switch.get() && xp && !X8)) throw std::logic_error("mmq: row-scale planes, no XROW form");
+        if constexpr (NT == 64) launch_as<QT_IQ2_XXS, NT, false, false, false, true, true, false, true>(a, grid, stream);
+      } else if (NT == 64 && mmq_four_switch.get() && xp)
         launch_as<QT_IQ2_XXS, NT, false, X8, false, true, true>(a, grid, stream);
-      else if (mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
+      else if (NT == 64 && mmq_four_switch.get()) launch_as<QT_IQ2_XXS, NT, false, X8, false, true>(a, grid, stream);
       else launch_as<QT_IQ2_XXS, NT, false, X8>(a, grid, stream);
       break;
     default: throw std::invalid_argument("mmq: unsupported weight type " + std::to_string(qtype));
@@ -672,7 +677,7 @@ XrowPlan mmq_xrow_plan(const Packed& w, int64_t rows, int64_t n, bool swiglu_sou
   const bool iq2 = w.qtype == QT_IQ2_XXS && !swiglu_source && (mode == 1 || mode == 3);
   const bool q2k = w.qtype == QT_Q2_K && swiglu_source && mode == 3;
   const bool shape = quantize_x_row_takes(n) && rows > 0 && rows * n < (int64_t{1} << 31) && !x8 &&
-                     mmq_xptr_switch.get() != 0 && w.nrows * w.qs_row < (int64_t{1} << 32) &&
+                     mmq_tile_rows() == 64 && mmq_xptr_switch.get() != 0 && w.nrows * w.qs_row < (int64_t{1} << 32) &&
                      w.nrows * w.sc_row < (int64_t{1} << 32);
   XrowPlan p;
   if (!shape) return p;
