@@ -252,7 +252,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.split_max_size:
         raise UsageError("--split-max-size goes with --gguf")
     if args.jobs != 1:
-        raise UsageError("--jobs goes with --gguf and --split-max-size")
+        raise UsageError("--jobs goes with --gguf")
     try:
         synth_checkpoint(cfg, args.out_dir, args.seed, progress=not args.quiet,
                          shard_bytes=int(args.shard_mb * 2**20) if args.shard_mb else None)
@@ -269,8 +269,8 @@ def _synth_gguf(args: argparse.Namespace, cfg, t0: float) -> int:
 
     out = Path(args.gguf)
     split = parse_split_size(args.split_max_size) if args.split_max_size else None
-    if args.jobs < 1 or (args.jobs > 1 and split is None):
-        raise UsageError("--jobs takes a positive count and goes with --split-max-size (parts are written in parallel)")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: give a positive count of worker processes")
     if out.exists() and not args.overwrite and split is None:
         raise UsageError(f"{out} exists (use --overwrite to replace it)")
     if not out.parent.is_dir():
@@ -350,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="with --gguf: replace an existing file")
     s.add_argument("--split-max-size", metavar="N(M|G)", help="with --gguf: write split parts OUT-00001-of-0000N.gguf "
                    "of at most N megabytes/gigabytes of tensor data each (llama.cpp gguf-split layout)")
-    s.add_argument("--jobs", type=int, default=1, help="with --split-max-size: parts written at once by worker "
-                   "processes (same bytes for any count)")
+    s.add_argument("--jobs", type=int, default=1, help="with --gguf: worker processes writing the file's tensors "
+                   "(or its split parts) at once (same bytes for any count)")
     s.set_defaults(func=cmd_synth)
 
     c = sub.add_parser("convert", help="convert an official or transformers checkpoint to a DS4 GGUF",

@@ -44,7 +44,7 @@ from ds4.gguf_tools.constants import BLOCK, DEFAULT_ALIGNMENT, OUTPUT, TOKEN_EMB
 from ds4.gguf_tools.layout import Kind, layout_by_name
 from ds4.gguf_tools.plan import Policy, plan
 from ds4.gguf_tools.reader import split_path
-from ds4.gguf_tools.writer import TensorPlan, Typed, ds4_metadata, encode, write_gguf
+from ds4.gguf_tools.writer import TensorPlan, Typed, ds4_metadata, encode, write_gguf, write_tensor_at
 from gguf.constants import GGUFValueType
 
 Q = QuantType
@@ -161,8 +161,9 @@ def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", b
                tokenizer: str | None = None, progress: bool = True,
                split_max_bytes: int | None = None, jobs: int = 1) -> list[TensorPlan]:
     """Write a random DS4 GGUF of `cfg`'s shape with the published type layout (base q8_0 + mix);
-    with `split_max_bytes`, as split parts next to `out` (see `split_outputs` for their names),
-    `jobs` of them written at once by worker processes (the bytes do not depend on `jobs`)."""
+    with `split_max_bytes`, as split parts next to `out` (see `split_outputs` for their names).
+    `jobs` worker processes write parts, or one file's tensors, at once (the bytes do not depend
+    on `jobs`)."""
     from ds4.gguf_tools.quantize import tokenizer_tables
 
     layout = layout_by_name(cfg)
@@ -173,17 +174,28 @@ def synth_gguf(cfg: Config, out: str | os.PathLike, *, mix: str | None = "q2", b
     meta = ds4_metadata(cfg, tokens, merges, name=f"ds4-synth-{cfg.name}-{mix or base}")
     produce = lambda p: tensor_bytes(cfg, p, layout[p.name], seed)  # noqa: E731
     if split_max_bytes is None:
-        write_gguf(Path(out), meta, plans, produce, progress=progress)
+        write_gguf(Path(out), meta, plans, produce, progress=progress, jobs=jobs,
+                   tensor_writer=functools.partial(_write_synth_tensors, cfg, mix, base, seed))
     else:
         write_split(out, meta, plans, produce, split_max_bytes, progress=progress, jobs=jobs,
                     part_writer=functools.partial(_write_synth_part, cfg, mix, base, seed))
     return plans
 
 
+def _synth_plans(cfg: Config, mix, base) -> dict[str, TensorPlan]:
+    return {p.name: p for p in plan(cfg, Policy(base=base, mix=mix))}
+
+
+def _write_synth_tensors(cfg: Config, mix, base, seed, path: Path, items: list[tuple[str, int]]) -> None:
+    """Tensors of one file at their offsets, in a worker process (write_gguf's parallel form)."""
+    layout, by_name = layout_by_name(cfg), _synth_plans(cfg, mix, base)
+    for name, offset in items:
+        write_tensor_at(path, offset, by_name[name], tensor_bytes(cfg, by_name[name], layout[name], seed))
+
+
 def _write_synth_part(cfg: Config, mix, base, seed, path: Path, meta: dict, names: list[str]) -> None:
     """One part in a worker process (picklable: rebuilds the plan and the producer from the recipe)."""
-    layout = layout_by_name(cfg)
-    by_name = {p.name: p for p in plan(cfg, Policy(base=base, mix=mix))}
+    layout, by_name = layout_by_name(cfg), _synth_plans(cfg, mix, base)
     write_gguf(path, meta, [by_name[n] for n in names], lambda p: tensor_bytes(cfg, p, layout[p.name], seed))
 
 

@@ -216,12 +216,18 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 
 def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequence[TensorPlan],
                produce: Callable[[TensorPlan], np.ndarray], *, arch: str = ARCH,
-               alignment: int = DEFAULT_ALIGNMENT, progress: bool = False) -> Path:
+               alignment: int = DEFAULT_ALIGNMENT, progress: bool = False, jobs: int = 1,
+               tensor_writer: Callable[[Path, list[tuple[str, int]]], None] | None = None) -> Path:
     """Write a GGUF v3 file: header and metadata, tensor directory, then `produce(plan)` per tensor.
 
     `produce` returns the stored bytes of one tensor: an array of exactly `plan.nbytes` bytes
     (float32/float16/int32 values, or uint8 blocks for quant types), or an iterable of such arrays
     written back to back (whole rows each), so a converter can stream a tensor expert by expert.
+
+    With jobs > 1 and a picklable `tensor_writer(path, [(name, byte offset)])` (which writes those
+    tensors' bytes at those offsets of the file, e.g. with `write_tensor_at`), the data region is
+    sized up front and groups of tensors are written by that many worker processes at once: the
+    same bytes (padding is the zeros of the sized file).
     """
     path = Path(path)
     names = [p.name for p in plans]
@@ -230,55 +236,106 @@ def write_gguf(path: str | os.PathLike, metadata: Mapping[str, Any], plans: Sequ
     with atomic_output(path) as tmp:
         w = GGUFWriter(tmp, arch)
         try:
-            if alignment != DEFAULT_ALIGNMENT:
-                w.add_custom_alignment(alignment)
-            for key, value in metadata.items():
-                key = getattr(key, "value", key)
-                if key == Key.ARCHITECTURE.value:
-                    continue  # GGUFWriter writes general.architecture from `arch`
-                t = _infer_type(key, value)
-                if t.vtype == V.ARRAY and len(t.value) == 0:
-                    continue  # gguf-py cannot write an empty array; an absent key reads the same
-                w.add_key_value(key, _coerce(t), t.vtype, sub_type=t.sub_type)
-            for p in plans:
-                # numpy-order shape; a non-uint8 dtype keeps GGUFWriter from reinterpreting it as bytes
-                w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes,
-                                  raw_dtype=GGMLQuantizationType(int(p.qtype)))
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            fout = w.fout[0]
-            w.write_padding(fout, fout.tell())  # data region starts aligned
+            fout = _write_head(w, metadata, plans, alignment)
             bar = None
             if progress:
                 from tqdm import tqdm
 
                 bar = tqdm(total=sum(p.nbytes for p in plans), unit="B", unit_scale=True,
                            desc=f"writing {path.name}", leave=False)
-            for p in plans:
-                produced = produce(p)
-                chunks = [produced] if isinstance(produced, np.ndarray) else produced
-                written = 0
-                for chunk in chunks:
-                    chunk = np.ascontiguousarray(chunk)
-                    if written + chunk.nbytes > p.nbytes:
-                        raise ValueError(f"tensor '{p.name}': produced more than the {p.nbytes} bytes "
-                                         f"{p.qtype.name} {list(p.ne)} needs")
-                    chunk.tofile(fout)
-                    written += chunk.nbytes
-                    if bar is not None:
-                        bar.update(chunk.nbytes)
-                    del chunk
-                if written != p.nbytes:
-                    raise ValueError(f"tensor '{p.name}': produced {written} bytes, "
-                                     f"{p.qtype.name} {list(p.ne)} needs {p.nbytes}")
-                w.write_padding(fout, written)
+            if jobs > 1 and tensor_writer is not None:
+                _write_data_parallel(fout, tmp, plans, tensor_writer, jobs, alignment, bar)
+            else:
+                for p in plans:
+                    written = _write_tensor(fout, p, produce(p), bar)
+                    w.write_padding(fout, written)
             if bar is not None:
                 bar.close()
             fout.flush()
         finally:
             w.close()
     return path
+
+
+def _write_head(w: GGUFWriter, metadata: Mapping[str, Any], plans: Sequence[TensorPlan], alignment: int):
+    """Header, metadata and tensor directory, padded so the data region starts aligned; the open file."""
+    if alignment != DEFAULT_ALIGNMENT:
+        w.add_custom_alignment(alignment)
+    for key, value in metadata.items():
+        key = getattr(key, "value", key)
+        if key == Key.ARCHITECTURE.value:
+            continue  # GGUFWriter writes general.architecture from `arch`
+        t = _infer_type(key, value)
+        if t.vtype == V.ARRAY and len(t.value) == 0:
+            continue  # gguf-py cannot write an empty array; an absent key reads the same
+        w.add_key_value(key, _coerce(t), t.vtype, sub_type=t.sub_type)
+    for p in plans:
+        # numpy-order shape; a non-uint8 dtype keeps GGUFWriter from reinterpreting it as bytes
+        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes,
+                          raw_dtype=GGMLQuantizationType(int(p.qtype)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    w.write_padding(fout, fout.tell())  # data region starts aligned
+    return fout
+
+
+def _write_tensor(fout, p: TensorPlan, produced, bar=None) -> int:
+    """One tensor's bytes from `produced` (an array or an iterable of arrays) at fout's position; checks the size."""
+    chunks = [produced] if isinstance(produced, np.ndarray) else produced
+    written = 0
+    for chunk in chunks:
+        chunk = np.ascontiguousarray(chunk)
+        if written + chunk.nbytes > p.nbytes:
+            raise ValueError(f"tensor '{p.name}': produced more than the {p.nbytes} bytes "
+                             f"{p.qtype.name} {list(p.ne)} needs")
+        chunk.tofile(fout)
+        written += chunk.nbytes
+        if bar is not None:
+            bar.update(chunk.nbytes)
+        del chunk
+    if written != p.nbytes:
+        raise ValueError(f"tensor '{p.name}': produced {written} bytes, "
+                         f"{p.qtype.name} {list(p.ne)} needs {p.nbytes}")
+    return written
+
+
+def write_tensor_at(path: Path, offset: int, p: TensorPlan, produced) -> None:
+    """A worker's part of a parallel write_gguf: one tensor's bytes at `offset` of the sized file."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        _write_tensor(f, p, produced)
+
+
+def _write_data_parallel(fout, tmp: Path, plans: Sequence[TensorPlan], tensor_writer, jobs: int, alignment: int,
+                         bar) -> None:
+    """Size the data region (its padding stays zero), then groups of ~1/(4 jobs) of the bytes per worker task."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    data_start = fout.tell()
+    offsets, off = [], data_start
+    for p in plans:
+        offsets.append(off)
+        off += -(-p.nbytes // alignment) * alignment
+    fout.truncate(off)
+    fout.flush()
+    target = max(1, sum(p.nbytes for p in plans) // (4 * jobs))
+    groups, size = [[]], 0
+    for p, o in zip(plans, offsets):
+        if groups[-1] and size + p.nbytes > target:
+            groups.append([])
+            size = 0
+        groups[-1].append((p.name, o))
+        size += p.nbytes
+    nbytes = {p.name: p.nbytes for p in plans}
+    with ProcessPoolExecutor(min(jobs, len(groups)), mp_context=mp.get_context("spawn")) as ex:
+        futs = {ex.submit(tensor_writer, tmp, g): sum(nbytes[n] for n, _ in g) for g in groups}
+        for f in as_completed(futs):
+            f.result()
+            if bar is not None:
+                bar.update(futs[f])
 
 
 def write_tensors(path: str | os.PathLike, metadata: Mapping[str, Any],

@@ -127,5 +127,18 @@ def test_parallel_parts_are_byte_identical(files, tmp_path):
     got = sorted(tmp_path.glob("parts-*.gguf"))
     assert [p.name for p in got] == [p.name for p in parts]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(got, parts))
-    res = quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "x.gguf"), "--jobs", "2", check=False)
-    assert res.returncode == 2 and "--jobs" in res.stderr
+
+
+
+def test_parallel_single_file_is_byte_identical(files, tmp_path):
+    """--jobs without --split-max-size: worker processes write the tensors of one file at their offsets (the data
+    region sized first, its padding zero): the serial file's bytes; no temporary file is left behind."""
+    one, _ = files
+    out = tmp_path / "par.gguf"
+    res = quantize_cli("synth", "--preset", "small", "--gguf", str(out), "--mix", "q2", "--jobs", "3", "--quiet")
+    assert res.returncode == 0
+    assert out.read_bytes() == one.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["par.gguf"]
+    res = quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "x.gguf"), "--jobs", "0", check=False)
+    assert res.returncode == 2 and "--jobs" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x.gguf").exists()

@@ -24,7 +24,7 @@ start_synth() {
     echo "reusing /dev/shm/flash-q2.gguf ($want layers)" > "$OUT/synth.log"
   else
     rm -f /dev/shm/flash-q2.ok
-    ( $PY -m ds4.gguf_tools.quantize synth --preset flash --layers "$want" --gguf /dev/shm/flash-q2.gguf --mix q2 \
+    ( $PY -m ds4.gguf_tools.quantize synth --preset flash --layers "$want" --gguf /dev/shm/flash-q2.gguf --mix q2 --jobs 8 \
       --quiet --overwrite > "$OUT/synth.log" 2>&1 && echo "$want" > /dev/shm/flash-q2.ok ) &
     SYN=$!
   fi

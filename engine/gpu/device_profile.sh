@@ -6,7 +6,7 @@
 set -u
 source engine/gpu/device_env.sh
 mount -o remount,size=120G /dev/shm 2>/dev/null
-( python3 -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --quiet > "$OUT/synth.log" 2>&1 ) &
+( python3 -m ds4.gguf_tools.quantize synth --preset flash --gguf /dev/shm/flash-q2.gguf --mix q2 --jobs 8 --quiet > "$OUT/synth.log" 2>&1 ) &
 SYN=$!
 stamp build; python3 engine/gpu/build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 stamp ncu
