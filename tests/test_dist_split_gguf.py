@@ -142,3 +142,19 @@ def test_parallel_single_file_is_byte_identical(files, tmp_path):
     res = quantize_cli("synth", "--preset", "small", "--gguf", str(tmp_path / "x.gguf"), "--jobs", "0", check=False)
     assert res.returncode == 2 and "--jobs" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_parallel_write_failure_leaves_no_file(tmp_path):
+    """A worker's error reaches the caller and the target is never created (the temporary file is removed)."""
+    import functools
+
+    from ds4.engine.config import preset
+    from ds4.gguf_tools.synth_gguf import _write_synth_tensors
+    from ds4.gguf_tools.writer import write_gguf
+
+    cfg = preset("tiny")
+    plans = [TensorPlan("not.a.ds4.tensor", QuantType.F32, (64,)), TensorPlan("t1", QuantType.F32, (64,))]
+    writer = functools.partial(_write_synth_tensors, cfg, None, "f16", 0)
+    with pytest.raises(KeyError, match="not.a.ds4.tensor"):
+        write_gguf(tmp_path / "bad.gguf", {}, plans, lambda p: np.zeros(64, np.float32), jobs=2, tensor_writer=writer)
+    assert list(tmp_path.iterdir()) == []
