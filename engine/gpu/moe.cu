@@ -137,13 +137,62 @@ __device__ __forceinline__ GuTables<QT, LUT> gu_tables_init(uint2* s_rep, int la
   return tb;
 }
 
+// OFF32 ($DS4_GPU_GU_OFF32=1, IQ2_XXS): the rows' bytes addressed as the plane's base (a kernel parameter, uniform)
+// plus a 32-bit offset (every plane of the experts is under 4 GiB; the launcher checks), so a step's addresses are a
+// 32-bit add and a 64-bit add of the base. The 64-bit row pointers did not fit the 128 registers of two CTAs per SM, and
+// the compiler rebuilt them (row x stride, 64-bit) at every step: ~55 of the loop's ~394 instructions. The same loads
+// in the same order as mv_accumulate's 2-bit path: the same bits.
+template <int R, typename TB, bool X8>
+__device__ __forceinline__ void gu_accumulate_off32(const uint8_t* const (&qbase)[R], const uint8_t* const (&sbase)[R],
+                                                    const uint32_t (&qoff)[R], const uint32_t (&soff)[R], int nxb,
+                                                    int xb0, const XQ& xq, const int (&vec)[1], const TB& tb,
+                                                    float (&acc)[R][1]) {
+  auto load = [&](int xb, RawXb(&raw)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint2 v = ld_stream8(qbase[r] + (qoff[r] + 8u * (uint32_t)xb));
+      raw[r].q[0] = v.x;
+      raw[r].q[1] = v.y;
+      raw[r].s0 = ld_stream2(sbase[r] + (soff[r] + 2u * ((uint32_t)xb >> 3)));
+    }
+  };
+  if (xb0 >= nxb) return;
+  RawXb cur[R];
+  load(xb0, cur);
+  for (int xb = xb0; xb < nxb; xb += 32) {
+    RawXb nxt[R];
+    if (xb + 32 < nxb) load(xb + 32, nxt);
+    mv_block<QT_IQ2_XXS, 1, R, TB, false, X8>(cur, xb, xq, vec, tb, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) cur[r] = nxt[r];
+  }
+}
+
 // One warp unit of gate/up: rows f0 .. f0 + RH - 1 of expert e's gate (acc[0, RH)) and up (acc[RH, 2 RH)) against
 // x vector vec0, each summed over the warp (lane l takes x blocks l, l + 32, ...).
-template <int QT, typename TB, bool XS, bool X8>
+template <int QT, typename TB, bool XS, bool X8, bool OFF32 = false>
 __device__ __forceinline__ void gu_unit_rows(const Packed& gate, const Packed& up, int64_t e, int f0, int n_ff,
                                              const XQ& xq, int vec0, const TB& tb, int lane,
                                              float (&acc)[2 * GU2_RH][1]) {
   constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  if constexpr (OFF32 && QT == QT_IQ2_XXS && !XS) {
+    const uint8_t* qbase[R];
+    const uint8_t* sbase[R];
+    uint32_t qoff[R], soff[R];
+#pragma unroll
+    for (int i = 0; i < RH; ++i) {
+      const uint32_t row = (uint32_t)e * (uint32_t)n_ff + (uint32_t)min(f0 + i, n_ff - 1);
+      qbase[i] = gate.qs, sbase[i] = gate.sc, qbase[RH + i] = up.qs, sbase[RH + i] = up.sc;
+      qoff[i] = row * (uint32_t)gate.qs_row, soff[i] = row * (uint32_t)gate.sc_row;
+      qoff[RH + i] = row * (uint32_t)up.qs_row, soff[RH + i] = row * (uint32_t)up.sc_row;
+    }
+    int vec[1] = {vec0};
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+    gu_accumulate_off32<R, TB, X8>(qbase, sbase, qoff, soff, (int)(gate.ncols / 32), lane, xq, vec, tb, acc);
+    warp_sum<R, 1>(acc);
+    return;
+  }
   const uint8_t* qrow[R];
   const uint8_t* srow[R];
 #pragma unroll
@@ -171,7 +220,7 @@ __device__ __forceinline__ float gu_swiglu(float g, float u, float clamp, float 
 
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
-template <int QT, int XM, int LUT = 0, bool X8 = false>
+template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false>
 __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
@@ -195,7 +244,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     const bool bad = e < 0 || e >= n_expert;
     float acc[R][1];
     // XS: the one token's x is the staged vector
-    gu_unit_rows<QT, TB, XS, X8>(gate, up, bad ? 0 : e, f0, n_ff, xq, XS ? 0 : token, tb, lane, acc);
+    gu_unit_rows<QT, TB, XS, X8, OFF32>(gate, up, bad ? 0 : e, f0, n_ff, xq, XS ? 0 : token, tb, lane, acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
       const int f = f0 + i;
@@ -487,7 +536,17 @@ static void raise_smem_limit(K kernel, size_t smem, size_t& limit) {
   limit = smem;
 }
 
-template <int QT, int XM, int LUT = 0, bool X8 = false>
+// $DS4_GPU_GU_OFF32: 1 = the IQ2_XXS gate/up rows kernel (LUT 3) addresses its rows by 32-bit offsets (gu_accumulate_off32;
+// the same bits); 0 by 64-bit row pointers. set_gu_off32 overrides it (0, 1; -1 the environment).
+static EnvSwitch gu_off32_switch{"DS4_GPU_GU_OFF32", 1, 0};
+void set_gu_off32(int mode) { gu_off32_switch.set(mode); }
+static long long g_gu_off32_launches = 0;
+long long gu_off32_launches() { return g_gu_off32_launches; }
+static bool planes_under_4g(const Packed& p) {  // every row offset of both planes fits 32 bits
+  return p.nrows * p.qs_row < (int64_t(1) << 32) && p.nrows * p.sc_row < (int64_t(1) << 32);
+}
+
+template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
@@ -495,11 +554,12 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8>, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, smem, smem_set);
   auto it = resident.find(smem);
   if (it == resident.end())
-    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8>, GU_THREADS, smem)).first;
-  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, GU_THREADS, smem)).first;
+  if constexpr (OFF32) ++g_gu_off32_launches;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
@@ -521,6 +581,10 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 1>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 && gu_off32_switch.get() == 1 && planes_under_4g(gate) &&
+           planes_under_4g(up))
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, false, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h,
+                                                           stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 3>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else
