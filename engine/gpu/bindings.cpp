@@ -639,11 +639,6 @@ PYBIND11_MODULE(_ext, m) {
         "Routed experts' activations at 8 bits, hi plane only, as ds4 (1), at ~16 bits, hi + lo (0), or as "
         "$DS4_GPU_MOE_X8 says (-1).");
   m.def("moe_x8", &moe_x8, "Whether the routed experts read 8-bit activations now.");
-  m.def("set_down_pf", &set_down_pf, py::arg("mode"),
-        "Decode's routed Q2_K down: every unit of a lane staged by cp.async before the products (1), one round trip "
-        "each (0), or as "
-        "$DS4_GPU_DOWN_PF says (-1).");
-  m.def("down_pf_launches", &down_pf_launches, "Routed down launches of this process that took the staged (PF) form.");
   m.def("set_gu_off32", &set_gu_off32, py::arg("mode"),
         "Decode's IQ2_XXS gate/up rows kernel: rows addressed by 32-bit offsets (1), by 64-bit pointers (0), or as "
         "$DS4_GPU_GU_OFF32 says (-1).");

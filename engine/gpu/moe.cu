@@ -326,81 +326,10 @@ struct ShexpDown {
   float* y = nullptr;
 };
 
-// PF (DS4_GPU_DOWN_PF=1, Q2_K): a lane's (expert, x block) units are staged in shared memory by cp.async, all of
-// them issued before the first product. Without it each unit is a dependent DRAM round trip after the last (Flash:
-// three per lane, 6 experts x 64 blocks over 4 x 32 lanes), in lock step on every warp of the grid; registers cannot
-// hold the next unit (the kernel is at 126 of the 128 that four CTAs per SM allow, and the compiler sinks such loads
-// below the products). Per lane, unit and row 16 bytes: the 8 code bytes, d/dmin, and the aligned word holding the
-// block's scale byte pair. The units are summed in the same order from the same bits.
-constexpr int DOWN_PF_UNITS = 3;  // units staged per lane at once (48 KB per CTA: four CTAs per SM)
-constexpr size_t down_pf_smem() { return (size_t)CTA_WARPS * DOWN_PF_UNITS * MOE_R * 32 * sizeof(uint4); }
-
-__device__ __forceinline__ void cp_async_ef(void* dst, const void* src, int bytes_4_or_8) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  if (bytes_4_or_8 == 8)
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src),
-                 "l"(l2_evict_first_policy()));
-  else
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
-                 "l"(l2_evict_first_policy()));
-}
-
-template <int R, typename TB>
-__device__ __forceinline__ void down_units_staged(const Packed& down, int n_embd, int n_expert, const XQ& xq,
-                                                  const int32_t* ids, int k, int token, int r0, int u0, int ustep,
-                                                  uint4* stage, const TB& tb, float (&acc)[R][1]) {
-  constexpr int NU = DOWN_PF_UNITS;
-  const int lane = threadIdx.x & 31;
-  const int nxb = (int)(down.ncols / 32), nb = (int)(down.ncols / 256), total = k * nxb;
-  for (int w0 = u0; w0 < total; w0 += NU * ustep) {  // windows of NU units per lane (Flash: one)
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-      const int u = w0 + i * ustep;
-      if (u < total) {
-        const int j = u / nxb, xb = u - j * nxb;
-        int e = __ldg(ids + token * k + j);
-        e = (e < 0 || e >= n_expert) ? 0 : e;  // the gate/up kernel already poisoned this expert's h
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int64_t row = (int64_t)e * n_embd + min(r0 + r, n_embd - 1);
-          const uint8_t* q = down.qs + row * down.qs_row;
-          const uint8_t* sc = down.sc + row * down.sc_row;
-          uint4* slot = stage + (i * R + r) * 32 + lane;
-          cp_async_ef(slot, q + 8 * xb, 8);
-          cp_async_ef((uint32_t*)slot + 2, sc + 4 * (xb >> 3), 4);
-          cp_async_ef((uint32_t*)slot + 3, sc + 4 * nb + 4 * (xb >> 1), 4);
-        }
-      }
-      asm volatile("cp.async.commit_group;\n" ::);  // one group per unit slot, empty where u >= total
-    }
-#pragma unroll
-    for (int i = 0; i < NU; ++i) {
-      const int u = w0 + i * ustep;
-      if (u >= total) break;
-      if (i == 0) asm volatile("cp.async.wait_group %0;\n" ::"n"(NU - 1));
-      else if (i == 1) asm volatile("cp.async.wait_group %0;\n" ::"n"(NU > 2 ? NU - 2 : 0));
-      else asm volatile("cp.async.wait_group 0;\n" ::);
-      const int j = u / nxb, xb = u - j * nxb;
-      RawXb raw[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const uint4 v = stage[(i * R + r) * 32 + lane];
-        raw[r].q[0] = v.x;
-        raw[r].q[1] = v.y;
-        raw[r].s0 = v.z;
-        raw[r].s1 = (v.w >> (16 * (xb & 1))) & 0xffffu;
-      }
-      const int vec[1] = {token * k + j};
-      mv_block<QT_Q2_K, 1, R, TB, false, false>(raw, xb, xq, vec, tb, acc);
-    }
-    asm volatile("cp.async.wait_all;\n" ::);  // the next window reuses the slots
-  }
-}
-
-template <int QT, bool X8 = false, bool PF = false>
-__global__ void __launch_bounds__(CTA_THREADS, PF ? 4 : 0) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
-                                                                           const int32_t* ids, int k, int S, float* y,
-                                                                           ShexpDown sh) {
+template <int QT, bool X8 = false>
+__global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
+                                                               const int32_t* ids, int k, int S, float* y,
+                                                               ShexpDown sh) {
   pdl_begin();
   constexpr int R = MOE_R;
   __shared__ unsigned long long s_grid[QT == QT_IQ2_XXS ? 256 : 1];
@@ -439,13 +368,6 @@ __global__ void __launch_bounds__(CTA_THREADS, PF ? 4 : 0) moe_down_kernel(Packe
   for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
   // The k experts' columns are one long row: units (expert j, x block xb) are spread over the
   // lanes and warps, so no warp walks the experts one DRAM round trip after another.
-  if constexpr (PF) {
-    extern __shared__ uint4 s_stage[];
-    down_units_staged<R>(down, n_embd, n_expert, xq, ids, k, token, r0, cs * 32 + lane, 32 * S,
-                         s_stage + warp * (DOWN_PF_UNITS * R * 32), tb, acc);
-    down_rows_out<R>(acc, red, RG, S, blockIdx.x, n_embd, y + (int64_t)token * n_embd);
-    return;
-  }
   const int nxb = (int)(down.ncols / 32), nb = (int)(down.ncols / 256);
   for (int u = cs * 32 + lane; u < k * nxb; u += 32 * S) {
     const int j = u / nxb, xb = u - j * nxb;
@@ -614,13 +536,6 @@ static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int
 }
 
 // sh.w set (one token): the shared expert's down rows in blocks of the same launch, after the routed ones.
-// $DS4_GPU_DOWN_PF: 1 = the routed Q2_K down's units staged by cp.async, all issued before the products
-// (down_units_staged; the same bits); 0 one dependent round trip per unit. set_down_pf overrides it (0, 1; -1 the environment).
-static EnvSwitch down_pf_switch{"DS4_GPU_DOWN_PF", 1, 0};
-void set_down_pf(int mode) { down_pf_switch.set(mode); }
-static long long g_down_pf_launches = 0;  // launches that took the staged form (tests prove the path ran)
-long long down_pf_launches() { return g_down_pf_launches; }
-
 template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
                         int tokens, int k, float* y, cudaStream_t stream, ShexpDown sh = ShexpDown()) {
@@ -633,19 +548,10 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
     sh.g_routed = (int)grid.x;
     grid.x += (n_embd + rows_s - 1) / rows_s;
   }
-  // PF: Q2_K with the code rows 8-byte and the scale rows 4-byte aligned (cp.async's sizes)
-  const bool pf = QT == QT_Q2_K && down_pf_switch.get() == 1 && ((uintptr_t)down.qs | (uintptr_t)down.qs_row) % 8 == 0 &&
-                  ((uintptr_t)down.sc | (uintptr_t)down.sc_row) % 4 == 0;
   if (moe_x8())
     launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y,
              sh);
-  else if (pf) {
-    static size_t smem_set = 48 * 1024;  // static + dynamic pass 48 KB: opt in
-    raise_smem_limit(moe_down_kernel<QT, false, QT == QT_Q2_K>, down_pf_smem() + 4096, smem_set);
-    launch_k(moe_down_kernel<QT, false, QT == QT_Q2_K>, dim3(grid), dim3(CTA_THREADS), down_pf_smem(), stream, down,
-             n_embd, n_expert, xq, ids, k, S, y, sh);
-    ++g_down_pf_launches;
-  } else
+  else
     launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y, sh);
   DS4_CHECK_LAUNCH("moe down");
 }

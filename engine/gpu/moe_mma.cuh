@@ -17,8 +17,6 @@ void set_gateup_lut(int mode);
 // moe.cu: whether the routed experts read 8-bit activations (hi plane only; $DS4_GPU_MOE_X8=1): decode gate/up and
 // down, prefill mmq. set_moe_x8: 1 on, 0 off, -1 as the environment says.
 void set_moe_x8(int mode);
-void set_down_pf(int mode);  // $DS4_GPU_DOWN_PF (moe.cu)
-long long down_pf_launches();
 void set_gu_off32(int mode);  // $DS4_GPU_GU_OFF32 (moe.cu)
 long long gu_off32_launches();
 bool moe_x8();
