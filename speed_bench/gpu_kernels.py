@@ -142,9 +142,13 @@ def bench_moe_shexp(ex: Experts, rng: np.random.Generator, k: int = 6, iters: in
     return ms, k * ex.per_expert + sum(w.nbytes for w in shexp)
 
 
-def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 10) -> tuple[float, int]:
-    """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel or the int8
-    mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu); returns (ms, distinct gate+up bytes per call)."""
+GATEUP_FORMS = ("rows", "pipe", "mma")
+
+
+def bench_gateup(ex: Experts, tokens: int, form: str, k: int = 6, iters: int = 10) -> tuple[float, int]:
+    """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel, the rows kernel
+    with its loads pipelined across units (`pipe`) or the int8 mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu);
+    returns (ms, distinct gate+up bytes per call)."""
     ext = gpu.load()
     rng = np.random.default_rng(1)
     n_calls = 32
@@ -154,11 +158,13 @@ def bench_gateup(ex: Experts, tokens: int, mma: bool, k: int = 6, iters: int = 1
     x = ext.Array.from_numpy(rng.standard_normal((tokens, ex.n_embd)).astype(np.float32))
     h = ext.Array.empty([tokens * k, ex.gate.ne[1]])
     g, u = ex.gate.tensors[0], ex.up.tensors[0]
-    ext.set_gateup_mma(mma)  # the kernel is chosen when the graph is captured
+    ext.set_gateup_mma(form == "mma")  # the kernel is chosen when the graph is captured
+    ext.set_gu_pipe(int(form == "pipe"))
     try:
         ms = time_graph(lambda i: ext.moe_gateup(g, u, x, ids[i % n_calls], wts, h, 10.0), n_calls, iters)
     finally:
         ext.set_gateup_mma(None)
+        ext.set_gu_pipe(-1)
     return ms, tokens * k * (ex.gate.nbytes + ex.up.nbytes) // ex.n_expert
 
 
@@ -377,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         if 1 in args.batch:
             ms, nbytes = bench_moe_shexp(ex, rng, iters=iters)
             add(f"routed MoE k=6 + shexp ({mix})", ("IQ2+Q2K" if mix == "q2" else "Q4_K") + "+Q8", 1, ms, nbytes)
-    for b in args.batch if moe_rows else []:  # IQ2_XXS gate/up alone: the rows kernel, the int8 mma one, then the MoE
-        for mma in (False, True):
-            ms, nbytes = bench_gateup(experts["q2"], b, mma, iters=iters)
-            add(f"IQ2_XXS gate/up k=6 ({'mma' if mma else 'rows'})", "IQ2_XXS", b, ms, nbytes)
+    for b in args.batch if moe_rows else []:  # IQ2_XXS gate/up alone in each form, then the MoE with the mma one
+        for form in GATEUP_FORMS:
+            ms, nbytes = bench_gateup(experts["q2"], b, form, iters=iters)
+            add(f"IQ2_XXS gate/up k=6 ({form})", "IQ2_XXS", b, ms, nbytes)
         ext.set_gateup_mma(True)
         try:
             ms, nbytes = bench_moe(experts["q2"], b, iters=iters)

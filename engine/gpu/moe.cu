@@ -142,20 +142,25 @@ __device__ __forceinline__ GuTables<QT, LUT> gu_tables_init(uint2* s_rep, int la
 // 32-bit add and a 64-bit add of the base. The 64-bit row pointers did not fit the 128 registers of two CTAs per SM, and
 // the compiler rebuilt them (row x stride, 64-bit) at every step: ~55 of the loop's ~394 instructions. The same loads
 // in the same order as mv_accumulate's 2-bit path: the same bits.
+template <int R>
+__device__ __forceinline__ void gu_load_off32(const uint8_t* const (&qbase)[R], const uint8_t* const (&sbase)[R],
+                                              const uint32_t (&qoff)[R], const uint32_t (&soff)[R], int xb,
+                                              RawXb (&raw)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const uint2 v = ld_stream8(qbase[r] + (qoff[r] + 8u * (uint32_t)xb));
+    raw[r].q[0] = v.x;
+    raw[r].q[1] = v.y;
+    raw[r].s0 = ld_stream2(sbase[r] + (soff[r] + 2u * ((uint32_t)xb >> 3)));
+  }
+}
+
 template <int R, typename TB, bool X8>
 __device__ __forceinline__ void gu_accumulate_off32(const uint8_t* const (&qbase)[R], const uint8_t* const (&sbase)[R],
                                                     const uint32_t (&qoff)[R], const uint32_t (&soff)[R], int nxb,
                                                     int xb0, const XQ& xq, const int (&vec)[1], const TB& tb,
                                                     float (&acc)[R][1]) {
-  auto load = [&](int xb, RawXb(&raw)[R]) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint2 v = ld_stream8(qbase[r] + (qoff[r] + 8u * (uint32_t)xb));
-      raw[r].q[0] = v.x;
-      raw[r].q[1] = v.y;
-      raw[r].s0 = ld_stream2(sbase[r] + (soff[r] + 2u * ((uint32_t)xb >> 3)));
-    }
-  };
+  auto load = [&](int xb, RawXb(&raw)[R]) { gu_load_off32<R>(qbase, sbase, qoff, soff, xb, raw); };
   if (xb0 >= nxb) return;
   RawXb cur[R];
   load(xb0, cur);
@@ -166,6 +171,26 @@ __device__ __forceinline__ void gu_accumulate_off32(const uint8_t* const (&qbase
 #pragma unroll
     for (int r = 0; r < R; ++r) cur[r] = nxt[r];
   }
+}
+
+// OFF32: the byte offsets of a unit's rows (f0 .. f0 + RH - 1 of expert e's gate, then the same of up) in their
+// planes, and the planes' bases in the same order.
+__device__ __forceinline__ void gu_row_offsets(const Packed& gate, const Packed& up, uint32_t e, int f0, int n_ff,
+                                               uint32_t (&qoff)[2 * GU2_RH], uint32_t (&soff)[2 * GU2_RH]) {
+  constexpr int RH = GU2_RH;
+#pragma unroll
+  for (int i = 0; i < RH; ++i) {
+    const uint32_t row = e * (uint32_t)n_ff + (uint32_t)min(f0 + i, n_ff - 1);
+    qoff[i] = row * (uint32_t)gate.qs_row, soff[i] = row * (uint32_t)gate.sc_row;
+    qoff[RH + i] = row * (uint32_t)up.qs_row, soff[RH + i] = row * (uint32_t)up.sc_row;
+  }
+}
+__device__ __forceinline__ void gu_plane_bases(const Packed& gate, const Packed& up,
+                                               const uint8_t* (&qbase)[2 * GU2_RH],
+                                               const uint8_t* (&sbase)[2 * GU2_RH]) {
+#pragma unroll
+  for (int i = 0; i < GU2_RH; ++i)
+    qbase[i] = gate.qs, sbase[i] = gate.sc, qbase[GU2_RH + i] = up.qs, sbase[GU2_RH + i] = up.sc;
 }
 
 // One warp unit of gate/up: rows f0 .. f0 + RH - 1 of expert e's gate (acc[0, RH)) and up (acc[RH, 2 RH)) against
@@ -179,13 +204,8 @@ __device__ __forceinline__ void gu_unit_rows(const Packed& gate, const Packed& u
     const uint8_t* qbase[R];
     const uint8_t* sbase[R];
     uint32_t qoff[R], soff[R];
-#pragma unroll
-    for (int i = 0; i < RH; ++i) {
-      const uint32_t row = (uint32_t)e * (uint32_t)n_ff + (uint32_t)min(f0 + i, n_ff - 1);
-      qbase[i] = gate.qs, sbase[i] = gate.sc, qbase[RH + i] = up.qs, sbase[RH + i] = up.sc;
-      qoff[i] = row * (uint32_t)gate.qs_row, soff[i] = row * (uint32_t)gate.sc_row;
-      qoff[RH + i] = row * (uint32_t)up.qs_row, soff[RH + i] = row * (uint32_t)up.sc_row;
-    }
+    gu_plane_bases(gate, up, qbase, sbase);
+    gu_row_offsets(gate, up, (uint32_t)e, f0, n_ff, qoff, soff);
     int vec[1] = {vec0};
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
@@ -254,6 +274,84 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
     if constexpr (XM == GU_X_QUANT)
       if (xq_h.hi) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);  // null: mode 2
+  }
+}
+
+// PIPE ($DS4_GPU_GU_PIPE=1; IQ2_XXS, LUT 3, x in global memory, rows by 32-bit offsets, ncols % 1024 == 0): the rows
+// kernel with the loads pipelined across a warp's units as well as within one. The rows kernel issues a unit's first
+// loads only after the last unit's epilogue (warp sums, the routing weight's load, the h stores) and after the new
+// unit's expert id came back, so each warp waits one DRAM round trip per unit with nothing in flight, and a warp has
+// ~3 units of 4 steps on Flash. Here the load cursor runs one step ahead through the flattened (unit, step) sequence:
+// the next unit's first loads go out before the current unit's last step is decoded, and the next unit's expert id
+// and routing weight are read one unit ahead. Every unit's sums are the rows kernel's, in the same order: the same bits.
+template <bool X8>
+__global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_pipe_kernel(Packed gate, Packed up, int n_ff, int n_expert,
+                                                                        XQ xq, const int32_t* ids, const float* wts,
+                                                                        int k, float clamp, int units, float* h) {
+  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
+  using TB = Iq2LutTablesU;
+  extern __shared__ __align__(16) uint2 s_rep[];
+  pdl_trigger();
+  const int lane = threadIdx.x & 31;
+  const TB tb = gu_tables_init<QT_IQ2_XXS, 3>(s_rep, lane);
+  pdl_wait();  // ids, x and h's readers are from earlier kernels
+  const int groups = (n_ff + RH - 1) / RH, steps = (int)(gate.ncols / 1024), stride = gridDim.x * GU_WARPS;
+  int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
+  if (unit >= units) return;
+  const uint8_t* qbase[R];
+  const uint8_t* sbase[R];
+  gu_plane_bases(gate, up, qbase, sbase);
+  // A unit's pair, first row, expert id and routing weight; divisions only where the cursor enters a unit.
+  struct Unit {
+    int pair, f0, e;
+    float w;
+  };
+  auto unit_at = [&](int u) {
+    Unit t;
+    t.pair = u / groups, t.f0 = (u - t.pair * groups) * RH, t.e = __ldg(ids + t.pair), t.w = __ldg(wts + t.pair);
+    return t;
+  };
+  uint32_t qoff[R], soff[R];  // the load cursor's unit
+  auto start = [&](const Unit& t) {
+    gu_row_offsets(gate, up, (t.e < 0 || t.e >= n_expert) ? 0u : (uint32_t)t.e, t.f0, n_ff, qoff, soff);
+  };
+  Unit cu = unit_at(unit), nu{};
+  if (unit + stride < units) nu = unit_at(unit + stride);
+  start(cu);
+  int vec[1] = {cu.pair / k};
+  RawXb cur[R];
+  gu_load_off32<R>(qbase, sbase, qoff, soff, lane, cur);
+  float acc[R][1];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+  for (int step = 0;;) {
+    const bool last = step + 1 == steps;
+    RawXb nxt[R];
+    if (!last || unit + stride < units) {
+      if (last) start(nu);
+      gu_load_off32<R>(qbase, sbase, qoff, soff, last ? lane : lane + 32 * (step + 1), nxt);
+    }
+    mv_block<QT_IQ2_XXS, 1, R, TB, false, X8>(cur, lane + 32 * step, xq, vec, tb, acc);
+    if (last) {
+      warp_sum<R, 1>(acc);
+      const bool bad = cu.e < 0 || cu.e >= n_expert;
+#pragma unroll
+      for (int i = 0; i < RH; ++i) {
+        const int f = cu.f0 + i;
+        if (lane == i && f < n_ff)  // NaN marks an expert id out of range
+          h[(int64_t)cu.pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : gu_swiglu(acc[i][0], acc[RH + i][0], clamp, cu.w);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+      unit += stride;
+      if (unit >= units) break;
+      cu = nu, vec[0] = cu.pair / k, step = 0;
+      if (unit + stride < units) nu = unit_at(unit + stride);
+    } else {
+      ++step;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) cur[r] = nxt[r];
   }
 }
 
@@ -486,6 +584,28 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
 }
 
+// $DS4_GPU_GU_PIPE: 1 = the IQ2_XXS gate/up with its loads pipelined across units (moe_gateup_pipe_kernel; the same
+// bits as the rows kernel), where the 32-bit-offset form runs and the rows have a multiple of 1024 columns; 0 the rows
+// kernel. set_gu_pipe overrides it (0, 1; -1 the environment).
+static EnvSwitch gu_pipe_switch{"DS4_GPU_GU_PIPE", 1, 0};
+void set_gu_pipe(int mode) { gu_pipe_switch.set(mode); }
+static long long g_gu_pipe_launches = 0;
+long long gu_pipe_launches() { return g_gu_pipe_launches; }
+
+template <bool X8>
+static void launch_gateup_pipe(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
+                               const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
+                               cudaStream_t stream) {
+  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
+  const size_t smem = gu_table_bytes<QT_IQ2_XXS, 3>();
+  static size_t smem_set = 48 * 1024;
+  raise_smem_limit(moe_gateup_pipe_kernel<X8>, smem, smem_set);
+  static const int resident = resident_ctas(moe_gateup_pipe_kernel<X8>, GU_THREADS, smem);
+  ++g_gu_pipe_launches;
+  launch_k(moe_gateup_pipe_kernel<X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, resident)),
+           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h);
+}
+
 template <int QT>
 static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
@@ -504,6 +624,9 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 1>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+  else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 && gu_off32_switch.get() == 1 && planes_under_4g(gate) &&
+           planes_under_4g(up) && gu_pipe_switch.get() == 1 && gate.ncols % 1024 == 0)
+    launch_gateup_pipe<false>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 && gu_off32_switch.get() == 1 && planes_under_4g(gate) &&
            planes_under_4g(up))
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, false, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h,
