@@ -142,12 +142,12 @@ def bench_moe_shexp(ex: Experts, rng: np.random.Generator, k: int = 6, iters: in
     return ms, k * ex.per_expert + sum(w.nbytes for w in shexp)
 
 
-GATEUP_FORMS = ("rows", "pipe", "mma")
+GATEUP_FORMS = ("rows", "unrolled", "mma")
 
 
 def bench_gateup(ex: Experts, tokens: int, form: str, k: int = 6, iters: int = 10) -> tuple[float, int]:
-    """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel, the rows kernel
-    with its loads pipelined across units (`pipe`) or the int8 mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu);
+    """ms per MoE gate/up call (x quantization, gate/up, SwiGLU; no down) through the rows kernel (rolled loop), its
+    unrolled form on 4096 columns (`unrolled`) or the int8 mma kernel (IQ2_XXS only; engine/gpu/moe_mma.cu);
     returns (ms, distinct gate+up bytes per call)."""
     ext = gpu.load()
     rng = np.random.default_rng(1)
@@ -159,12 +159,12 @@ def bench_gateup(ex: Experts, tokens: int, form: str, k: int = 6, iters: int = 1
     h = ext.Array.empty([tokens * k, ex.gate.ne[1]])
     g, u = ex.gate.tensors[0], ex.up.tensors[0]
     ext.set_gateup_mma(form == "mma")  # the kernel is chosen when the graph is captured
-    ext.set_gu_pipe(int(form == "pipe"))
+    ext.set_gu_unroll(int(form == "unrolled"))
     try:
         ms = time_graph(lambda i: ext.moe_gateup(g, u, x, ids[i % n_calls], wts, h, 10.0), n_calls, iters)
     finally:
         ext.set_gateup_mma(None)
-        ext.set_gu_pipe(-1)
+        ext.set_gu_unroll(-1)
     return ms, tokens * k * (ex.gate.nbytes + ex.up.nbytes) // ex.n_expert
 
 

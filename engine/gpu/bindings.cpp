@@ -643,10 +643,10 @@ PYBIND11_MODULE(_ext, m) {
         "Decode's IQ2_XXS gate/up rows kernel: rows addressed by 32-bit offsets (1), by 64-bit pointers (0), or as "
         "$DS4_GPU_GU_OFF32 says (-1).");
   m.def("gu_off32_launches", &gu_off32_launches, "Gate/up launches of this process that took the 32-bit-offset form.");
-  m.def("set_gu_pipe", &set_gu_pipe, py::arg("mode"),
-        "Decode's IQ2_XXS gate/up: loads pipelined across a warp's units (1), the rows kernel (0), or as "
-        "$DS4_GPU_GU_PIPE says (-1).");
-  m.def("gu_pipe_launches", &gu_pipe_launches, "Gate/up launches of this process that took the pipelined kernel.");
+  m.def("set_gu_unroll", &set_gu_unroll, py::arg("mode"),
+        "Decode's IQ2_XXS gate/up on rows of 4096 columns: the 32-bit-offset form unrolled (1), rolled (0), or as "
+        "$DS4_GPU_GU_UNROLL says (-1).");
+  m.def("gu_unroll_launches", &gu_unroll_launches, "Gate/up launches of this process that took the unrolled form.");
   m.def("set_pair_split", &set_pair_split, py::arg("mode"),
         "matvec_multi's Q8_0 + F16 launches: 1 warps split between the types, 0 one phase after the other, -1 back to "
         "$DS4_GPU_PAIR_SPLIT");

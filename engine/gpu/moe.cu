@@ -155,6 +155,49 @@ __device__ __forceinline__ void gu_load_off32(const uint8_t* const (&qbase)[R], 
   }
 }
 
+// UNROLL (STEPS > 0, $DS4_GPU_GU_UNROLL=1): rows of exactly 32 STEPS x blocks, packed densely (Flash's 4096 columns:
+// 4 steps per lane, 1024 code bytes and 32 scale bytes per row; the launcher checks), the steps unrolled from one
+// pointer per plane and matrix found once per unit: every load is such a pointer plus an immediate (the unit's second
+// row 8 nxb code bytes further, step s 256 s), and x's planes likewise. The rolled loop spent ~40 of its 380
+// instructions per step on 64-bit addresses (row offset + 8 xb, x block vec x n + 32 xb). Four pointers, not one per
+// row: at 127 registers the compiler rematerialized the tables' lane offset at every lookup. The same loads in the same
+// order: the same bits.
+template <typename TB, bool X8, int STEPS>
+__device__ __forceinline__ void gu_accumulate_unrolled(const Packed& gate, const Packed& up, uint32_t row0, int xb0,
+                                                       const XQ& xq, const int (&vec)[1], const TB& tb,
+                                                       float (&acc)[2 * GU2_RH][1]) {
+  constexpr int RH = GU2_RH, R = 2 * GU2_RH, NXB = 32 * STEPS, QROW = 8 * NXB, SROW = 2 * (NXB / 8);
+  const uint8_t* const qp[2] = {gate.qs + (row0 * (uint32_t)QROW + 8u * (uint32_t)xb0),
+                                up.qs + (row0 * (uint32_t)QROW + 8u * (uint32_t)xb0)};
+  const uint8_t* const sp[2] = {gate.sc + (row0 * (uint32_t)SROW + 2u * ((uint32_t)xb0 >> 3)),
+                                up.sc + (row0 * (uint32_t)SROW + 2u * ((uint32_t)xb0 >> 3))};
+  XQ xl = xq;  // this lane's first x block of vector vec: mv_block's offsets become constants (vector 0, block 32 s)
+  const int64_t xoff = (int64_t)vec[0] * xq.n + 32 * xb0;
+  xl.hi = xq.hi + xoff, xl.lo = xq.lo + xoff, xl.scale = xq.scale + (int64_t)vec[0] * (xq.n / 32) + xb0;
+  const int v0[1] = {0};
+  TB t = tb;  // the lane offset through a shuffle, which ptxas cannot rematerialize (it did, with two LOP3 per lookup)
+  t.lane_off = __shfl_sync(0xffffffffu, tb.lane_off, threadIdx.x & 31);
+  auto load = [&](int s, RawXb(&raw)[R]) {  // row r = (matrix r / RH, row0 + r % RH)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint2 v = ld_stream8(qp[r / RH] + (r % RH) * QROW + 256 * s);
+      raw[r].q[0] = v.x;
+      raw[r].q[1] = v.y;
+      raw[r].s0 = ld_stream2(sp[r / RH] + (r % RH) * SROW + 8 * s);
+    }
+  };
+  RawXb cur[R];
+  load(0, cur);
+#pragma unroll
+  for (int s = 0; s < STEPS; ++s) {
+    RawXb nxt[R];
+    if (s + 1 < STEPS) load(s + 1, nxt);
+    mv_block<QT_IQ2_XXS, 1, R, TB, false, X8>(cur, 32 * s, xl, v0, t, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r) cur[r] = nxt[r];
+  }
+}
+
 template <int R, typename TB, bool X8>
 __device__ __forceinline__ void gu_accumulate_off32(const uint8_t* const (&qbase)[R], const uint8_t* const (&sbase)[R],
                                                     const uint32_t (&qoff)[R], const uint32_t (&soff)[R], int nxb,
@@ -195,7 +238,7 @@ __device__ __forceinline__ void gu_plane_bases(const Packed& gate, const Packed&
 
 // One warp unit of gate/up: rows f0 .. f0 + RH - 1 of expert e's gate (acc[0, RH)) and up (acc[RH, 2 RH)) against
 // x vector vec0, each summed over the warp (lane l takes x blocks l, l + 32, ...).
-template <int QT, typename TB, bool XS, bool X8, bool OFF32 = false>
+template <int QT, typename TB, bool XS, bool X8, bool OFF32 = false, int STEPS = 0>
 __device__ __forceinline__ void gu_unit_rows(const Packed& gate, const Packed& up, int64_t e, int f0, int n_ff,
                                              const XQ& xq, int vec0, const TB& tb, int lane,
                                              float (&acc)[2 * GU2_RH][1]) {
@@ -204,12 +247,17 @@ __device__ __forceinline__ void gu_unit_rows(const Packed& gate, const Packed& u
     const uint8_t* qbase[R];
     const uint8_t* sbase[R];
     uint32_t qoff[R], soff[R];
-    gu_plane_bases(gate, up, qbase, sbase);
-    gu_row_offsets(gate, up, (uint32_t)e, f0, n_ff, qoff, soff);
     int vec[1] = {vec0};
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-    gu_accumulate_off32<R, TB, X8>(qbase, sbase, qoff, soff, (int)(gate.ncols / 32), lane, xq, vec, tb, acc);
+    if constexpr (STEPS > 0) {  // n_ff is even (the launcher checks), so rows f0 and f0 + 1 both exist
+      gu_accumulate_unrolled<TB, X8, STEPS>(gate, up, (uint32_t)e * (uint32_t)n_ff + (uint32_t)f0, lane, xq, vec, tb,
+                                            acc);
+    } else {
+      gu_plane_bases(gate, up, qbase, sbase);
+      gu_row_offsets(gate, up, (uint32_t)e, f0, n_ff, qoff, soff);
+      gu_accumulate_off32<R, TB, X8>(qbase, sbase, qoff, soff, (int)(gate.ncols / 32), lane, xq, vec, tb, acc);
+    }
     warp_sum<R, 1>(acc);
     return;
   }
@@ -240,7 +288,8 @@ __device__ __forceinline__ float gu_swiglu(float g, float u, float clamp, float 
 
 // LUT 2: the same with registers for 2 CTAs per SM (form 1 spills 6 values in its loop at 3 CTAs' 80 registers).
 // X8: the token's x at 8 bits (the lo plane unread; see moe_x8()).
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false>
+// STEPS: the unrolled form for rows of 1024 STEPS columns (gu_accumulate_unrolled; with OFF32).
+template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false, int STEPS = 0>
 __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_kernel(Packed gate, Packed up, int n_ff,
                                                                      int n_expert, XQ xq, const int32_t* ids,
                                                                      const float* wts, int k, float clamp,
@@ -264,7 +313,7 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     const bool bad = e < 0 || e >= n_expert;
     float acc[R][1];
     // XS: the one token's x is the staged vector
-    gu_unit_rows<QT, TB, XS, X8, OFF32>(gate, up, bad ? 0 : e, f0, n_ff, xq, XS ? 0 : token, tb, lane, acc);
+    gu_unit_rows<QT, TB, XS, X8, OFF32, STEPS>(gate, up, bad ? 0 : e, f0, n_ff, xq, XS ? 0 : token, tb, lane, acc);
 #pragma unroll
     for (int i = 0; i < RH; ++i) {
       const int f = f0 + i;
@@ -274,84 +323,6 @@ __global__ void __launch_bounds__(GU_THREADS, LUT >= 2 ? 2 : 3) moe_gateup_rows_
     // XQ: n_ff % 256 == 0, so the RH rows of this unit lie in one x block of h
     if constexpr (XM == GU_X_QUANT)
       if (xq_h.hi) gu_quantize_h_block(h, xq_h, ((int64_t)pair * n_ff + f0) / 32, lane);  // null: mode 2
-  }
-}
-
-// PIPE ($DS4_GPU_GU_PIPE=1; IQ2_XXS, LUT 3, x in global memory, rows by 32-bit offsets, ncols % 1024 == 0): the rows
-// kernel with the loads pipelined across a warp's units as well as within one. The rows kernel issues a unit's first
-// loads only after the last unit's epilogue (warp sums, the routing weight's load, the h stores) and after the new
-// unit's expert id came back, so each warp waits one DRAM round trip per unit with nothing in flight, and a warp has
-// ~3 units of 4 steps on Flash. Here the load cursor runs one step ahead through the flattened (unit, step) sequence:
-// the next unit's first loads go out before the current unit's last step is decoded, and the next unit's expert id
-// and routing weight are read one unit ahead. Every unit's sums are the rows kernel's, in the same order: the same bits.
-template <bool X8>
-__global__ void __launch_bounds__(GU_THREADS, 2) moe_gateup_pipe_kernel(Packed gate, Packed up, int n_ff, int n_expert,
-                                                                        XQ xq, const int32_t* ids, const float* wts,
-                                                                        int k, float clamp, int units, float* h) {
-  constexpr int RH = GU2_RH, R = 2 * GU2_RH;
-  using TB = Iq2LutTablesU;
-  extern __shared__ __align__(16) uint2 s_rep[];
-  pdl_trigger();
-  const int lane = threadIdx.x & 31;
-  const TB tb = gu_tables_init<QT_IQ2_XXS, 3>(s_rep, lane);
-  pdl_wait();  // ids, x and h's readers are from earlier kernels
-  const int groups = (n_ff + RH - 1) / RH, steps = (int)(gate.ncols / 1024), stride = gridDim.x * GU_WARPS;
-  int unit = blockIdx.x * GU_WARPS + (threadIdx.x >> 5);
-  if (unit >= units) return;
-  const uint8_t* qbase[R];
-  const uint8_t* sbase[R];
-  gu_plane_bases(gate, up, qbase, sbase);
-  // A unit's pair, first row, expert id and routing weight; divisions only where the cursor enters a unit.
-  struct Unit {
-    int pair, f0, e;
-    float w;
-  };
-  auto unit_at = [&](int u) {
-    Unit t;
-    t.pair = u / groups, t.f0 = (u - t.pair * groups) * RH, t.e = __ldg(ids + t.pair), t.w = __ldg(wts + t.pair);
-    return t;
-  };
-  uint32_t qoff[R], soff[R];  // the load cursor's unit
-  auto start = [&](const Unit& t) {
-    gu_row_offsets(gate, up, (t.e < 0 || t.e >= n_expert) ? 0u : (uint32_t)t.e, t.f0, n_ff, qoff, soff);
-  };
-  Unit cu = unit_at(unit), nu{};
-  if (unit + stride < units) nu = unit_at(unit + stride);
-  start(cu);
-  int vec[1] = {cu.pair / k};
-  RawXb cur[R];
-  gu_load_off32<R>(qbase, sbase, qoff, soff, lane, cur);
-  float acc[R][1];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-  for (int step = 0;;) {
-    const bool last = step + 1 == steps;
-    RawXb nxt[R];
-    if (!last || unit + stride < units) {
-      if (last) start(nu);
-      gu_load_off32<R>(qbase, sbase, qoff, soff, last ? lane : lane + 32 * (step + 1), nxt);
-    }
-    mv_block<QT_IQ2_XXS, 1, R, TB, false, X8>(cur, lane + 32 * step, xq, vec, tb, acc);
-    if (last) {
-      warp_sum<R, 1>(acc);
-      const bool bad = cu.e < 0 || cu.e >= n_expert;
-#pragma unroll
-      for (int i = 0; i < RH; ++i) {
-        const int f = cu.f0 + i;
-        if (lane == i && f < n_ff)  // NaN marks an expert id out of range
-          h[(int64_t)cu.pair * n_ff + f] = bad ? __int_as_float(0x7fc00000) : gu_swiglu(acc[i][0], acc[RH + i][0], clamp, cu.w);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
-      unit += stride;
-      if (unit >= units) break;
-      cu = nu, vec[0] = cu.pair / k, step = 0;
-      if (unit + stride < units) nu = unit_at(unit + stride);
-    } else {
-      ++step;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) cur[r] = nxt[r];
   }
 }
 
@@ -567,7 +538,20 @@ static bool planes_under_4g(const Packed& p) {  // every row offset of both plan
   return p.nrows * p.qs_row < (int64_t(1) << 32) && p.nrows * p.sc_row < (int64_t(1) << 32);
 }
 
-template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false>
+// $DS4_GPU_GU_UNROLL: 1 = where the 32-bit-offset form runs on rows of Flash's 4096 columns, its unrolled form
+// (gu_accumulate_unrolled; the same bits); 0 the rolled loop. set_gu_unroll overrides it (0, 1; -1 the environment).
+constexpr int GU_UNROLL_STEPS = 4;
+static EnvSwitch gu_unroll_switch{"DS4_GPU_GU_UNROLL", 1, 0};
+void set_gu_unroll(int mode) { gu_unroll_switch.set(mode); }
+static long long g_gu_unroll_launches = 0;
+long long gu_unroll_launches() { return g_gu_unroll_launches; }
+static bool gu_unroll_takes(const Packed& gate, const Packed& up, int n_ff) {  // gu_accumulate_unrolled's layout
+  constexpr int64_t cols = 1024 * GU_UNROLL_STEPS;
+  auto dense = [](const Packed& p) { return p.ncols == cols && p.qs_row == cols / 4 && p.sc_row == cols / 128; };
+  return dense(gate) && dense(up) && n_ff % GU2_RH == 0;
+}
+
+template <int QT, int XM, int LUT = 0, bool X8 = false, bool OFF32 = false, int STEPS = 0>
 static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
                                   const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
                                   cudaStream_t stream, const float* x = nullptr, const XQ& xq_h = XQ()) {
@@ -575,35 +559,14 @@ static void launch_gateup_rows_as(const Packed& gate, const Packed& up, int n_ff
   const size_t smem = gu_table_bytes<QT, LUT>() + (XM != GU_X_GLOBAL ? gu_xs_bytes(xq.n) : 0);
   static std::map<size_t, int> resident;  // resident CTAs for this shared-memory size
   static size_t smem_set = 48 * 1024;     // the kernel's dynamic shared-memory limit: only ever raised
-  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, smem, smem_set);
+  raise_smem_limit(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32, STEPS>, smem, smem_set);
   auto it = resident.find(smem);
   if (it == resident.end())
-    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, GU_THREADS, smem)).first;
+    it = resident.emplace(smem, resident_ctas(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32, STEPS>, GU_THREADS, smem)).first;
   if constexpr (OFF32) ++g_gu_off32_launches;
-  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
+  if constexpr (STEPS > 0) ++g_gu_unroll_launches;
+  launch_k(moe_gateup_rows_kernel<QT, XM, LUT, X8, OFF32, STEPS>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, it->second)),
            dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h, x, xq_h);
-}
-
-// $DS4_GPU_GU_PIPE: 1 = the IQ2_XXS gate/up with its loads pipelined across units (moe_gateup_pipe_kernel; the same
-// bits as the rows kernel), where the 32-bit-offset form runs and the rows have a multiple of 1024 columns; 0 the rows
-// kernel. set_gu_pipe overrides it (0, 1; -1 the environment).
-static EnvSwitch gu_pipe_switch{"DS4_GPU_GU_PIPE", 1, 0};
-void set_gu_pipe(int mode) { gu_pipe_switch.set(mode); }
-static long long g_gu_pipe_launches = 0;
-long long gu_pipe_launches() { return g_gu_pipe_launches; }
-
-template <bool X8>
-static void launch_gateup_pipe(const Packed& gate, const Packed& up, int n_ff, int n_expert, const XQ& xq,
-                               const int32_t* ids, const float* wts, int pairs, int k, float clamp, float* h,
-                               cudaStream_t stream) {
-  const int units = ((n_ff + GU2_RH - 1) / GU2_RH) * pairs;
-  const size_t smem = gu_table_bytes<QT_IQ2_XXS, 3>();
-  static size_t smem_set = 48 * 1024;
-  raise_smem_limit(moe_gateup_pipe_kernel<X8>, smem, smem_set);
-  static const int resident = resident_ctas(moe_gateup_pipe_kernel<X8>, GU_THREADS, smem);
-  ++g_gu_pipe_launches;
-  launch_k(moe_gateup_pipe_kernel<X8>, dim3((unsigned)std::min((units + GU_WARPS - 1) / GU_WARPS, resident)),
-           dim3(GU_THREADS), smem, stream, gate, up, n_ff, n_expert, xq, ids, wts, k, clamp, units, h);
 }
 
 template <int QT>
@@ -625,8 +588,9 @@ static void launch_gateup_rows(const Packed& gate, const Packed& up, int n_ff, i
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 2)
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 2>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 && gu_off32_switch.get() == 1 && planes_under_4g(gate) &&
-           planes_under_4g(up) && gu_pipe_switch.get() == 1 && gate.ncols % 1024 == 0)
-    launch_gateup_pipe<false>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h, stream);
+           planes_under_4g(up) && gu_unroll_switch.get() == 1 && gu_unroll_takes(gate, up, n_ff))
+    launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, false, true, GU_UNROLL_STEPS>(gate, up, n_ff, n_expert, xq, ids, wts,
+                                                                           pairs, k, clamp, h, stream);
   else if (QT == QT_IQ2_XXS && gateup_lut_mode() == 3 && gu_off32_switch.get() == 1 && planes_under_4g(gate) &&
            planes_under_4g(up))
     launch_gateup_rows_as<QT, GU_X_GLOBAL, 3, false, true>(gate, up, n_ff, n_expert, xq, ids, wts, pairs, k, clamp, h,

@@ -19,8 +19,8 @@ void set_gateup_lut(int mode);
 void set_moe_x8(int mode);
 void set_gu_off32(int mode);  // $DS4_GPU_GU_OFF32 (moe.cu)
 long long gu_off32_launches();
-void set_gu_pipe(int mode);  // $DS4_GPU_GU_PIPE (moe.cu)
-long long gu_pipe_launches();
+void set_gu_unroll(int mode);  // $DS4_GPU_GU_UNROLL (moe.cu)
+long long gu_unroll_launches();
 bool moe_x8();
 bool gateup_mma_enabled();
 
