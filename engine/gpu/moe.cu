@@ -418,11 +418,6 @@ __device__ __forceinline__ void down_unit_dense(const Packed& down, uint32_t row
     raw[r].s0 = ld_stream4(sp0 + r * SROW);
     raw[r].s1 = ld_stream2(sp1 + r * SROW);
   }
-  // Every load issued before the first product: with immediate offsets ptxas sank them beside their uses (80 registers)
-  // and a unit became R dependent round trips (measured: kernel 28.4 -> 30.0 us, decode -0.7%).
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-    asm volatile("" : "+r"(raw[r].q[0]), "+r"(raw[r].q[1]), "+r"(raw[r].s0), "+r"(raw[r].s1));
   XQ xl = xq;  // vector vec's block xb as vector 0's block 0
   const int64_t xoff = (int64_t)vec * xq.n + 32 * xb, xi = (int64_t)vec * (xq.n / 32) + xb;
   xl.hi = xq.hi + xoff, xl.lo = xq.lo + xoff, xl.scale = xq.scale + xi, xl.sum16 = xq.sum16 + 2 * xi;
