@@ -647,10 +647,6 @@ PYBIND11_MODULE(_ext, m) {
         "Decode's IQ2_XXS gate/up on rows of 4096 columns: the 32-bit-offset form unrolled (1), rolled (0), or as "
         "$DS4_GPU_GU_UNROLL says (-1).");
   m.def("gu_unroll_launches", &gu_unroll_launches, "Gate/up launches of this process that took the unrolled form.");
-  m.def("set_down_dense", &set_down_dense, py::arg("mode"),
-        "Decode's routed Q2_K down on dense 2048-column rows: one pointer per plane and unit (1), a pointer per row "
-        "(0), or as $DS4_GPU_DOWN_DENSE says (-1).");
-  m.def("down_dense_launches", &down_dense_launches, "Routed down launches of this process that took the dense form.");
   m.def("set_pair_split", &set_pair_split, py::arg("mode"),
         "matvec_multi's Q8_0 + F16 launches: 1 warps split between the types, 0 one phase after the other, -1 back to "
         "$DS4_GPU_PAIR_SPLIT");

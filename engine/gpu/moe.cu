@@ -395,37 +395,7 @@ struct ShexpDown {
   float* y = nullptr;
 };
 
-// DENSE ($DS4_GPU_DOWN_DENSE=1, Q2_K rows of 2048 columns packed densely: Flash's down): a unit's R rows found as one
-// pointer per plane (rows r0 + r at immediate offsets r x row bytes) and x's planes pre-offset to the unit's block, so
-// mv_block's offsets are constants. The generic unit built R 64-bit row pointers per plane (expert x n_embd + row, times
-// the row bytes: ~100 of the unit's ~640 instructions) and x's offsets in 64 bits. The same loads, in the same order
-// and the same arithmetic: the same bits.
-constexpr int DOWN_DENSE_COLS = 2048;
-template <bool X8>
-__device__ __forceinline__ void down_unit_dense(const Packed& down, uint32_t row0, int xb, const XQ& xq, int vec,
-                                                float (&acc)[MOE_R][1]) {
-  constexpr int R = MOE_R, NXB = DOWN_DENSE_COLS / 32, NB = DOWN_DENSE_COLS / 256, QROW = 8 * NXB,
-                SROW = 4 * NB + 2 * NXB;
-  const uint8_t* const qp = down.qs + (row0 * (uint32_t)QROW + 8u * (uint32_t)xb);
-  const uint8_t* const sp0 = down.sc + (row0 * (uint32_t)SROW + 4u * ((uint32_t)xb >> 3));
-  const uint8_t* const sp1 = down.sc + (row0 * (uint32_t)SROW + (uint32_t)(4 * NB) + 2u * (uint32_t)xb);
-  RawXb raw[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {  // load_xb<QT_Q2_K>'s loads
-    const uint2 v = ld_stream8(qp + r * QROW);
-    raw[r].q[0] = v.x;
-    raw[r].q[1] = v.y;
-    raw[r].s0 = ld_stream4(sp0 + r * SROW);
-    raw[r].s1 = ld_stream2(sp1 + r * SROW);
-  }
-  XQ xl = xq;  // vector vec's block xb as vector 0's block 0
-  const int64_t xoff = (int64_t)vec * xq.n + 32 * xb, xi = (int64_t)vec * (xq.n / 32) + xb;
-  xl.hi = xq.hi + xoff, xl.lo = xq.lo + xoff, xl.scale = xq.scale + xi, xl.sum16 = xq.sum16 + 2 * xi;
-  const int v0[1] = {0};
-  mv_block<QT_Q2_K, 1, R, Iq2Tables, false, X8>(raw, 0, xl, v0, Iq2Tables{nullptr}, acc);
-}
-
-template <int QT, bool X8 = false, bool DENSE = false>
+template <int QT, bool X8 = false>
 __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int n_embd, int n_expert, XQ xq,
                                                                const int32_t* ids, int k, int S, float* y,
                                                                ShexpDown sh) {
@@ -472,10 +442,6 @@ __global__ void __launch_bounds__(CTA_THREADS) moe_down_kernel(Packed down, int 
     const int j = u / nxb, xb = u - j * nxb;
     int e = __ldg(ids + token * k + j);
     e = (e < 0 || e >= n_expert) ? 0 : e;  // the gate/up kernel already poisoned this expert's h
-    if constexpr (DENSE) {  // the launcher checks n_embd % R == 0, so rows r0 .. r0 + R - 1 exist
-      down_unit_dense<X8>(down, (uint32_t)e * (uint32_t)n_embd + (uint32_t)r0, xb, xq, token * k + j, acc);
-      continue;
-    }
     const uint8_t* qrow[R];
     const uint8_t* srow[R];
 #pragma unroll
@@ -572,11 +538,10 @@ static bool planes_under_4g(const Packed& p) {  // every row offset of both plan
   return p.nrows * p.qs_row < (int64_t(1) << 32) && p.nrows * p.sc_row < (int64_t(1) << 32);
 }
 
-// $DS4_GPU_GU_UNROLL: 1 (the default since v47: H100 kernel 18.5 -> 17.6 us, decode +0.6-1.0%) = where the
-// 32-bit-offset form runs on rows of Flash's 4096 columns, its unrolled form
+// $DS4_GPU_GU_UNROLL: 1 = where the 32-bit-offset form runs on rows of Flash's 4096 columns, its unrolled form
 // (gu_accumulate_unrolled; the same bits); 0 the rolled loop. set_gu_unroll overrides it (0, 1; -1 the environment).
 constexpr int GU_UNROLL_STEPS = 4;
-static EnvSwitch gu_unroll_switch{"DS4_GPU_GU_UNROLL", 1, 1};
+static EnvSwitch gu_unroll_switch{"DS4_GPU_GU_UNROLL", 1, 0};
 void set_gu_unroll(int mode) { gu_unroll_switch.set(mode); }
 static long long g_gu_unroll_launches = 0;
 long long gu_unroll_launches() { return g_gu_unroll_launches; }
@@ -658,17 +623,6 @@ static void launch_gateup_xq(const Packed& gate, const Packed& up, int n_ff, int
   }
 }
 
-// $DS4_GPU_DOWN_DENSE: 1 = the routed Q2_K down on Flash's dense 2048-column rows by down_unit_dense (the same bits);
-// 0 the generic unit. set_down_dense overrides it (0, 1; -1 the environment).
-static EnvSwitch down_dense_switch{"DS4_GPU_DOWN_DENSE", 1, 0};
-void set_down_dense(int mode) { down_dense_switch.set(mode); }
-static long long g_down_dense_launches = 0;
-long long down_dense_launches() { return g_down_dense_launches; }
-static bool down_dense_takes(const Packed& down, int n_embd) {
-  return down.ncols == DOWN_DENSE_COLS && down.qs_row == DOWN_DENSE_COLS / 4 &&
-         down.sc_row == DOWN_DENSE_COLS / 64 + DOWN_DENSE_COLS / 16 && n_embd % MOE_R == 0 && planes_under_4g(down);
-}
-
 // sh.w set (one token): the shared expert's down rows in blocks of the same launch, after the routed ones.
 template <int QT>
 static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& xq, const int32_t* ids,
@@ -685,11 +639,7 @@ static void launch_down(const Packed& down, int n_embd, int n_expert, const XQ& 
   if (moe_x8())
     launch_k(moe_down_kernel<QT, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y,
              sh);
-  else if (QT == QT_Q2_K && down_dense_switch.get() == 1 && down_dense_takes(down, n_embd)) {
-    ++g_down_dense_launches;
-    launch_k(moe_down_kernel<QT_Q2_K, false, true>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq,
-             ids, k, S, y, sh);
-  } else
+  else
     launch_k(moe_down_kernel<QT>, dim3(grid), dim3(CTA_THREADS), 0, stream, down, n_embd, n_expert, xq, ids, k, S, y, sh);
   DS4_CHECK_LAUNCH("moe down");
 }

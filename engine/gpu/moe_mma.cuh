@@ -21,8 +21,6 @@ void set_gu_off32(int mode);  // $DS4_GPU_GU_OFF32 (moe.cu)
 long long gu_off32_launches();
 void set_gu_unroll(int mode);  // $DS4_GPU_GU_UNROLL (moe.cu)
 long long gu_unroll_launches();
-void set_down_dense(int mode);  // $DS4_GPU_DOWN_DENSE (moe.cu)
-long long down_dense_launches();
 bool moe_x8();
 bool gateup_mma_enabled();
 
