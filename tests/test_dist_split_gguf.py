@@ -149,11 +149,14 @@ def test_parallel_write_failure_leaves_no_file(tmp_path):
     import functools
 
     from ds4.engine.config import preset
-    from ds4.gguf_tools.synth_gguf import _write_synth_tensors
+    from ds4.gguf_tools.synth_gguf import _synth_plans, _write_synth_tensors
     from ds4.gguf_tools.writer import write_gguf
 
     cfg = preset("tiny")
-    plans = [TensorPlan("not.a.ds4.tensor", QuantType.F32, (64,)), TensorPlan("t1", QuantType.F32, (64,))]
+    # one bad tensor beside a real one of the tiny model: only the bad one's worker fails (two unknown names made the
+    # reported error whichever worker failed first)
+    real = next(iter(_synth_plans(cfg, None, "f16").values()))
+    plans = [TensorPlan("not.a.ds4.tensor", QuantType.F32, (64,)), real]
     writer = functools.partial(_write_synth_tensors, cfg, None, "f16", 0)
     with pytest.raises(KeyError, match="not.a.ds4.tensor"):
         write_gguf(tmp_path / "bad.gguf", {}, plans, lambda p: np.zeros(64, np.float32), jobs=2, tensor_writer=writer)
