@@ -6,6 +6,11 @@ call goes through a CUDA graph that cycles over enough copies of the weights to 
 the 60 MB L2. A "layer" row runs every matvec of one Flash q2 layer in sequence in one graph and
 compares it with its bandwidth floor (bytes / copy bandwidth).
 
+Each row also prints its launch ceiling: the most of copy bandwidth one launch of that size could reach if it
+streamed at copy speed from its first instant, given the cost of an empty kernel launched from a CUDA graph
+(measured in the same run): ceiling = t_copy / (t_launch + t_copy). Rows whose ceiling is under the issue's 0.80
+cannot reach it as a launch of their own, however fast the kernel.
+
     python -m ds4.speed_bench.gpu_kernels [--batch 1 8] [--json out.json] [--quick]
 """
 
@@ -54,6 +59,15 @@ class Weights:
         self.name, self.qtype, self.ne = name, qtype, ne
         self.tensors = [gpu.upload(f"{name}#{i}", qtype, ne, raw) for i in range(copies)]
         self.nbytes = raw.nbytes
+
+
+def launch_ceiling(nbytes: int, copy_gbps: float, launch_us: float) -> float:
+    """The fraction of copy bandwidth a launch reading nbytes can reach at best: its bytes at copy speed after the
+    fixed cost of a graph-launched kernel."""
+    if nbytes <= 0 or copy_gbps <= 0 or launch_us < 0:
+        raise ValueError("launch_ceiling: nbytes and copy_gbps must be positive, launch_us not negative")
+    t_copy_us = nbytes / (copy_gbps * 1e9) * 1e6
+    return t_copy_us / (launch_us + t_copy_us)
 
 
 def time_graph(record, n_calls: int, iters: int) -> float:
@@ -353,16 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {info['name']} ({info['sms']} SMs, L2 {info['l2_bytes'] >> 20} MiB); "
           f"D2D copy {copy_gbps:.0f} GB/s (read+write); read-only stream {read['gbps']:.0f} GB/s "
           f"({read['gbps'] / copy_gbps:.2f} of copy); mv={mv}", flush=True)
+    launch_us = time_graph(lambda i: ext.launch_empty(1), 256, iters) * 1e3
+    print(f"one empty kernel launched from a CUDA graph: {launch_us:.2f} us (the launch ceiling's fixed cost)", flush=True)
     rng = np.random.default_rng(0)
     rows = []
 
     def add(kernel: str, qtype: str, batch: int, ms: float, nbytes: int) -> None:
         gbps = nbytes / (ms * 1e-3) / 1e9
         row = dict(kernel=kernel, type=qtype, batch=batch, us=ms * 1e3, mbytes=nbytes / 1e6, gbps=gbps,
-                   ratio=gbps / copy_gbps)
+                   ratio=gbps / copy_gbps, ceiling=launch_ceiling(nbytes, copy_gbps, launch_us))
         rows.append(row)
         print(f"{kernel:26s} {qtype:8s} B={batch}  {row['us']:9.1f} us  {row['mbytes']:8.2f} MB  "
-              f"{gbps:7.0f} GB/s  {row['ratio']:5.2f}", flush=True)
+              f"{gbps:7.0f} GB/s  {row['ratio']:5.2f}  ceiling {row['ceiling']:.2f}", flush=True)
 
     t0 = time.time()
     for name, q, ne, groups in FLASH_MATVECS + EXPERT_MATVECS + [HEAD]:
@@ -413,10 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         floor_ms = nbytes / (copy_gbps * 1e9) * 1e3
         add("Flash q2 layer (graph)", "mixed", 1, ms, nbytes)
         print(f"layer: {ms * 1e3:.1f} us vs floor {floor_ms * 1e3:.1f} us at copy bandwidth -> {ms / floor_ms:.2f}x floor")
+    capped = sorted({r["kernel"] for r in rows if r["batch"] == 1 and r["ceiling"] < 0.80})
+    if capped:
+        print(f"launch ceiling under 0.80 of copy at batch 1 (cannot reach it as one launch): {', '.join(capped)}")
     print(f"total bench time {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(device=info, copy=copy, read=read, mv=mv, rows=rows, k_sweep=sweep, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
+            json.dump(dict(device=info, copy=copy, read=read, mv=mv, launch_us=launch_us, rows=rows, k_sweep=sweep, layer_floor_ms=floor_ms, layer_ms=ms), f, indent=1)
         os.replace(args.json + ".tmp", args.json)
     return 0
 
