@@ -560,7 +560,8 @@ class Fused:
 
 def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     """The decode compressor steps of layer li (and its indexer's on ratio-4 layers): they read only the
-    normalized input a and the layer's compressor state, so they may run on a side branch."""
+    normalized input a and the layer's compressor state, so they may run on a side branch. With sess.comp_ring
+    (comp_defer): a into the ring, and the products only on a window's last step, of all its rows."""
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
@@ -578,13 +579,28 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     proj = C.blk(li, L.IDX_PROJ)
     with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
         (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
-    outs = W.mm_many(mats + [proj] * with_proj, a) if one else \
-        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], a)]
+    early_proj = r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k
+    ring, x = sess.comp_ring, a
+    if ring is not None:
+        ring.store(li, a, pos)
+        if not ring.pools(li):  # nothing but the indexer's head weights, which this step's index keys read
+            if with_proj or early_proj:
+                sess._idx_proj[li] = W.mm(proj, a)
+            return
+        x = ring.rows[li]  # [r, n_embd]: this step's a is the last row
+    outs = W.mm_many(mats + [proj] * with_proj, x) if one else \
+        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], x)]
     if with_proj:
-        sess._idx_proj[li] = outs[-1]  # taken by index_select after the side branch joins
-    if r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k:
+        sess._idx_proj[li] = outs[-1][-1:]  # taken by index_select after the side branch joins
+    if early_proj:
         # the indexer's head weights need only a: on this (side) branch they leave the indexer's chain
-        sess._idx_proj[li] = W.mm(C.blk(li, L.IDX_PROJ), a)
+        sess._idx_proj[li] = W.mm(proj, a)
+    if ring is not None:  # the window's earlier steps into the frontier, then this step's rows as before
+        for j, indexer in enumerate(jobs):
+            s_kv, s_sc = (st["idx_kv"], st["idx_score"]) if indexer else (st["comp_kv"], st["comp_score"])
+            sc = outs[2 * j + 1] + W.vec(C.blk(li, names_of[indexer][2]))
+            ring.fill(li, 4 if indexer else r, outs[2 * j], sc, s_kv, s_sc, upto=x.shape[0] - 1)
+        outs = [y[-1:] for y in outs]
     steps = []
     for j, indexer in enumerate(jobs):
         names = names_of[indexer]
@@ -599,6 +615,8 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     else:
         for step in steps:
             K.compress_step(**step)
+    if ring is not None:
+        ring.pooled(li)
 
 
 def idx_merged(sess, li: int, part: str) -> bool:

@@ -40,7 +40,7 @@ from ds4.engine.session import RESUME_PREFILL_MIN, SessionError, Timeline, kv_by
 from ds4.engine.session import Session as CpuSession
 from ds4.gguf_tools import constants as C
 
-from . import branches, fused, ops, prefill, tc
+from . import branches, comp_defer, fused, ops, prefill, tc
 from .weights import Weights, default_device
 
 L = C.LayerTensor
@@ -108,6 +108,8 @@ class Session(Timeline):
         self.raw_window = min(cfg.sliding_window, self.ctx)
         self.raw_cap = self.raw_window
         self._alloc_state()
+        # decode's compressor products deferred to each window's last step (comp_defer); None: every step
+        self.comp_ring = comp_defer.CompRing(cfg, self.device) if comp_defer.DEFER else None
         self._tokens: list[int] = []
         self._logits: torch.Tensor | None = None
         self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -117,9 +119,9 @@ class Session(Timeline):
         self._banned = torch.full((1,), -1, dtype=torch.long, device=self.device)  # greedy(banned=): never chosen
         self._idx_proj: dict[int, torch.Tensor] = {}  # fused.compress_steps -> fused.index_select, per layer
         self._xq: torch.Tensor | None = None  # _xq_buf
-        self._graph = None
-        self._graph_logits: torch.Tensor | None = None
-        self._graph_scratch = -1  # the extension's scratch generation the graph was captured under
+        # decode graphs per step kind (comp_defer.step_kind): kind -> (graph, its logits, the extension's scratch
+        # generation it was captured under)
+        self._graphs: dict[tuple, tuple] = {}
         # torch.compile fuses the elementwise chains of the decode step (Sinkhorn, roundings, RoPE)
         # into a few kernels each; DS4_GPU_COMPILE=0 turns it off, and any compile error does too.
         self._compile = self.device.type == "cuda" and os.environ.get("DS4_GPU_COMPILE", "1") != "0"
@@ -232,6 +234,8 @@ class Session(Timeline):
         for st in self.layers:
             for k, t in st.items():
                 t.fill_(-math.inf if k.endswith("score") else 0.0)
+        if getattr(self, "comp_ring", None) is not None:
+            self.comp_ring.synced(0)
 
     # ---- timeline (Timeline: tokens, pos, common_prefix, sync) -----------------------------------
     @property
@@ -285,6 +289,8 @@ class Session(Timeline):
     def _run_chunk(self, tokens: list[int], all_logits: bool) -> torch.Tensor:
         try:
             with torch.no_grad():
+                if self.comp_ring is not None:  # the chunk reads the frontiers: the decode steps' pending rows first
+                    self.comp_ring.flush(self, self.pos)
                 out = self._chunk(torch.tensor(tokens, dtype=torch.long, device=self.device), self.pos, all_logits)
         except BaseException:
             self.invalidate()
@@ -292,6 +298,8 @@ class Session(Timeline):
         finally:
             self.W.clear_splits()  # the chunk's activation splits: not held into decode
         self._tokens.extend(tokens)
+        if self.comp_ring is not None:
+            self.comp_ring.synced(self.pos)
         self._logits = out[-1].clone()
         return out
 
@@ -309,16 +317,17 @@ class Session(Timeline):
         next step (self._argmax_feed); fill_pos=False: self._pos already holds self.pos (greedy: the feed put it)."""
         if fill_pos:
             self._pos.fill_(self.pos)
+        kind = comp_defer.step_kind(self.cfg, self.pos) if self.comp_ring is not None else ()
         try:
             with torch.no_grad():
                 if not self.graphs:
-                    self._logits = self._step(self._tok, self._pos)
+                    self._logits = self._step(self._tok, self._pos, kind)
                     self._argmax_feed(self._logits)
-                elif not self._graph_fresh():
-                    self._capture()
+                elif not self._graph_fresh(kind):
+                    self._capture(kind)
                 else:
-                    self._graph.replay()
-                    self._logits = self._graph_logits
+                    graph, self._logits, _ = self._graphs[kind]
+                    graph.replay()
         except BaseException:
             self.invalidate()
             raise
@@ -326,27 +335,27 @@ class Session(Timeline):
     def _scratch_generation(self) -> int:
         return self.W.ext.scratch_generation() if self.W.ext is not None else 0
 
-    def _graph_fresh(self) -> bool:
-        """Whether the decode graph may be replayed: it exists, and the extension's shared scratch (which a longer
-        prefill chunk or another session may have grown since, freeing the buffer the graph points into) is the one
-        it was captured with. A stale graph is captured again, from the same buffers, by the next step."""
-        return self._graph is not None and self._graph_scratch == self._scratch_generation()
+    def _graph_fresh(self, kind: tuple) -> bool:
+        """Whether the decode graph of this step kind may be replayed: it exists, and the extension's shared scratch
+        (which a longer prefill chunk or another session may have grown since, freeing the buffer the graph points
+        into) is the one it was captured with. A stale graph is captured again, from the same buffers, by the next
+        step of its kind."""
+        return kind in self._graphs and self._graphs[kind][2] == self._scratch_generation()
 
-    def _capture(self) -> None:
-        """Run the first decode eagerly (it is a real step), then capture the next one's graph."""
+    def _capture(self, kind: tuple) -> None:
+        """Run the first decode of a kind eagerly (it is a real step), then capture the next one's graph."""
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
-            logits = self._step(self._tok, self._pos)
+            logits = self._step(self._tok, self._pos, kind)
             self._argmax_feed(logits)
         torch.cuda.current_stream(self.device).wait_stream(s)
         self._logits = logits.clone()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = self._step(self._tok, self._pos)
+            out = self._step(self._tok, self._pos, kind)
             self._argmax_feed(out)
-        self._graph, self._graph_logits = g, out
-        self._graph_scratch = self._scratch_generation()
+        self._graphs[kind] = (g, out, self._scratch_generation())
 
     def _xq_buf(self, n: int) -> torch.Tensor:
         """The routed experts' pre-quantized x (one token of n columns), allocated once per session."""
@@ -397,6 +406,9 @@ class Session(Timeline):
         return s
 
     def snapshot(self) -> bytes:
+        if self.comp_ring is not None:  # the payload holds whole frontiers
+            with torch.no_grad():
+                self.comp_ring.flush(self, self.pos)
         s = self._cpu_session()
         n = self.pos
         s.state.n_tokens = n
@@ -436,6 +448,8 @@ class Session(Timeline):
                 st["idx_kv"].copy_(torch.from_numpy(ls.idx_kv))
                 st["idx_score"].copy_(torch.from_numpy(ls.idx_score))
         self._tokens = s.tokens
+        if self.comp_ring is not None:
+            self.comp_ring.synced(self.pos)
         self.logits = s.logits
 
     # ---- the forward pass ----------------------------------------------------------------------
@@ -448,8 +462,11 @@ class Session(Timeline):
             X = X[-1:]
         return self._head(X)
 
-    def _step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _step(self, tok: torch.Tensor, pos: torch.Tensor, kind: tuple = ()) -> torch.Tensor:
+        """kind: the compressor ratios that pool at this step (comp_defer.step_kind), with deferred products."""
         self._in_step = True
+        if self.comp_ring is not None:
+            self.comp_ring.kind = kind
         try:
             X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
             out = self._head(X, pending)[0]
@@ -732,9 +749,7 @@ class Session(Timeline):
         key_pos = pos - torch.remainder(pos - j, cap)
         keys, mask = st["raw"], key_pos >= 0
         if r:
-            self._compress_step(li, a, pos, indexer=False)
-            if r == 4:
-                self._compress_step(li, a, pos, indexer=True)
+            self._compress_steps(li, a, pos)
             n_vis = (pos + 1) // r
             comp = st["comp"]
             ids = torch.arange(comp.shape[0], device=self.device)
@@ -750,11 +765,28 @@ class Session(Timeline):
             mask = torch.cat([mask, ids < n_vis])
         return self._attend(li, q, keys[None], mask[None], cos, sin)
 
-    def _compress_step(self, li, a, pos, indexer: bool) -> None:
+    def _compress_steps(self, li, a, pos) -> None:
+        """This decode step's compressor work in layer li: each compressor's store (and pooling), or with comp_ring
+        the input into the ring and, on a window's last step, the products of all its rows before the pooling."""
+        jobs, ring = (False, True) if self.cfg.ratio(li) == 4 else (False,), self.comp_ring
+        if ring is None:
+            for indexer in jobs:
+                self._compress_step(li, a, pos, indexer)
+            return
+        ring.store(li, a, pos)
+        if not ring.pools(li):
+            return
+        for indexer, (r, kv, sc, s_kv, s_sc) in zip(jobs, comp_defer.comp_products(self, li, ring.rows[li])):
+            ring.fill(li, r, kv, sc, s_kv, s_sc, upto=r - 1)
+            self._compress_step(li, a, pos, indexer, inputs=(kv[-1:], sc[-1:]))
+        ring.pooled(li)
+
+    def _compress_step(self, li, a, pos, indexer: bool, inputs=None) -> None:
+        """inputs: this token's (kv, score with its APE row) when already computed."""
         st, r = self.layers[li], self.cfg.ratio(li)
         if indexer:
             r = 4
-        kv, sc = self._comp_inputs(li, a, pos, indexer)
+        kv, sc = self._comp_inputs(li, a, pos, indexer) if inputs is None else inputs
         s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
             (st["comp_kv"], st["comp_score"], st["comp"])
         width = kv.shape[1]

@@ -1,0 +1,109 @@
+"""Decode's compressor products deferred to the last token of their window ($DS4_GPU_COMP_DEFER, default 1; 0 off).
+
+Why: a compressor's kv and score products (F16: with the indexer's, ~21 MB per ratio-4 layer of Flash, ~8 MB per
+ratio-128 layer) only fill the frontier on all but the last step of a window; nothing reads those slots before that
+step pools them. Computed one token at a time they stream the same weights r times per window, and in a ratio-4 layer
+the attention's chain waits for them (q_b -> compressor products -> compress step -> index keys -> top-k). Here a
+decode step only copies its normalized input `a` into a ring of r rows per compressed layer. On the step that ends a
+window one product over the ring's rows (each weight read once) fills the window's frontier slots, and the usual
+compress step pools. Nothing else reads the frontier during decode, so each step computes what it did before, with
+the products' rows in other launches (the same values to float32 rounding, not the same bits).
+
+What decides the work is whether the step's position ends a window of ratio r, which the host knows, so the decode
+graph is captured once per step kind (`step_kind`: the ratios that pool at that position).
+
+The frontier stays the session's state for everything outside decode (prefill chunks, snapshots): `flush` writes
+the ring's pending rows into it first, and `synced` marks a frontier complete again (after a prefill chunk or a
+restore). Per layer, `valid` holds the first phase of the current window that lives in the ring (the earlier phases
+came from a prefill chunk or a restore and are already in the frontier).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEFER = os.environ.get("DS4_GPU_COMP_DEFER", "1") != "0"
+
+
+def ratios(cfg) -> tuple[int, ...]:
+    return tuple(sorted({cfg.ratio(li) for li in range(cfg.n_layer)} - {0}))
+
+
+def step_kind(cfg, pos: int) -> tuple[int, ...]:
+    """The compressor ratios whose windows end at position pos: their compressors pool at that decode step."""
+    return tuple(r for r in ratios(cfg) if (pos + 1) % r == 0)
+
+
+def slot0(r: int) -> int:
+    """The frontier slot of a window's phase 0 (ratio 4 keeps the previous window in slots 0-3)."""
+    return 4 if r == 4 else 0
+
+
+class CompRing:
+    """The normalized inputs of the current window's decode steps, per compressed layer, and the kind of the step
+    being built (`kind`, set by the session around each decode step)."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.kind: tuple[int, ...] = ()
+        self.rows = {li: torch.zeros((cfg.ratio(li), cfg.n_embd), dtype=torch.float32, device=device)
+                     for li in range(cfg.n_layer) if cfg.ratio(li)}
+        self.valid = {li: torch.zeros(1, dtype=torch.long, device=device) for li in self.rows}
+        self.phase = {r: torch.arange(r, device=device) for r in ratios(cfg)}
+
+    def pools(self, li: int) -> bool:
+        return self.cfg.ratio(li) in self.kind
+
+    def store(self, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
+        """This step's input a [1, n_embd] into its phase's row (pos [1]: the step's position on the device)."""
+        self.rows[li].index_copy_(0, torch.remainder(pos, self.cfg.ratio(li)), a)
+
+    def fill(self, li: int, r: int, kv: torch.Tensor, sc: torch.Tensor, s_kv: torch.Tensor, s_sc: torch.Tensor,
+             upto: int) -> None:
+        """Frontier slots of the ring's phases [valid, upto) <- kv, sc [r, width] (the products of all r rows; sc
+        with its APE row added), one compressor's; the other slots keep their values."""
+        keep = (self.phase[r] < self.valid[li]) | (self.phase[r] >= upto)
+        lo = slot0(r)
+        for dst, src in ((s_kv, kv), (s_sc, sc)):
+            part = dst[lo:lo + r]
+            part.copy_(torch.where(keep[:, None], part, src))
+
+    def pooled(self, li: int) -> None:
+        """After the window's compress step: its next window starts empty in the ring."""
+        self.valid[li].zero_()
+
+    def synced(self, pos: int) -> None:
+        """The frontiers hold every token before pos (a prefill chunk, a restore, a flush): the ring starts over at
+        pos's phase."""
+        for li, v in self.valid.items():
+            v.fill_(pos % self.cfg.ratio(li))
+
+    def flush(self, sess, pos: int) -> None:
+        """Write the pending rows (phases [valid, pos % r) of the window holding pos) into the frontiers, so the
+        frontier is the session's whole state again, then `synced(pos)`."""
+        for li in self.rows:
+            r = self.cfg.ratio(li)
+            if pos % r:
+                for job in comp_products(sess, li, self.rows[li]):
+                    self.fill(li, *job, upto=pos % r)
+        self.synced(pos)
+
+
+def comp_products(sess, li: int, x: torch.Tensor) -> list[tuple]:
+    """Layer li's compressor products of the rows x [r, n_embd] (phase i in row i): (r, kv, score + APE, frontier kv,
+    frontier score) per compressor, the indexer's second in a ratio-4 layer."""
+    from ds4.gguf_tools import constants as C
+
+    L = C.LayerTensor
+    W, st, r = sess.W, sess.layers[li], sess.cfg.ratio(li)
+    out = []
+    for indexer in ((False, True) if r == 4 else (False,)):
+        kv_n, gate_n, ape_n = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE) if indexer else \
+            (L.COMP_KV, L.COMP_GATE, L.COMP_APE)
+        kv = W.mm(C.blk(li, kv_n), x)
+        sc = W.mm(C.blk(li, gate_n), x) + W.vec(C.blk(li, ape_n))[:x.shape[0]]
+        s_kv, s_sc = (st["idx_kv"], st["idx_score"]) if indexer else (st["comp_kv"], st["comp_score"])
+        out.append((4 if indexer else r, kv, sc, s_kv, s_sc))
+    return out
