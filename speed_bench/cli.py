@@ -217,9 +217,11 @@ def cmd_run(argv: list[str]) -> int:
         # The session itself past the sliding window and a ratio-128 compression boundary, in chunks and token by
         # token, so every kernel is compiled (and the CUDA engine's decode graph captured) before the first timed row;
         # then its timeline is dropped. A second session would hold a second copy of the weights: Flash q2 is 81 GiB.
+        # The CUDA engine captures a decode graph per step kind (which compressors pool): warm_steps meets them all.
         n = min(args.ctx_start, 300, len(tokens) - 1)
         logits = session.sync(tokens[:n])
-        for _ in range(2):
+        steps = max(2, getattr(session, "warm_steps", lambda: 2)())
+        for _ in range(min(steps, session.ctx - n - 1)):
             logits = session.decode(int(np.argmax(logits)))
         session.invalidate()
     from tqdm import tqdm

@@ -127,3 +127,12 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     assert len(a) == len(b) and np.array_equal(a[:52], b[:52])
     assert np.allclose(a[52:].view(np.float32), b[52:].view(np.float32), rtol=1e-3, atol=1e-4, equal_nan=True)
     assert deferred.greedy(10) == every.greedy(10)
+
+
+def test_warm_steps_meet_every_step_kind(tiny):
+    cfg = tiny.config
+    for pos in (0, 5, 127, 300):
+        n = comp_defer.steps_to_every_kind(cfg, pos)
+        kinds = {comp_defer.step_kind(cfg, p) for p in range(pos, pos + n)}
+        assert kinds == {(), (4,), (4, 128)}
+        assert comp_defer.step_kind(cfg, pos + n - 1) not in {comp_defer.step_kind(cfg, p) for p in range(pos, pos + n - 1)}

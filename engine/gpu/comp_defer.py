@@ -25,6 +25,7 @@ import os
 import torch
 
 DEFER = os.environ.get("DS4_GPU_COMP_DEFER", "1") != "0"
+F16 = 1  # the extension's qtype of float16 matrices
 
 
 def ratios(cfg) -> tuple[int, ...]:
@@ -52,6 +53,7 @@ class CompRing:
                      for li in range(cfg.n_layer) if cfg.ratio(li)}
         self.valid = {li: torch.zeros(1, dtype=torch.long, device=device) for li in self.rows}
         self.phase = {r: torch.arange(r, device=device) for r in ratios(cfg)}
+        self.dirty = False  # decode steps since the frontiers were last whole (host side: graph replays run no Python)
 
     def pools(self, li: int) -> bool:
         return self.cfg.ratio(li) in self.kind
@@ -79,11 +81,12 @@ class CompRing:
         pos's phase."""
         for li, v in self.valid.items():
             v.fill_(pos % self.cfg.ratio(li))
+        self.dirty = False
 
     def flush(self, sess, pos: int) -> None:
         """Write the pending rows (phases [valid, pos % r) of the window holding pos) into the frontiers, so the
         frontier is the session's whole state again, then `synced(pos)`."""
-        for li in self.rows:
+        for li in self.rows if self.dirty else ():
             r = self.cfg.ratio(li)
             if pos % r:
                 for job in comp_products(sess, li, self.rows[li]):
@@ -91,19 +94,65 @@ class CompRing:
         self.synced(pos)
 
 
-def comp_products(sess, li: int, x: torch.Tensor) -> list[tuple]:
-    """Layer li's compressor products of the rows x [r, n_embd] (phase i in row i): (r, kv, score + APE, frontier kv,
-    frontier score) per compressor, the indexer's second in a ratio-4 layer."""
+def _names(li: int, indexer: bool) -> tuple:
     from ds4.gguf_tools import constants as C
 
     L = C.LayerTensor
+    names = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE) if indexer else (L.COMP_KV, L.COMP_GATE, L.COMP_APE)
+    return tuple(C.blk(li, n) for n in names)
+
+
+def takes(sess) -> bool:
+    """Whether the session's compressor matrices (and indexer heads) allow deferred products: torch tensors, or float16
+    matrices, whose batched matvec needs no scratch of the extension (a decode graph must not point into the prefill
+    scratch, which a longer chunk reallocates)."""
+    from ds4.gguf_tools import constants as C
+
+    cfg, W = sess.cfg, sess.W
+    for li in range(cfg.n_layer):
+        r = cfg.ratio(li)
+        names = [n for ix in ((False, True) if r == 4 else (False,)) for n in _names(li, ix)[:2]]
+        names += [C.blk(li, C.LayerTensor.IDX_PROJ)] if r == 4 else []
+        if r and not all(isinstance(w, torch.Tensor) or w.qtype == F16 for w in map(W.mat, names)):
+            return False
+    return True
+
+
+def products(W, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
+    """[W_n x] for the rows of x (a ring): on CUDA float16 matrices of one width in batched matvec launches of up to 8
+    rows (no scratch; the same kernel for every row count), elsewhere W.mm."""
+    ws = [W.mat(n) for n in names]
+    if W.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1:
+        return [W.mm(n, x) for n in names]
+    x = x.contiguous()
+    ys = [torch.empty((x.shape[0], w.nrows), dtype=torch.float32, device=x.device) for w in ws]
+    W._sync_stream()
+    for i in range(0, x.shape[0], 8):
+        W.ext.matvec_shared(ws, W._arr(x[i:i + 8]), [W._arr(y[i:i + 8]) for y in ys])
+    return ys
+
+
+def comp_products(sess, li: int, x: torch.Tensor) -> list[tuple]:
+    """Layer li's compressor products of the rows x [r, n_embd] (phase i in row i): (r, kv, score + APE, frontier kv,
+    frontier score) per compressor, the indexer's second in a ratio-4 layer."""
     W, st, r = sess.W, sess.layers[li], sess.cfg.ratio(li)
     out = []
     for indexer in ((False, True) if r == 4 else (False,)):
-        kv_n, gate_n, ape_n = (L.IDX_COMP_KV, L.IDX_COMP_GATE, L.IDX_COMP_APE) if indexer else \
-            (L.COMP_KV, L.COMP_GATE, L.COMP_APE)
-        kv = W.mm(C.blk(li, kv_n), x)
-        sc = W.mm(C.blk(li, gate_n), x) + W.vec(C.blk(li, ape_n))[:x.shape[0]]
+        kv_n, gate_n, ape_n = _names(li, indexer)
+        kv, sc = products(W, [kv_n, gate_n], x)
+        sc = sc + W.vec(ape_n)[:x.shape[0]]
         s_kv, s_sc = (st["idx_kv"], st["idx_score"]) if indexer else (st["comp_kv"], st["comp_score"])
         out.append((4 if indexer else r, kv, sc, s_kv, s_sc))
     return out
+
+
+def steps_to_every_kind(cfg, pos: int) -> int:
+    """Decode steps from position pos until every step kind has run once (each kind's decode graph captured): the
+    bench's warm-up, so no capture lands in a timed row."""
+    period = max(ratios(cfg), default=1)  # every ratio divides the largest (4 and 128)
+    every = {step_kind(cfg, p) for p in range(period)}
+    seen, n = set(), 0
+    while seen != every:
+        seen.add(step_kind(cfg, pos + n))
+        n += 1
+    return n

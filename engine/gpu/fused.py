@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import torch
 
-from . import ops, weights
+from . import comp_defer, ops, weights
 
 F32 = torch.float32
 # hc_pre: tokens from which the mix is one float32 GEMM (TF32 stays off, torch's default)
@@ -588,8 +589,9 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
                 sess._idx_proj[li] = W.mm(proj, a)
             return
         x = ring.rows[li]  # [r, n_embd]: this step's a is the last row
-    outs = W.mm_many(mats + [proj] * with_proj, x) if one else \
-        [y for i in range(0, len(mats), 2) for y in W.mm_many(mats[i:i + 2], x)]
+    many = W.mm_many if ring is None else partial(comp_defer.products, W)  # a ring's rows: batched, no scratch
+    outs = many(mats + [proj] * with_proj, x) if one else \
+        [y for i in range(0, len(mats), 2) for y in many(mats[i:i + 2], x)]
     if with_proj:
         sess._idx_proj[li] = outs[-1][-1:]  # taken by index_select after the side branch joins
     if early_proj:

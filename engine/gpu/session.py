@@ -109,7 +109,7 @@ class Session(Timeline):
         self.raw_cap = self.raw_window
         self._alloc_state()
         # decode's compressor products deferred to each window's last step (comp_defer); None: every step
-        self.comp_ring = comp_defer.CompRing(cfg, self.device) if comp_defer.DEFER else None
+        self.comp_ring = comp_defer.CompRing(cfg, self.device) if comp_defer.DEFER and comp_defer.takes(self) else None
         self._tokens: list[int] = []
         self._logits: torch.Tensor | None = None
         self._tok = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -328,6 +328,8 @@ class Session(Timeline):
                 else:
                     graph, self._logits, _ = self._graphs[kind]
                     graph.replay()
+            if self.comp_ring is not None:
+                self.comp_ring.dirty = True  # rows may be pending in the ring (flush)
         except BaseException:
             self.invalidate()
             raise
@@ -374,6 +376,10 @@ class Session(Timeline):
                                                      -math.inf, x)).view(1))
             self._pos += 1
             self._hist.index_copy_(0, self._pos.clamp(0, self._hist.numel() - 1), self._tok)
+
+    def warm_steps(self) -> int:
+        """Decode steps from here that run every decode graph this session captures (one per step kind)."""
+        return comp_defer.steps_to_every_kind(self.cfg, self.pos) if self.comp_ring is not None else 1
 
     def greedy(self, n: int, banned: int | None = None) -> list[int]:
         """Decode n tokens greedily from the current logits; argmax stays on the device. banned: a token id never
