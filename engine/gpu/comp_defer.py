@@ -20,6 +20,7 @@ came from a prefill chunk or a restore and are already in the frontier).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -156,3 +157,54 @@ def steps_to_every_kind(cfg, pos: int) -> int:
         seen.add(step_kind(cfg, pos + n))
         n += 1
     return n
+
+
+def torch_compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
+    """The torch form of decode's compressor steps in layer li (fused.compress_steps is the kernels'): each
+    compressor's store (and pooling), or with the session's ring the input into it and, on a window's last step,
+    the products of all its rows before the pooling."""
+    jobs, ring = (False, True) if sess.cfg.ratio(li) == 4 else (False,), sess.comp_ring
+    if ring is None:
+        for indexer in jobs:
+            torch_compress_step(sess, li, a, pos, indexer)
+        return
+    ring.store(li, a, pos)
+    if not ring.pools(li):
+        return
+    for indexer, (r, kv, sc, s_kv, s_sc) in zip(jobs, comp_products(sess, li, ring.rows[li])):
+        ring.fill(li, r, kv, sc, s_kv, s_sc, upto=r - 1)
+        torch_compress_step(sess, li, a, pos, indexer, inputs=(kv[-1:], sc[-1:]))
+    ring.pooled(li)
+
+
+def torch_compress_step(sess, li: int, a: torch.Tensor, pos: torch.Tensor, indexer: bool, inputs=None) -> None:
+    """inputs: this token's (kv, score with its APE row) when already computed."""
+    st, r = sess.layers[li], sess.cfg.ratio(li)
+    if indexer:
+        r = 4
+    kv, sc = sess._comp_inputs(li, a, pos, indexer) if inputs is None else inputs
+    s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
+        (st["comp_kv"], st["comp_score"], st["comp"])
+    width = kv.shape[1]
+    d = width // 2 if r == 4 else width
+    slot = (r + pos % r) if r == 4 else pos % r
+    s_kv.index_copy_(0, slot, kv)
+    s_sc.index_copy_(0, slot, sc)
+    emit = (pos + 1) % r == 0  # [1]
+    if r == 4:
+        cand_kv = torch.cat([s_kv[:4, :d], s_kv[4:, d:]])
+        cand_sc = torch.cat([s_sc[:4, :d], s_sc[4:, d:]])
+    else:
+        cand_kv, cand_sc = s_kv, s_sc
+    pooled = (cand_kv * torch.softmax(cand_sc, dim=0)).sum(dim=0, keepdim=True)
+    i = (pos + 1) // r - 1
+    row = sess._finish_rows(li, torch.nan_to_num(pooled), torch.clamp(i, min=0) * r, indexer)
+    dummy = rows.shape[0] - 1
+    rows.index_copy_(0, torch.where(emit, i, torch.full_like(i, dummy)), torch.where(emit[:, None], row, 0.0))
+    if r == 4:
+        new_kv = torch.cat([s_kv[4:], torch.zeros_like(s_kv[4:])])
+        new_sc = torch.cat([s_sc[4:], torch.full_like(s_sc[4:], -math.inf)])
+    else:
+        new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
+    s_kv.copy_(torch.where(emit, new_kv, s_kv))
+    s_sc.copy_(torch.where(emit, new_sc, s_sc))

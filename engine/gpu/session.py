@@ -755,7 +755,7 @@ class Session(Timeline):
         key_pos = pos - torch.remainder(pos - j, cap)
         keys, mask = st["raw"], key_pos >= 0
         if r:
-            self._compress_steps(li, a, pos)
+            comp_defer.torch_compress_steps(self, li, a, pos)
             n_vis = (pos + 1) // r
             comp = st["comp"]
             ids = torch.arange(comp.shape[0], device=self.device)
@@ -770,51 +770,3 @@ class Session(Timeline):
             keys = torch.cat([keys, comp])
             mask = torch.cat([mask, ids < n_vis])
         return self._attend(li, q, keys[None], mask[None], cos, sin)
-
-    def _compress_steps(self, li, a, pos) -> None:
-        """This decode step's compressor work in layer li: each compressor's store (and pooling), or with comp_ring
-        the input into the ring and, on a window's last step, the products of all its rows before the pooling."""
-        jobs, ring = (False, True) if self.cfg.ratio(li) == 4 else (False,), self.comp_ring
-        if ring is None:
-            for indexer in jobs:
-                self._compress_step(li, a, pos, indexer)
-            return
-        ring.store(li, a, pos)
-        if not ring.pools(li):
-            return
-        for indexer, (r, kv, sc, s_kv, s_sc) in zip(jobs, comp_defer.comp_products(self, li, ring.rows[li])):
-            ring.fill(li, r, kv, sc, s_kv, s_sc, upto=r - 1)
-            self._compress_step(li, a, pos, indexer, inputs=(kv[-1:], sc[-1:]))
-        ring.pooled(li)
-
-    def _compress_step(self, li, a, pos, indexer: bool, inputs=None) -> None:
-        """inputs: this token's (kv, score with its APE row) when already computed."""
-        st, r = self.layers[li], self.cfg.ratio(li)
-        if indexer:
-            r = 4
-        kv, sc = self._comp_inputs(li, a, pos, indexer) if inputs is None else inputs
-        s_kv, s_sc, rows = (st["idx_kv"], st["idx_score"], st["idx"]) if indexer else \
-            (st["comp_kv"], st["comp_score"], st["comp"])
-        width = kv.shape[1]
-        d = width // 2 if r == 4 else width
-        slot = (r + pos % r) if r == 4 else pos % r
-        s_kv.index_copy_(0, slot, kv)
-        s_sc.index_copy_(0, slot, sc)
-        emit = (pos + 1) % r == 0  # [1]
-        if r == 4:
-            cand_kv = torch.cat([s_kv[:4, :d], s_kv[4:, d:]])
-            cand_sc = torch.cat([s_sc[:4, :d], s_sc[4:, d:]])
-        else:
-            cand_kv, cand_sc = s_kv, s_sc
-        pooled = (cand_kv * torch.softmax(cand_sc, dim=0)).sum(dim=0, keepdim=True)
-        i = (pos + 1) // r - 1
-        row = self._finish_rows(li, torch.nan_to_num(pooled), torch.clamp(i, min=0) * r, indexer)
-        dummy = rows.shape[0] - 1
-        rows.index_copy_(0, torch.where(emit, i, torch.full_like(i, dummy)), torch.where(emit[:, None], row, 0.0))
-        if r == 4:
-            new_kv = torch.cat([s_kv[4:], torch.zeros_like(s_kv[4:])])
-            new_sc = torch.cat([s_sc[4:], torch.full_like(s_sc[4:], -math.inf)])
-        else:
-            new_kv, new_sc = torch.zeros_like(s_kv), torch.full_like(s_sc, -math.inf)
-        s_kv.copy_(torch.where(emit, new_kv, s_kv))
-        s_sc.copy_(torch.where(emit, new_sc, s_sc))
