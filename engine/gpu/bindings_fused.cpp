@@ -256,7 +256,7 @@ void bind_fused_ops(py::module_& m) {
     CompressJob j[2];
     for (size_t i = 0; i < jobs.size(); ++i) {
       const py::tuple& t = jobs[i];
-      if (t.size() != 15) throw std::invalid_argument("compress_step: a job has 15 fields");
+      if (t.size() != 15 && t.size() != 18) throw std::invalid_argument("compress_step: a job has 15 or 18 fields");
       j[i].kv = ptr<const float>(t[0].cast<uintptr_t>());
       j[i].sc = ptr<const float>(t[1].cast<uintptr_t>());
       j[i].ape = ptr<const float>(t[2].cast<uintptr_t>());
@@ -267,10 +267,18 @@ void bind_fused_ops(py::module_& m) {
       j[i].width = t[7].cast<int>();
       j[i].o = row_post_args(true, t[8].cast<uintptr_t>(), t[9].cast<float>(), t[10].cast<uintptr_t>(),
                              t[11].cast<int>(), false, t[12].cast<int>(), t[13].cast<bool>(), t[14].cast<float>());
+      if (t.size() == 18) {
+        j[i].ring_kv = ptr<const float>(t[15].cast<uintptr_t>());
+        j[i].ring_sc = ptr<const float>(t[16].cast<uintptr_t>());
+        j[i].start = ptr<const int64_t>(t[17].cast<uintptr_t>());
+      }
     }
     launch_compress_step(j[0], jobs.size() > 1 ? &j[1] : nullptr, ptr<const int64_t>(pos), stream());
-  }, "jobs: (kv, sc, ape, s_kv, s_sc, rows, r, width, norm_w, eps, freq, rope_dim, fp8_nope, qat, had_scale) each; "
-     "a second job runs beside the first in the same launch", py::arg("pos"), py::arg("jobs"));
+  }, "jobs: (kv, sc, ape, s_kv, s_sc, rows, r, width, norm_w, eps, freq, rope_dim, fp8_nope, qat, had_scale"
+     "[, ring_kv, ring_sc, start]) each; a second job runs beside the first in the same launch. ring_*: the window's "
+     "deferred products for its positions from *start (comp_defer.py; compress_ring_takes)", py::arg("pos"),
+     py::arg("jobs"));
+  m.def("compress_ring_takes", &compress_ring_takes, py::arg("r"));
   m.def("attn_chunks", &attn_chunks);
   m.def("set_attn_tiles", &set_attn_tiles, py::arg("mode"),
         "decode attention's partial blocks in register tiles (the same bits): 1 on, 0 off, -1 back to $DS4_GPU_ATTN_TILES");

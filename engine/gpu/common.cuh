@@ -375,9 +375,16 @@ struct CompressJob {
   float* rows = nullptr;
   int r = 0, width = 0;
   RowPost o;
+  // comp_defer.py, ratio 4 with $DS4_GPU_PREWAIT only: the window's deferred products [4, width] (phase i in row i;
+  // ring_sc without its APE) for the window's positions at or after *start; null: every slot from the frontier.
+  const float* ring_kv = nullptr;
+  const float* ring_sc = nullptr;
+  const int64_t* start = nullptr;
 };
-// b (optional): a second compressor's step in the same launch (block 1).
+// b (optional): a second compressor's step in the same launch (block 1). Jobs with ring_kv need prewait_mode() >= 1
+// and r == 4 (compress_ring_takes).
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s);
+bool compress_ring_takes(int r);
 int attn_chunks(int n_keys);
 void set_attn_tiles(int mode);  // decode attention partials in register tiles: 0, 1, or -1 ($DS4_GPU_ATTN_TILES)
 // Prefill attention of T queries in one launch (attn_prefill.cu): query t (position pos0 + t) reads rows t .. t + Wn - 1

@@ -14,8 +14,9 @@ graph is captured once per step kind (`step_kind`: the ratios that pool at that 
 
 The frontier stays the session's state for everything outside decode (prefill chunks, snapshots): `flush` writes
 the ring's pending rows into it first, and `synced` marks a frontier complete again (after a prefill chunk or a
-restore). Per layer, `valid` holds the first phase of the current window that lives in the ring (the earlier phases
-came from a prefill chunk or a restore and are already in the frontier).
+restore). `start` holds the first position whose input lives in the rings (the positions before it came from a
+prefill chunk or a restore, and their products are already in the frontiers): one device scalar for every layer, so
+no step has to reset it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import os
 
 import torch
 
-DEFER = os.environ.get("DS4_GPU_COMP_DEFER", "1") != "0"
+# 0: products every step; 1: deferred, the window's slots written by torch ops before the compress step; 2 (default):
+# deferred, and in ratio-4 layers the compress step kernel reads the window's products itself (one launch, no fill)
+MODE = os.environ.get("DS4_GPU_COMP_DEFER", "2").strip() or "2"
+if MODE not in ("0", "1", "2"):
+    raise ValueError(f"DS4_GPU_COMP_DEFER must be 0, 1 or 2, got {MODE!r}")
+DEFER = MODE != "0"
+KERNEL_FILL = MODE == "2"
 F16 = 1  # the extension's qtype of float16 matrices
 
 
@@ -52,7 +59,7 @@ class CompRing:
         self.kind: tuple[int, ...] = ()
         self.rows = {li: torch.zeros((cfg.ratio(li), cfg.n_embd), dtype=torch.float32, device=device)
                      for li in range(cfg.n_layer) if cfg.ratio(li)}
-        self.valid = {li: torch.zeros(1, dtype=torch.long, device=device) for li in self.rows}
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.phase = {r: torch.arange(r, device=device) for r in ratios(cfg)}
         self.dirty = False  # decode steps since the frontiers were last whole (host side: graph replays run no Python)
 
@@ -63,35 +70,30 @@ class CompRing:
         """This step's input a [1, n_embd] into its phase's row (pos [1]: the step's position on the device)."""
         self.rows[li].index_copy_(0, torch.remainder(pos, self.cfg.ratio(li)), a)
 
-    def fill(self, li: int, r: int, kv: torch.Tensor, sc: torch.Tensor, s_kv: torch.Tensor, s_sc: torch.Tensor,
-             upto: int) -> None:
-        """Frontier slots of the ring's phases [valid, upto) <- kv, sc [r, width] (the products of all r rows; sc
-        with its APE row added), one compressor's; the other slots keep their values."""
-        keep = (self.phase[r] < self.valid[li]) | (self.phase[r] >= upto)
+    def fill(self, r: int, kv: torch.Tensor, sc: torch.Tensor, s_kv: torch.Tensor, s_sc: torch.Tensor,
+             first, upto: int) -> None:
+        """Frontier slots of the window's phases [0, upto) whose positions (first + phase; first: the window's first
+        position, a device tensor [1] or an int) are at or after `start` <- kv, sc [r, width] (the products of the
+        ring's r rows; sc with its APE row added), one compressor's; the other slots keep their values."""
+        keep = (self.phase[r] + first < self.start) | (self.phase[r] >= upto)
         lo = slot0(r)
         for dst, src in ((s_kv, kv), (s_sc, sc)):
             part = dst[lo:lo + r]
             part.copy_(torch.where(keep[:, None], part, src))
 
-    def pooled(self, li: int) -> None:
-        """After the window's compress step: its next window starts empty in the ring."""
-        self.valid[li].zero_()
-
     def synced(self, pos: int) -> None:
-        """The frontiers hold every token before pos (a prefill chunk, a restore, a flush): the ring starts over at
-        pos's phase."""
-        for li, v in self.valid.items():
-            v.fill_(pos % self.cfg.ratio(li))
+        """The frontiers hold every token before pos (a prefill chunk, a restore, a flush): the rings start at pos."""
+        self.start.fill_(pos)
         self.dirty = False
 
     def flush(self, sess, pos: int) -> None:
-        """Write the pending rows (phases [valid, pos % r) of the window holding pos) into the frontiers, so the
-        frontier is the session's whole state again, then `synced(pos)`."""
+        """Write the pending rows (the positions from `start` to pos - 1 of the window holding pos) into the frontiers,
+        so the frontier is the session's whole state again, then `synced(pos)`."""
         for li in self.rows if self.dirty else ():
             r = self.cfg.ratio(li)
             if pos % r:
                 for job in comp_products(sess, li, self.rows[li]):
-                    self.fill(li, *job, upto=pos % r)
+                    self.fill(*job, first=pos - pos % r, upto=pos % r)
         self.synced(pos)
 
 
@@ -172,9 +174,8 @@ def torch_compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> N
     if not ring.pools(li):
         return
     for indexer, (r, kv, sc, s_kv, s_sc) in zip(jobs, comp_products(sess, li, ring.rows[li])):
-        ring.fill(li, r, kv, sc, s_kv, s_sc, upto=r - 1)
+        ring.fill(r, kv, sc, s_kv, s_sc, first=pos - (r - 1), upto=r - 1)
         torch_compress_step(sess, li, a, pos, indexer, inputs=(kv[-1:], sc[-1:]))
-    ring.pooled(li)
 
 
 def torch_compress_step(sess, li: int, a: torch.Tensor, pos: torch.Tensor, indexer: bool, inputs=None) -> None:

@@ -205,6 +205,13 @@ __device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* 
   float* s_kv = job.s_kv;
   float* s_sc = job.s_sc;
   pdl_wait();  // kv and sc are the previous kernel's
+  // deferred products (comp_defer.py): phases 0-2 of the window whose positions are at or after *start come from the
+  // ring's rows (the score plus its APE row, as the step that stored it would have written it); a bitmask of them
+  int from_ring = 0;
+  if (pool && job.ring_kv) {
+    const int64_t first = p - 3, st = *job.start;
+    for (int ph = 0; ph < 3; ++ph) from_ring |= (first + ph >= st) << ph;
+  }
   for (int j0 = tid; j0 < d; j0 += CJ * nt) {
     // [u][i]: column j0 + u nt; a: slots 0-7 of the first-half column j, b: slots 4-7 of the second-half column d + j
     float nk[CJ][2], ns[CJ][2], ak[CJ][8], as[CJ][8], bk[CJ][4], bs[CJ][4];
@@ -242,6 +249,17 @@ __device__ void compress_step_r4_prewait(const CompressJob& job, const int64_t* 
 #pragma unroll
       for (int i = 4; i < 8; ++i) {  // this token's slot (a runtime index: selects keep the arrays in registers)
         if (i == slot) ak[u][i] = nk[u][0], as[u][i] = ns[u][0], bk[u][i - 4] = nk[u][1], bs[u][i - 4] = ns[u][1];
+      }
+      if (from_ring) {
+#pragma unroll
+        for (int ph = 0; ph < 3; ++ph) {
+          if (!(from_ring >> ph & 1)) continue;
+          const int64_t o0 = (int64_t)ph * width;
+          ak[u][4 + ph] = job.ring_kv[o0 + j];
+          as[u][4 + ph] = job.ring_sc[o0 + j] + job.ape[o0 + j];
+          bk[u][ph] = job.ring_kv[o0 + d + j];
+          bs[u][ph] = job.ring_sc[o0 + d + j] + job.ape[o0 + d + j];
+        }
       }
       float sc8[8], kv8[8];
 #pragma unroll
@@ -532,11 +550,15 @@ static EnvSwitch prewait_switch{"DS4_GPU_PREWAIT", 2, 2};
 void set_prewait(int mode) { prewait_switch.set(mode); }
 int prewait_mode() { return prewait_switch.get(); }
 
+bool compress_ring_takes(int r) { return r == 4 && prewait_mode() >= 1; }
+
 void launch_compress_step(const CompressJob& a, const CompressJob* b, const int64_t* pos, cudaStream_t s) {
   int d = 0;
   for (const CompressJob* j : {&a, b}) {
     if (!j) continue;
     if (j->r < 1 || j->width < 1 || (j->r == 4 && j->width % 2)) throw std::invalid_argument("compress_step: bad shape");
+    if (j->ring_kv && (!j->ring_sc || !j->start || !compress_ring_takes(j->r)))
+      throw std::invalid_argument("compress_step: deferred products need ratio 4, PREWAIT and all three pointers");
     const int dj = j->r == 4 ? j->width / 2 : j->width;
     check_row_post(j->o, dj);
     d = std::max(d, dj);

@@ -353,12 +353,13 @@ class Fused:
 
     # ---- decode attention pieces -----------------------------------------------------------------
     def compress_step(self, kv, sc, ape, s_kv, s_sc, rows, pos, r: int, norm_w, eps: float, freq, rope_dim: int,
-                      fp8_nope: int, qat: bool, also: dict | None = None) -> None:
+                      fp8_nope: int, qat: bool, also: dict | None = None, ring: tuple | None = None) -> None:
         """One compressor's decode step; also: a second compressor's arguments (these names, pos shared), run beside
-        it in the same launch."""
+        it in the same launch. ring: (kv [4, width], sc [4, width], start [1]) the window's deferred products, read
+        for the positions from start (comp_defer; ratio 4, where ext.compress_ring_takes)."""
         jobs, keep = [], []
         for job in ({"kv": kv, "sc": sc, "ape": ape, "s_kv": s_kv, "s_sc": s_sc, "rows": rows, "r": r, "norm_w": norm_w,
-                     "eps": eps, "freq": freq, "rope_dim": rope_dim, "fp8_nope": fp8_nope, "qat": qat},
+                     "eps": eps, "freq": freq, "rope_dim": rope_dim, "fp8_nope": fp8_nope, "qat": qat, "ring": ring},
                     *([also] if also else [])):
             width = job["kv"].shape[-1]
             d = width // 2 if job["r"] == 4 else width
@@ -366,7 +367,9 @@ class Fused:
             keep += [kv_c, sc_c]
             jobs.append((_p(kv_c), _p(sc_c), _p(job["ape"]), _p(job["s_kv"]), _p(job["s_sc"]), _p(job["rows"]),
                          int(job["r"]), int(width), _p(job["norm_w"]), float(job["eps"]), _p(job["freq"]),
-                         int(job["rope_dim"]), int(job["fp8_nope"]), bool(job["qat"]), float(1.0 / math.sqrt(d))))
+                         int(job["rope_dim"]), int(job["fp8_nope"]), bool(job["qat"]), float(1.0 / math.sqrt(d)),
+                         *(() if job.get("ring") is None else (_p(job["ring"][0]), _p(job["ring"][1]),
+                                                                _p(job["ring"][2])))))
         self._stream()
         self.ext.compress_step(_p(pos), jobs)
 
@@ -597,11 +600,17 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     if early_proj:
         # the indexer's head weights need only a: on this (side) branch they leave the indexer's chain
         sess._idx_proj[li] = W.mm(proj, a)
-    if ring is not None:  # the window's earlier steps into the frontier, then this step's rows as before
+    in_kernel = ring is not None and comp_defer.KERNEL_FILL and r == 4 and sess.W.ext.compress_ring_takes(4)
+    rings = [None] * len(jobs)
+    if in_kernel:  # the compress step reads the window's products (the earlier phases) itself
+        rings = [(outs[2 * j], outs[2 * j + 1], ring.start) for j in range(len(jobs))]
+        outs = [y[-1:] for y in outs]
+    elif ring is not None:  # the window's earlier steps into the frontier, then this step's rows as before
         for j, indexer in enumerate(jobs):
             s_kv, s_sc = (st["idx_kv"], st["idx_score"]) if indexer else (st["comp_kv"], st["comp_score"])
             sc = outs[2 * j + 1] + W.vec(C.blk(li, names_of[indexer][2]))
-            ring.fill(li, 4 if indexer else r, outs[2 * j], sc, s_kv, s_sc, upto=x.shape[0] - 1)
+            ring.fill(4 if indexer else r, outs[2 * j], sc, s_kv, s_sc, first=pos - (x.shape[0] - 1),
+                      upto=x.shape[0] - 1)
         outs = [y[-1:] for y in outs]
     steps = []
     for j, indexer in enumerate(jobs):
@@ -611,14 +620,12 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
         steps.append(dict(kv=outs[2 * j], sc=outs[2 * j + 1], ape=W.vec(C.blk(li, names[2])), s_kv=s_kv, s_sc=s_sc,
                           rows=rows, pos=pos, r=4 if indexer else r, norm_w=W.vec(C.blk(li, names[3])),
                           eps=cfg.rms_eps, freq=sess._freq[True], rope_dim=cfg.rope_dim,
-                          fp8_nope=0 if indexer else fp8, qat=bool(indexer and cfg.indexer_qat)))
+                          fp8_nope=0 if indexer else fp8, qat=bool(indexer and cfg.indexer_qat), ring=rings[j]))
     if COMPRESS_ONE and len(steps) == 2:  # both compressors of a ratio-4 layer in one launch, side by side
         K.compress_step(**steps[0], also={k: v for k, v in steps[1].items() if k != "pos"})
     else:
         for step in steps:
             K.compress_step(**step)
-    if ring is not None:
-        ring.pooled(li)
 
 
 def idx_merged(sess, li: int, part: str) -> bool:
