@@ -413,6 +413,19 @@ bool matvec_sliced(const std::shared_ptr<Tensor>& w, uintptr_t x, uintptr_t y_pa
   return launch_matvec_sliced(w->p, ptr<const float>(x), ptr<float>(y_parts), slices, stream(), true);
 }
 
+// ys[i] [B, rows_i] = ws[i] . x[b] for the B rows of x (matvec_stream.cu); false when it does not take them.
+bool matvec_rows(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, int B, const std::vector<uintptr_t>& ys) {
+  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_rows: one y per weight");
+  if (ws.size() > 5) return false;  // mv_stream.cuh MV_MAX_SEG
+  const Packed* ps[5];
+  float* yp[5];
+  for (size_t i = 0; i < ws.size(); ++i) {
+    ps[i] = &ws[i]->p;
+    yp[i] = ptr<float>(ys[i]);
+  }
+  return launch_matvec_rows(ps, yp, (int)ws.size(), ptr<const float>(x), B, stream(), true);
+}
+
 // yb = wb . (A's output) after ya[i] = wa[i] . x, in one launch (matvec_chain.cu); false when it does not take them.
 bool matvec_chain(const std::vector<std::shared_ptr<Tensor>>& wa, uintptr_t x, const std::vector<uintptr_t>& ya,
                   int groups_a, const std::shared_ptr<Tensor>& wb, uintptr_t yb, bool swiglu, float clamp) {
@@ -660,6 +673,10 @@ PYBIND11_MODULE(_ext, m) {
   m.def("matvec_sliced", &matvec_sliced, py::arg("w"), py::arg("x"), py::arg("y_parts"), py::arg("slices"),
         "y_parts[s, r] = w[r, s K/S:(s+1) K/S] . x[s K/S:(s+1) K/S] (Q8_0, batch 1, device pointers, S = 2..4, K/S a "
         "multiple of 512); the parts sum to w . x. False when the kernel does not take the shape.");
+  m.def("matvec_rows", &matvec_rows, py::arg("ws"), py::arg("x"), py::arg("B"), py::arg("ys"),
+        "ys[i][b, r] = ws[i][r] . x[b] for the B rows of x [B, ncols] (device pointers; up to 5 matrices of one type and "
+        "width, F16 or Q8_0): the batch-1 streaming kernel's bits, each weight tile read by the B vectors at once. False "
+        "(nothing launched) when the streaming kernel does not take them.");
   m.def("set_mv_chain_form", &set_mv_chain_form, py::arg("form"),
         "matvec_chain's kernel: 2 the bulk-copy chain (matvec_tma.cu) where it takes the shapes, else 1 the register "
         "form; -1: as $DS4_GPU_MV_CHAIN says (2, else 1).");

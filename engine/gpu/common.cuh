@@ -263,6 +263,9 @@ void set_mv_chain_form(int form);  // matvec_chain.cu: 1 register form, 2 bulk-c
 float read_stream_ms(const void* src, size_t nbytes, int iters, unsigned* sink, cudaStream_t stream);
 // matvec_stream.cu: a Q8_0 matvec in S column slices, y_parts[s * rows + r] (v18, DS4_GPU_OB_SLICES).
 bool launch_matvec_sliced(const Packed& w, const float* x, float* y_parts, int S, cudaStream_t stream, bool pdl);
+// matvec_stream.cu: ys[i][b, r] = ws[i][r] . x[b] for B rows of x, the batch-1 kernel's bits (comp_defer's windows).
+bool launch_matvec_rows(const Packed* const* ws, float* const* ys, int nw, const float* x, int B, cudaStream_t stream,
+                        bool pdl);
 bool launch_matvec_chain(const Packed* const* wa, float* const* ya, int na, int groups_a, const float* x,
                          const Packed& wb, float* yb, int x_op_b, float clamp, cudaStream_t stream);
 // moe.cu: routed experts for `tokens` tokens with k experts each (ids/weights [tokens, k] on device).

@@ -122,16 +122,19 @@ def takes(sess) -> bool:
 
 
 def products(W, names: list[str], x: torch.Tensor) -> list[torch.Tensor]:
-    """[W_n x] for the rows of x (a ring): on CUDA float16 matrices of one width in batched matvec launches of up to 8
-    rows (no scratch; the same kernel for every row count), elsewhere W.mm."""
+    """[W_n x] for the rows of x (a ring). On CUDA, matrices of one width: one launch of the batch-1 streaming kernel
+    with a group per row (ext.matvec_rows: each row's sums are the every-step launch's bits, each weight tile read by
+    the rows at once), else float16 ones in batched matvec launches of up to 8 rows; neither takes extension scratch.
+    Elsewhere W.mm."""
     ws = [W.mat(n) for n in names]
     if W.ext is None or any(isinstance(w, torch.Tensor) for w in ws) or len({w.ncols for w in ws}) != 1:
         return [W.mm(n, x) for n in names]
     x = x.contiguous()
     ys = [torch.empty((x.shape[0], w.nrows), dtype=torch.float32, device=x.device) for w in ws]
     W._sync_stream()
-    for i in range(0, x.shape[0], 8):
-        W.ext.matvec_shared(ws, W._arr(x[i:i + 8]), [W._arr(y[i:i + 8]) for y in ys])
+    if not W.ext.matvec_rows(ws, x.data_ptr(), x.shape[0], [y.data_ptr() for y in ys]):
+        for i in range(0, x.shape[0], 8):
+            W.ext.matvec_shared(ws, W._arr(x[i:i + 8]), [W._arr(y[i:i + 8]) for y in ys])
     return ys
 
 

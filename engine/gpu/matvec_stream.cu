@@ -198,6 +198,26 @@ bool launch_matvec_stream(const Packed* const* ws, float* const* ys, int nw, con
   return true;
 }
 
+// ys[i][b * rows_i + r] = W_i[r] . x[b] for B vectors of x (rows of one [B, K] block): the batch-1 streaming launch with
+// one group per vector over the same weights (the groups' weight offsets 0). Why: comp_defer.py's window of ring rows
+// (4 in ratio-4 layers, 128 in ratio-128 ones) through the compressors; every row's sum is the batch-1 kernel's (the
+// same bits as a launch per vector), and the B groups' CTAs walk the same tiles at once, so most repeated weight
+// reads meet in L2. False (nothing launched) where the streaming kernel does not take the matrices.
+bool launch_matvec_rows(const Packed* const* ws, float* const* ys, int nw, const float* x, int B, cudaStream_t stream,
+                        bool pdl) {
+  MvArgs a;
+  int64_t rows = 0;
+  for (int i = 1; i < nw; ++i)
+    if (ws[i]->qtype != ws[0]->qtype) return false;
+  if (B < 1 || B > 65535 || !mv_args(ws, ys, nw, x, nullptr, 1, MV_X_PLAIN, 0.0f, a, rows)) return false;
+  a.gq = 0;
+  a.gs = 0;
+  if (ws[0]->qtype == QT_F16) launch_qt<QT_F16>(a, B, rows, pdl, stream);
+  else launch_qt<QT_Q8_0>(a, B, rows, pdl, stream);
+  DS4_CHECK_LAUNCH("matvec rows");
+  return true;
+}
+
 // y_parts[s * rows + r] = W[r, s K/S .. (s + 1) K/S) . x[s K/S ..]: a Q8_0 matrix cut into S column slices, each a
 // group of the streaming kernel's grouped launch (the slices' weights are strided within the rows: gq, gs). Why: at the
 // same bytes a row of 8192 columns costs more than one of 4096 (v18 k-sweep: 13.9 against 11.6 us for 35.6 MB), since
