@@ -378,8 +378,9 @@ class Session(Timeline):
             self._hist.index_copy_(0, self._pos.clamp(0, self._hist.numel() - 1), self._tok)
 
     def warm_steps(self) -> int:
-        """Decode steps from here that run every decode graph this session captures (one per step kind)."""
-        return comp_defer.steps_to_every_kind(self.cfg, self.pos) if self.comp_ring is not None else 1
+        """Decode steps from here that run every decode graph this session captures (one per step kind, with deferred
+        compressor products), and every kind of compressor step."""
+        return comp_defer.steps_to_every_kind(self.cfg, self.pos)
 
     def greedy(self, n: int, banned: int | None = None) -> list[int]:
         """Decode n tokens greedily from the current logits; argmax stays on the device. banned: a token id never
