@@ -392,20 +392,33 @@ void matvec_shared(const std::vector<std::shared_ptr<Tensor>>& ws, const Array& 
 
 // ys[i] = ws[i] . x in one launch (batch 1; raw device pointers, y_i of ws[i] rows, x of ncols values or
 // 2 ncols for swiglu). False, with nothing launched, when the kernel does not take these matrices.
-bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, const std::vector<uintptr_t>& ys,
-                  bool swiglu, float clamp, uintptr_t norm_w, float eps) {
-  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_multi: one y per weight");
-  if (swiglu && norm_w) throw std::invalid_argument("matvec_multi: swiglu or norm_w, not both");
-  if (ws.size() > 5) return false;  // mv_stream.cuh MV_MAX_SEG
+// The segments of a launch over several matrices: their packed weights and outputs (device pointers). False when
+// there are more than the streaming kernel's MV_MAX_SEG (5).
+struct Segs {
   const Packed* ps[5];
   float* yp[5];
+  int n = 0;
+};
+static bool segs_of(const std::vector<std::shared_ptr<Tensor>>& ws, const std::vector<uintptr_t>& ys, const char* what,
+                    Segs& s) {
+  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument(std::string(what) + ": one y per weight");
+  if (ws.size() > 5) return false;  // mv_stream.cuh MV_MAX_SEG
   for (size_t i = 0; i < ws.size(); ++i) {
-    ps[i] = &ws[i]->p;
-    yp[i] = ptr<float>(ys[i]);
+    s.ps[i] = &ws[i]->p;
+    s.yp[i] = ptr<float>(ys[i]);
   }
+  s.n = (int)ws.size();
+  return true;
+}
+
+bool matvec_multi(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, const std::vector<uintptr_t>& ys,
+                  bool swiglu, float clamp, uintptr_t norm_w, float eps) {
+  if (swiglu && norm_w) throw std::invalid_argument("matvec_multi: swiglu or norm_w, not both");
+  Segs sg;
+  if (!segs_of(ws, ys, "matvec_multi", sg)) return false;
   const int x_op = norm_w ? MV_X_RMS : (swiglu ? MV_X_SWIGLU : MV_X_PLAIN);
-  return launch_matvec_multi(ps, yp, (int)ws.size(), ptr<const float>(x), x_op, clamp, stream(),
-                             ptr<const float>(norm_w), eps);
+  return launch_matvec_multi(sg.ps, sg.yp, sg.n, ptr<const float>(x), x_op, clamp, stream(), ptr<const float>(norm_w),
+                             eps);
 }
 
 // y_parts [S, rows] = the S column slices' products of w . x (matvec_stream.cu); false when it does not take them.
@@ -415,15 +428,9 @@ bool matvec_sliced(const std::shared_ptr<Tensor>& w, uintptr_t x, uintptr_t y_pa
 
 // ys[i] [B, rows_i] = ws[i] . x[b] for the B rows of x (matvec_stream.cu); false when it does not take them.
 bool matvec_rows(const std::vector<std::shared_ptr<Tensor>>& ws, uintptr_t x, int B, const std::vector<uintptr_t>& ys) {
-  if (ws.empty() || ws.size() != ys.size()) throw std::invalid_argument("matvec_rows: one y per weight");
-  if (ws.size() > 5) return false;  // mv_stream.cuh MV_MAX_SEG
-  const Packed* ps[5];
-  float* yp[5];
-  for (size_t i = 0; i < ws.size(); ++i) {
-    ps[i] = &ws[i]->p;
-    yp[i] = ptr<float>(ys[i]);
-  }
-  return launch_matvec_rows(ps, yp, (int)ws.size(), ptr<const float>(x), B, stream(), true);
+  Segs sg;
+  return segs_of(ws, ys, "matvec_rows", sg) &&
+         launch_matvec_rows(sg.ps, sg.yp, sg.n, ptr<const float>(x), B, stream(), true);
 }
 
 // yb = wb . (A's output) after ya[i] = wa[i] . x, in one launch (matvec_chain.cu); false when it does not take them.
