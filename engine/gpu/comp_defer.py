@@ -1,4 +1,4 @@
-"""Decode's compressor products deferred to the last token of their window ($DS4_GPU_COMP_DEFER, default 1; 0 off).
+"""Decode's compressor products deferred to the last token of their window ($DS4_GPU_COMP_DEFER, default 2; 0 off).
 
 Why: a compressor's kv and score products (F16: with the indexer's, ~21 MB per ratio-4 layer of Flash, ~8 MB per
 ratio-128 layer) only fill the frontier on all but the last step of a window; nothing reads those slots before that
@@ -6,8 +6,10 @@ step pools them. Computed one token at a time they stream the same weights r tim
 the attention's chain waits for them (q_b -> compressor products -> compress step -> index keys -> top-k). Here a
 decode step only copies its normalized input `a` into a ring of r rows per compressed layer. On the step that ends a
 window one product over the ring's rows (each weight read once) fills the window's frontier slots, and the usual
-compress step pools. Nothing else reads the frontier during decode, so each step computes what it did before, with
-the products' rows in other launches (the same values to float32 rounding, not the same bits).
+compress step pools. Nothing else reads the frontier during decode, so each step computes what it did before; on CUDA
+the window's products come from the streaming kernel with a group per ring row (ext.matvec_rows), whose row sums are
+the every-step launch's, so the logits are the same bits (tests/test_gpu_comp_defer.py). Measured (NOTES v49, H100):
+decode neutral, i.e. the ratio-4 chain was not waiting on these products; kept for the ~5% fewer DRAM bytes per token.
 
 What decides the work is whether the step's position ends a window of ratio r, which the host knows, so the decode
 graph is captured once per step kind (`step_kind`: the ratios that pool at that position).
