@@ -145,31 +145,6 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     assert deferred.greedy(10) == every.greedy(10)
 
 
-@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and the built extension")
-def test_cuda_proj_in_qa_gives_the_same_bits(tmp_path_factory, monkeypatch):
-    """DS4_GPU_PROJ_QA=1 (prepared in v49): the indexer's proj as a third segment of q_a/kv's launch (the pair kernel's
-    row sums are the one-type launches'), and no join of the side branch on steps that pool no window of the layer:
-    the same logits, bit for bit, across window ends, graph-replayed and eager."""
-    from conftest import quantize_cli
-    from ds4.engine.gpu import fused
-
-    d = tmp_path_factory.mktemp("projqa")
-    quantize_cli("synth", "--preset", "small", "--gguf", str(d / "small.gguf"), "--mix", "q2", "--quiet")
-    m = Model.load(d / "small.gguf")
-    toks = np.random.default_rng(9).integers(2, m.config.vocab_size, 200).tolist()
-    monkeypatch.setattr(comp_defer, "DEFER", True)
-    outs, W = {}, None
-    for proj_qa, graphs in ((False, True), (True, True), (True, False)):
-        monkeypatch.setattr(fused, "PROJ_QA", proj_qa)
-        s = GpuSession(m, ctx=512, weights=W, graphs=graphs)
-        W = s.W
-        s.sync(toks[:120])  # past the indexer's top-k (64 rows of `small`), so its layers are indexed
-        assert fused.proj_in_qa(s, 2) is False  # only inside a decode step
-        outs[proj_qa, graphs] = np.stack([s.decode(t) for t in toks[120:200]])
-    assert np.array_equal(outs[True, True], outs[False, True])
-    assert np.array_equal(outs[True, False], outs[False, True])
-
-
 def test_warm_steps_meet_every_step_kind(tiny):
     cfg = tiny.config
     for pos in (0, 5, 127, 300):

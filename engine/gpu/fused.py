@@ -37,12 +37,6 @@ ROUTER_ONE = os.environ.get("DS4_GPU_ROUTER_ONE", "1") == "1"
 # instead of after the indexer's query. v16: 225 us per token slower (its streaming grid takes SMs from q_a/kv and
 # q_b on the main branch), so off by default; DS4_GPU_IDX_MERGE=comp puts it into the compressors' own launch instead
 EARLY_IDX_PROJ = os.environ.get("DS4_GPU_EARLY_IDX_PROJ", "0") == "1"
-# decode with deferred compressor products (comp_defer): 1 runs the indexer's proj (F16, reads a) as a third segment of
-# q_a/kv's launch (Q8_0 + F16: matvec_pair_kernel, the same row sums), so on a window's other steps nothing on the
-# `comp` side branch but the ring copy, and the attention does not join it there. Why: v49, the deferral was neutral
-# on the H100 with the proj as a launch of its own on the side branch, the form v16 measured 225 us per token slower
-# (its grid takes SMs from q_a/kv and q_b). Off by default until measured (prepared in v49).
-PROJ_QA = os.environ.get("DS4_GPU_PROJ_QA", "0") == "1"
 # decode with the `ffn` branch: the routed experts' x quantized on the side stream beside the router (v16), so the
 # router -> gate/up chain has one launch less; 0: quantized by the MoE launch itself
 EARLY_XQ = os.environ.get("DS4_GPU_EARLY_XQ", "1") != "0"
@@ -588,8 +582,8 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     one = all(not isinstance(w, torch.Tensor) for w in ws) and len({(w.qtype, w.ncols) for w in ws}) == 1
     proj = C.blk(li, L.IDX_PROJ)
     with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
-        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols) and not proj_in_qa(sess, li)
-    early_proj = r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k and not proj_in_qa(sess, li)
+        (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
+    early_proj = r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k
     ring, x = sess.comp_ring, a
     if ring is not None:
         ring.store(li, a, pos)
@@ -634,30 +628,11 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
             K.compress_step(**step)
 
 
-def proj_in_qa(sess, li: int) -> bool:
-    """Whether decode layer li's indexer proj rides in q_a/kv's launch (PROJ_QA; with deferred compressor products)."""
-    return PROJ_QA and sess.comp_ring is not None and _indexed_on_main(sess, li)
-
-
-def side_needed(sess, li: int) -> bool:
-    """Whether layer li's attention must join the `comp` side branch before its index keys and attention: always,
-    but with PROJ_QA on a step that pools no window of the layer (then the side has only the ring copy)."""
-    ring = sess.comp_ring
-    return not (PROJ_QA and ring is not None and not ring.pools(li) and
-                (sess.cfg.ratio(li) != 4 or proj_in_qa(sess, li) or sess.layers[li]["comp"].shape[0] <=
-                 sess.cfg.indexer_top_k))
-
-
 def idx_merged(sess, li: int, part: str) -> bool:
     """Whether decode layer li runs the indexer's `part` (qb: q_b and the query's post; comp: proj) inside other
     launches (DS4_GPU_IDX_MERGE): an indexed ratio-4 layer whose indexer is not on a side branch."""
-    return part in IDX_MERGE and _indexed_on_main(sess, li)
-
-
-def _indexed_on_main(sess, li: int) -> bool:
-    """A decode step of the fused kernels in an indexed ratio-4 layer whose indexer is not on a side branch."""
     cfg = sess.cfg
-    return sess._in_step and sess.K is not None and cfg.ratio(li) == 4 and \
+    return part in IDX_MERGE and sess._in_step and sess.K is not None and cfg.ratio(li) == 4 and \
         sess.layers[li]["comp"].shape[0] > cfg.indexer_top_k and "idx" not in sess._branches
 
 
@@ -726,8 +701,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     comp = None
     if r:
         if sess._comp_forked or side_index:  # launched on the side branch (DS4_GPU_BRANCH=comp / idx)
-            if side_index or side_needed(sess, li):
-                sess.side.join()
+            sess.side.join()
         else:
             compress_steps(sess, li, a, pos)
         comp = st["comp"]

@@ -477,8 +477,6 @@ class Session(Timeline):
         try:
             X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
             out = self._head(X, pending)[0]
-            if self.side is not None:  # a branch the attention did not join (fused.side_needed) rejoins here
-                self.side.join()
             if self._pf_joins:  # the side stream of the L2 prefetches rejoins (graph capture needs it)
                 torch.cuda.current_stream(self.device).wait_stream(self._pf_stream)
                 self._pf_joins = False
@@ -505,11 +503,7 @@ class Session(Timeline):
                 with self.side.fork():
                     fused.compress_steps(self, li, a, pos)
             with prefill.section("q_a_kv", on):
-                if fused.proj_in_qa(self, li):  # the indexer's proj as a third segment (fused.PROJ_QA)
-                    qa, kv, self._idx_proj[li] = W.mm_many([C.blk(li, t) for t in (L.ATTN_Q_A, L.ATTN_KV, L.IDX_PROJ)],
-                                                           a)
-                else:
-                    qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
+                qa, kv = W.mm_many([C.blk(li, L.ATTN_Q_A), C.blk(li, L.ATTN_KV)], a)  # one launch for both
                 q_norm = W.vec(C.blk(li, L.ATTN_Q_A_NORM))
                 # folded: attn_step gets (q_a, (norm weight, eps)) and its q_b matvecs normalize while staging
                 c = (qa, (q_norm, cfg.rms_eps)) if NORM_FOLD and self._in_step and self.K is not None and \
