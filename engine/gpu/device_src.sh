@@ -5,7 +5,8 @@
 # Usage: bash engine/gpu/device_src.sh    Env: TOP (instructions listed per kernel, 25), NCU_TIMEOUT (150),
 #   DECODE="q_b:matvec_stream gateup:moe_gateup ..." (instead: decode kernels launched by probe_kernel OP, the kernel
 #   regex after the colon; v41's question: how many of their samples are "no instruction" stalls, their code being
-#   77-146 KB of mostly straight-line SASS run once per launch)
+#   77-146 KB of mostly straight-line SASS run once per launch); NCU_ARGS: more ncu options (e.g. --cache-control none,
+#   so the instruction caches are not flushed before the profiled launch)
 set -u
 source engine/gpu/device_env.sh
 stamp build; $PY engine/gpu/build.py --jobs 16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
@@ -13,7 +14,7 @@ SRC="--section SourceCounters --page source --csv --print-source sass"
 prof() {  # name kernel-regex launch-skip program...
   local name=$1 k=$2 skip=$3; shift 3
   stamp "ncu $name"
-  timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --kernel-name "regex:$k" --launch-skip "$skip" --launch-count 1 \
+  timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none ${NCU_ARGS:-} --kernel-name "regex:$k" --launch-skip "$skip" --launch-count 1 \
     $SRC "$@" > "$OUT/$name.csv" 2> "$OUT/$name.err" || tail -3 "$OUT/$name.err"
   $PY -m ds4.engine.gpu.ncu_source "$OUT/$name.csv" --top "${TOP:-25}"
 }
