@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -218,11 +219,18 @@ def cmd_run(argv: list[str]) -> int:
         # token, so every kernel is compiled (and the CUDA engine's decode graph captured) before the first timed row;
         # then its timeline is dropped. A second session would hold a second copy of the weights: Flash q2 is 81 GiB.
         # The CUDA engine captures a decode graph per step kind (which compressors pool): warm_steps meets them all.
+        # Its graphs of steps that run the indexer, which a short context would not meet, are captured under
+        # indexer_forced first.
         n = min(args.ctx_start, 300, len(tokens) - 1)
         logits = session.sync(tokens[:n])
-        steps = max(2, getattr(session, "warm_steps", lambda: 2)())
-        for _ in range(min(steps, session.ctx - n - 1)):
-            logits = session.decode(int(np.argmax(logits)))
+        passes = (session.indexer_forced, contextlib.nullcontext) if hasattr(session, "indexer_forced") else \
+            (contextlib.nullcontext,)
+        for warm_pass in passes:
+            with warm_pass():
+                steps = max(2, getattr(session, "warm_steps", lambda: 2)())
+                for _ in range(min(steps, session.ctx - n - 1)):
+                    logits = session.decode(int(np.argmax(logits)))
+                    n += 1
         session.invalidate()
     from tqdm import tqdm
     bar = tqdm(total=len(fronts), desc="frontiers", unit="row", disable=not sys.stderr.isatty())

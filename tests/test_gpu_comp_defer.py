@@ -126,7 +126,7 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     deferred, got = run(True)
     _, got_eager = run(True, graphs=False)
     _, got_fill = run(True, kernel_fill=False)
-    assert set(deferred._graphs) == {(), (4,), (4, 128)}
+    assert {pools for pools, _ in deferred._graphs} == {(), (4,), (4, 128)}
     assert W.ext.compress_ring_takes(4)
     errs = [max(rel(got[i], want[i]), rel(got_eager[i], want[i])) for i in range(len(want))]
     print(f"\ndeferred compressor products: decode rel median {np.median(errs):.2e} max {max(errs):.2e}; "

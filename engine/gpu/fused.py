@@ -65,6 +65,10 @@ IDX_MERGE = frozenset(t.strip() for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb
                       if t.strip() in ("qb", "comp"))
 # decode, ratio-4 layers: 1 (default) both compressors' steps in one launch of two blocks (on pooling steps they pool
 # side by side: v20 trace, 18.5 + 11.9 us one after the other); 0: a launch each
+# decode: the indexer only at steps where a ratio-4 layer's visible compressed rows outnumber top-k (model-spec §3;
+# below that every row is attended), decided on the host per step, so each step kind has a decode graph with the
+# indexer and one without (Session._step_key); 0: wherever the session's capacity allows more rows than top-k
+SHORT_INDEX = os.environ.get("DS4_GPU_SHORT_INDEX", "0") == "1"
 COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
@@ -583,7 +587,7 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     proj = C.blk(li, L.IDX_PROJ)
     with_proj = one and r == 4 and idx_merged(sess, li, "comp") and not isinstance(W.mat(proj), torch.Tensor) and \
         (W.mat(proj).qtype, W.mat(proj).ncols) == (ws[0].qtype, ws[0].ncols)
-    early_proj = r == 4 and EARLY_IDX_PROJ and st["comp"].shape[0] > cfg.indexer_top_k
+    early_proj = EARLY_IDX_PROJ and indexer_runs(sess, li)
     ring, x = sess.comp_ring, a
     if ring is not None:
         ring.store(li, a, pos)
@@ -628,12 +632,35 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
             K.compress_step(**step)
 
 
+def indexer_sized(sess, li: int) -> bool:
+    """Whether layer li's compressed rows can outnumber the indexer's top-k in this session (ratio 4, its capacity)."""
+    cfg = sess.cfg
+    return cfg.ratio(li) == 4 and sess.layers[li]["comp"].shape[0] > cfg.indexer_top_k
+
+
+def index_on_at(sess, pos: int) -> bool:
+    """Whether the decode step at host position pos runs the indexer of the layers that have one (SHORT_INDEX: only
+    where (pos + 1) / 4 rows are visible past top-k; always while sess._index_forced, the warm-up's graphs)."""
+    return not SHORT_INDEX or sess._index_forced or (pos + 1) // 4 > sess.cfg.indexer_top_k
+
+
+def indexer_runs(sess, li: int) -> bool:
+    """Whether this decode step runs layer li's indexer (sess._index_on: index_on_at of the step's position)."""
+    return indexer_sized(sess, li) and sess._index_on
+
+
 def idx_merged(sess, li: int, part: str) -> bool:
     """Whether decode layer li runs the indexer's `part` (qb: q_b and the query's post; comp: proj) inside other
     launches (DS4_GPU_IDX_MERGE): an indexed ratio-4 layer whose indexer is not on a side branch."""
-    cfg = sess.cfg
-    return part in IDX_MERGE and sess._in_step and sess.K is not None and cfg.ratio(li) == 4 and \
-        sess.layers[li]["comp"].shape[0] > cfg.indexer_top_k and "idx" not in sess._branches
+    return part in IDX_MERGE and sess._in_step and sess.K is not None and indexer_runs(sess, li) and \
+        "idx" not in sess._branches
+
+
+def visible_comp(sess, li: int) -> torch.Tensor:
+    """Layer li's compressed rows a decode step without its indexer attends: where the indexer is sized but off this
+    step, the first top-k rows, which hold every visible one (the attention's grid stays the selected rows')."""
+    comp = sess.layers[li]["comp"]
+    return comp[:sess.cfg.indexer_top_k] if indexer_sized(sess, li) and not sess._index_on else comp
 
 
 def index_select(sess, li: int, a: torch.Tensor, c: torch.Tensor, q_norm, pos: torch.Tensor,
@@ -676,7 +703,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
     kv_job = dict(x=kv_lin, d=d, rows_per_token=1, norm=True, w=W.vec(C.blk(li, L.ATTN_KV_A_NORM)), eps=cfg.rms_eps,
                   freq=freq, rope_dim=rd, fp8_nope=fp8, out=st["raw"], ring_cap=sess.raw_cap)
     c, q_norm = c if isinstance(c, tuple) else (c, None)
-    indexed = r == 4 and st["comp"].shape[0] > cfg.indexer_top_k  # static: the compressed rows' capacity
+    indexed = indexer_runs(sess, li)
     side_index = indexed and sess._in_step and "idx" in sess._branches
     sel = None
     if side_index:  # the indexer's chain beside q_b and its RoPE (DS4_GPU_BRANCH=idx)
@@ -704,7 +731,7 @@ def attn_step(sess, li: int, a: torch.Tensor, c: torch.Tensor, kv_lin: torch.Ten
             sess.side.join()
         else:
             compress_steps(sess, li, a, pos)
-        comp = st["comp"]
+        comp = visible_comp(sess, li)
         if indexed and not side_index:
             sel = index_select(sess, li, a, c, q_norm, pos, qi=qi)
     o = K.attention(q, st["raw"], comp, sel, r, pos, W.vec(C.blk(li, L.ATTN_SINKS)), freq, rd)

@@ -29,6 +29,7 @@ engine). Two paths share the sublayers:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -127,6 +128,7 @@ class Session(Timeline):
         self._compile = self.device.type == "cuda" and os.environ.get("DS4_GPU_COMPILE", "1") != "0"
         self._compiled: dict[str, object] = {}
         self._in_step = False
+        self._index_on, self._index_forced = True, False  # this step runs the indexer (fused.index_on_at)
         self.K = None  # fused CUDA kernels (ds4.engine.gpu.fused); DS4_GPU_FUSED=0 keeps the torch ops
         if self.device.type == "cuda" and os.environ.get("DS4_GPU_FUSED", "1") != "0":
             self.K = fused.Fused(self.W.ext, self.device)
@@ -317,7 +319,7 @@ class Session(Timeline):
         next step (self._argmax_feed); fill_pos=False: self._pos already holds self.pos (greedy: the feed put it)."""
         if fill_pos:
             self._pos.fill_(self.pos)
-        kind = comp_defer.step_kind(self.cfg, self.pos) if self.comp_ring is not None else ()
+        kind = self._step_key(self.pos)
         try:
             with torch.no_grad():
                 if not self.graphs:
@@ -333,6 +335,21 @@ class Session(Timeline):
         except BaseException:
             self.invalidate()
             raise
+
+    def _step_key(self, pos: int) -> tuple:
+        """A decode step's kind (its graph's key): the compressor ratios that pool at pos (comp_defer.step_kind, with
+        deferred products), then whether it runs the indexer (fused.index_on_at)."""
+        return (comp_defer.step_kind(self.cfg, pos) if self.comp_ring is not None else (), fused.index_on_at(self, pos))
+
+    @contextlib.contextmanager
+    def indexer_forced(self):
+        """Decode steps inside run the indexer at every position: a warm-up at a short context captures the graphs
+        that longer ones replay (ds4-bench)."""
+        self._index_forced = True
+        try:
+            yield
+        finally:
+            self._index_forced = False
 
     def _scratch_generation(self) -> int:
         return self.W.ext.scratch_generation() if self.W.ext is not None else 0
@@ -469,11 +486,12 @@ class Session(Timeline):
             X = X[-1:]
         return self._head(X)
 
-    def _step(self, tok: torch.Tensor, pos: torch.Tensor, kind: tuple = ()) -> torch.Tensor:
-        """kind: the compressor ratios that pool at this step (comp_defer.step_kind), with deferred products."""
+    def _step(self, tok: torch.Tensor, pos: torch.Tensor, kind: tuple = ((), True)) -> torch.Tensor:
+        """kind: _step_key's (the compressor ratios that pool at this step, whether it runs the indexer)."""
         self._in_step = True
+        pools, self._index_on = kind
         if self.comp_ring is not None:
-            self.comp_ring.kind = kind
+            self.comp_ring.kind = pools
         try:
             X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
             out = self._head(X, pending)[0]
@@ -758,9 +776,9 @@ class Session(Timeline):
         if r:
             comp_defer.torch_compress_steps(self, li, a, pos)
             n_vis = (pos + 1) // r
-            comp = st["comp"]
+            comp = fused.visible_comp(self, li)
             ids = torch.arange(comp.shape[0], device=self.device)
-            if r == 4 and comp.shape[0] > cfg.indexer_top_k:
+            if fused.indexer_runs(self, li):
                 q_i, w_i = self._index_q(li, a, c, pos)
                 dots = torch.einsum("hd,cd->hc", q_i[0], st["idx"])
                 scores = (w_i[0][:, None] * torch.clamp(dots, min=0.0)).sum(dim=0)
