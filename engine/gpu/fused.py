@@ -68,7 +68,7 @@ IDX_MERGE = frozenset(t.strip() for t in os.environ.get("DS4_GPU_IDX_MERGE", "qb
 # decode: the indexer only at steps where a ratio-4 layer's visible compressed rows outnumber top-k (model-spec §3;
 # below that every row is attended), decided on the host per step, so each step kind has a decode graph with the
 # indexer and one without (Session._step_key); 0: wherever the session's capacity allows more rows than top-k
-SHORT_INDEX = os.environ.get("DS4_GPU_SHORT_INDEX", "0") == "1"
+SHORT_INDEX = os.environ.get("DS4_GPU_SHORT_INDEX", "1") != "0"
 COMPRESS_ONE = os.environ.get("DS4_GPU_COMPRESS_ONE", "1") != "0"
 # greedy decode: argmax_kernel of topk.cu (v16; torch.argmax's answer in one block); 0: torch.argmax
 ARGMAX = os.environ.get("DS4_GPU_ARGMAX", "1") != "0"
