@@ -12,10 +12,7 @@ torch = pytest.importorskip("torch")
 from ds4.engine.gpu import comp_defer  # noqa: E402
 from ds4.engine.gpu.session import Session as GpuSession  # noqa: E402
 from ds4.engine.model import Model  # noqa: E402
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+from gpu_session_util import rel  # noqa: E402
 
 
 @pytest.fixture(scope="module")
