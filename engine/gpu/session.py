@@ -339,7 +339,9 @@ class Session(Timeline):
     def _step_key(self, pos: int) -> tuple:
         """A decode step's kind (its graph's key): the compressor ratios that pool at pos (comp_defer.step_kind, with
         deferred products), then whether it runs the indexer (fused.index_on_at)."""
-        return (comp_defer.step_kind(self.cfg, pos) if self.comp_ring is not None else (), fused.index_on_at(self, pos))
+        sized = any(fused.indexer_sized(self, li) for li in range(self.cfg.n_layer))  # else one graph serves both
+        return (comp_defer.step_kind(self.cfg, pos) if self.comp_ring is not None else (),
+                not sized or fused.index_on_at(self, pos))
 
     @contextlib.contextmanager
     def indexer_forced(self):
