@@ -41,7 +41,7 @@ def test_step_key_runs_the_indexer_only_past_top_k(tiny, monkeypatch):
     monkeypatch.setattr(fused, "SHORT_INDEX", False)
     assert s._step_key(0)[1]
     monkeypatch.setattr(fused, "SHORT_INDEX", True)
-    unsized = GpuSession(tiny, ctx=4 * cfg.indexer_top_k, device="cpu")  # never more rows than top-k: one key
+    unsized = GpuSession(tiny, ctx=4 * (cfg.indexer_top_k - 2), device="cpu")  # rows ctx / 4 + 2: one key
     assert not any(fused.indexer_sized(unsized, li) for li in range(cfg.n_layer))
     assert all(unsized._step_key(p)[1] for p in (0, p1 - 1))
 
