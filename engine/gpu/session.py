@@ -397,8 +397,8 @@ class Session(Timeline):
             self._hist.index_copy_(0, self._pos.clamp(0, self._hist.numel() - 1), self._tok)
 
     def warm_steps(self) -> int:
-        """Decode steps from here that run every decode graph this session captures (one per step kind, with deferred
-        compressor products), and every kind of compressor step."""
+        """Decode steps from here that run every kind of compressor step, so every decode graph of the current indexer
+        setting is captured (one per kind, with deferred compressor products; indexer_forced for the indexed ones)."""
         return comp_defer.steps_to_every_kind(self.cfg, self.pos)
 
     def greedy(self, n: int, banned: int | None = None) -> list[int]:
