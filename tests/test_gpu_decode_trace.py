@@ -67,3 +67,24 @@ def test_a_kernel_ending_inside_a_longer_one_takes_the_time_up_to_its_end():
             _k("late", 21.5, 1.0, stream=9), _k("nested", 22.0, 1.0, stream=11)]
     rows = {n: a for n, _, a, _ in dt.frontier_advance(step)}
     assert rows == {"inside": 8.0, "long": 12.0, "late": 2.5, "nested": 0.5, "after": 2.0}
+
+
+def test_chain_bound_adds_the_latency_bound_share_to_the_floor():
+    rows = dt.frontier_advance(_step(0.0, 2))
+    # the made-up step: hc_mix_pre 43 and compress_step 12 are latency-bound; the matvecs 145 and router 12 stream
+    b = dt.chain_bound(rows, floor_us=100.0)
+    assert b["latency_us"] == 43.0 + 12.0
+    assert b["weights_us"] == 145.0 + 12.0
+    assert b["bound_us"] == 155.0
+    assert b["weights_of_copy"] == 100.0 / 157.0
+    assert b["latency_us"] + b["weights_us"] == dt.summarize(_step(0.0, 2))["span_us"]
+
+
+def test_the_decode_kernels_are_classified_by_what_bounds_them():
+    for name in ("hc_cluster_kernel", "sinkhorn4_kernel", "attn_partial_kernel", "attn_combine_kernel",
+                 "compress_step_kernel", "index_keys_v2_kernel", "topk_rows_kernel", "quantize_x_kernel",
+                 "norm_rope_warp_kernel", "argmax_kernel", "embed_kernel"):
+        assert dt.latency_bound(name), name
+    for name in ("matvec_stream_kernel", "matvec_pair_kernel", "matvec_tma_kernel", "moe_gateup_rows_kernel",
+                 "moe_down_kernel", "router_one_kernel", "some_new_kernel"):
+        assert not dt.latency_bound(name), name

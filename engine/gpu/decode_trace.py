@@ -8,7 +8,9 @@ this prints:
 - per kernel name: launches, summed and mean duration (with PDL on, a kernel's time includes its wait for
   its predecessor: run with DS4_GPU_PDL=0 for true durations);
 - the kernels of one middle layer in launch order (start relative to the layer's first kernel, duration,
-  stream), so the critical chain and what runs beside it can be read off.
+  stream), so the critical chain and what runs beside it can be read off;
+- the no-overlap bound (`chain_bound`): the frontier share of the latency-bound kernels plus the bandwidth floor, the
+  least a step can take while those kernels run one after another between the weight-streaming ones.
 """
 
 from __future__ import annotations
@@ -92,6 +94,31 @@ def frontier_advance(step: list[dict]) -> list[list]:
     return sorted(([n, c, a, d] for n, (c, a, d) in by.items()), key=lambda r: -r[2])
 
 
+# Decode kernels whose time is a chain of L2 round trips, barriers and arithmetic on activations and KV rows, not a
+# stream of weights (none of them reads more than ~0.1 MB of weights per launch): the mHC pre and its Sinkhorn, the
+# query/KV norm and RoPE, the attention's partials and combine, the compressors' pooling, the indexer's keys and
+# top-k, the activations' quantization, the argmax and the embedding row. Every other kernel (the matvecs, the routed
+# experts, the router, anything not named here) counts as weight-streaming, so the bound below errs low.
+LATENCY_BOUND = ("hc_cluster", "hc_mix_pre", "hc_pre", "sinkhorn", "norm_rope", "attn_partial", "attn_combine",
+                 "attn_one", "compress_step", "pool_", "index_keys", "topk", "quantize_x", "argmax", "embed")
+
+
+def latency_bound(name: str) -> bool:
+    return any(p in name for p in LATENCY_BOUND)
+
+
+def chain_bound(rows: list[list], floor_us: float) -> dict:
+    """From frontier_advance's rows and the bandwidth floor (weight bytes per token / copy bandwidth, µs): how much of
+    the step the latency-bound kernels hold (latency_us) and the weight-streaming ones (weights_us, and the fraction
+    of copy speed they reach together: floor_us / weights_us), and bound_us = latency_us + floor_us, the least a step
+    takes if every weight-streaming kernel ran at copy speed and the latency-bound ones kept their time and their
+    place between them. A design that beats it must overlap latency-bound work with the weights' streaming."""
+    lat = sum(a for n, _, a, _ in rows if latency_bound(n))
+    wts = sum(a for n, _, a, _ in rows if not latency_bound(n))
+    return {"latency_us": lat, "weights_us": wts, "floor_us": floor_us, "bound_us": lat + floor_us,
+            "weights_of_copy": floor_us / wts if wts > 0 else float("nan")}
+
+
 def layer_slice(step: list[dict], n_layer: int, li: int) -> list[dict]:
     """The kernels between the li-th and (li+1)-th launch of the step's most frequent per-layer kernel that
     appears exactly 2 n_layer times (the mHC pre: twice per layer)."""
@@ -105,6 +132,20 @@ def layer_slice(step: list[dict], n_layer: int, li: int) -> list[dict]:
     starts = [k["ts"] for k in step if k["name"] == mark]
     a, b = starts[2 * li], starts[2 * li + 2] if 2 * li + 2 < len(starts) else 1e30
     return [k for k in step if a <= k["ts"] < b]
+
+
+def print_bound(rows: list[list], model, span_us: float) -> None:
+    from ds4.engine import gpu
+    from ds4.engine.model import decode_weight_bytes
+
+    wbytes = sum(decode_weight_bytes(model.file, model.config).values())
+    gbps = gpu.load().copy_bandwidth()["gbps"]
+    b = chain_bound(rows, wbytes / (gbps * 1e9) * 1e6)
+    print(f"no-overlap bound: latency-bound kernels {b['latency_us']:.0f} us of the {span_us:.0f} us step, "
+          f"weight-streaming kernels {b['weights_us']:.0f} us ({b['weights_of_copy']:.2f} of copy for "
+          f"{wbytes / 1e9:.3f} GB at {gbps:.0f} GB/s: floor {b['floor_us']:.0f} us); with those at copy speed and "
+          f"nothing overlapped a step takes >= {b['bound_us']:.0f} us ({1e6 / b['bound_us']:.0f} t/s, "
+          f"{b['floor_us'] / b['bound_us']:.2f} of the floor)")
 
 
 def main(argv=None) -> int:
@@ -152,8 +193,10 @@ def main(argv=None) -> int:
         print(f"  {t:8.1f} us {c:5d}x {t / c:6.2f}  {name}")
     print("frontier advance (how far each kernel moves the step's latest end; sums to the span): us, launches, us per"
           " launch, name")
-    for name, c, a, _ in frontier_advance(step)[:25]:
+    rows = frontier_advance(step)
+    for name, c, a, _ in rows[:25]:
         print(f"  {a:8.1f} us {c:5d}x {a / c:6.2f}  {name}")
+    print_bound(rows, model, r["span_us"])
     for si in range(max(0, len(steps) - args.list_steps), len(steps)):
         for li in args.layer:
             lk = layer_slice(steps[si], cfg.n_layer, li)
