@@ -40,6 +40,33 @@ def test_barrier_grids_must_fit():
         ext.barrier_check(3, 1, 256, 0, 0, 1, 0)
 
 
+@pytest.mark.parametrize("ctas", [2, 5, "most"])
+def test_flag_relay_hands_every_store_on(ctas):
+    """flag_relay: each hop's acquire sees the plain store its predecessor made before the release, lap after lap."""
+    import torch
+
+    ext = gpu.load()
+    ctas = ext.flag_relay_max_ctas() if ctas == "most" else ctas
+    laps = 200
+    flags, data = (torch.zeros(ctas, dtype=torch.int32, device="cuda") for _ in range(2))
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), laps, bad.data_ptr())
+    torch.cuda.synchronize()
+    assert int(bad.item()) == 0, f"{ctas} CTAs: {int(bad.item())} stale or timed-out hops"
+    assert (flags == laps).all(), f"{ctas} CTAs: flags {flags.unique().tolist()}"
+    want = laps * ctas + torch.arange(ctas, dtype=torch.int32, device="cuda")
+    assert torch.equal(data, want), f"{ctas} CTAs: the last lap's plain stores"
+
+
+def test_flag_relay_checks_its_grid():
+    ext = gpu.load()
+    with pytest.raises(ValueError, match="one per SM"):
+        ext.flag_relay(1, 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="one per SM"):
+        ext.flag_relay(ext.flag_relay_max_ctas() + 1, 0, 0, 1, 0)
+
+
 def test_bench_barrier_runs():
     from ds4.engine.gpu import bench_barrier
 

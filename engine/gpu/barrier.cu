@@ -11,6 +11,8 @@
 // with a plain (L1-cacheable) load, warmed before the barrier: a violation unless all gridDim.x arrivals and the
 // neighbour's store are visible. So a barrier that orders atomics but does not publish plain stores to other threads
 // fails too. violations[0] must stay 0. The barrier words are global: one barrier kernel at a time per device.
+// flag_relay measures the other brick: one CTA handing a result to one other through a flag (store-release, then
+// load-acquire spins), the dependency a persistent kernel would use between ops on a few CTAs.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -59,6 +61,36 @@ void launch_as(int ctas, int threads, unsigned* slots, unsigned* data, int iters
 
 __global__ void empty_kernel() {}
 
+__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The relay: a ring of gridDim.x CTAs, one per SM (the launch's shared memory allows no second), passes a token
+// around `laps` times. CTA k waits for flags[k] to reach the lap (acquire), checks the plain store its predecessor made
+// before releasing it, makes its own plain store for its successor, and releases flags[k + 1]. CTA 0 opens each lap. So
+// each hop is one producer-to-consumer handoff through L2 with nothing else queued on the word: the least a
+// persistent kernel's dependency between two ops can cost. A spin that outlasts `patience` polls counts a violation
+// and moves on (a test fails instead of hanging).
+__global__ void flag_relay_kernel(unsigned* flags, unsigned* data, int laps, unsigned* violations) {
+  extern __shared__ unsigned char one_per_sm[];
+  if (threadIdx.x != 0) return;
+  const unsigned R = gridDim.x, k = blockIdx.x, next = (k + 1) % R;
+  const unsigned patience = 1u << 22;  // a few seconds of polls
+  if (laps == 0) one_per_sm[0] = 0;  // the allocation stays
+  for (int lap = 1; lap <= laps; ++lap) {
+    if (k != 0 || lap > 1) {  // CTA 0's first lap has no predecessor; later ones wait for the ring's last CTA
+      const unsigned want = k == 0 ? lap - 1 : lap;
+      unsigned polls = 0;
+      while (ld_acquire_gpu(&flags[k]) < want && ++polls < patience) {
+      }
+      const unsigned prev = (k + R - 1) % R;
+      if (polls >= patience || *(volatile unsigned*)&data[(size_t)prev] != want * R + prev) atomicAdd(violations, 1u);
+    }
+    data[k] = lap * R + k;  // plain store, published by the release below
+    st_release_gpu(&flags[next], lap);
+  }
+}
+
 }  // namespace
 
 int barrier_max_ctas(int threads) {
@@ -86,6 +118,27 @@ void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, unsi
     case 2: launch_as<2>(ctas, threads, slots, data, iters, violations, stream); break;
     default: throw std::invalid_argument("barrier_check: mode 0 (fenced), 1 (acquire/release) or 2 (grid.sync)");
   }
+}
+
+int flag_relay_max_ctas() {
+  int sms = 0, dev = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  DS4_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+void launch_flag_relay(int ctas, unsigned* flags, unsigned* data, int laps, unsigned* violations, cudaStream_t stream) {
+  if (ctas < 2 || ctas > flag_relay_max_ctas())
+    throw std::invalid_argument("flag_relay: 2.." + std::to_string(flag_relay_max_ctas()) +
+                                " CTAs (one per SM, all resident at once)");
+  if (laps < 0) throw std::invalid_argument("flag_relay: laps >= 0");
+  int dev = 0, smem_sm = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  DS4_CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  const int smem = smem_sm / 2 + 1024;  // more than half an SM's shared memory: one CTA per SM
+  DS4_CHECK(cudaFuncSetAttribute(flag_relay_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  flag_relay_kernel<<<ctas, 32, smem, stream>>>(flags, data, laps, violations);
+  DS4_CHECK_LAUNCH("flag_relay");
 }
 
 void launch_empty(int n, cudaStream_t stream) {

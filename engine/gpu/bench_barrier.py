@@ -31,6 +31,25 @@ def barrier_us(ext, mode: int, ctas: int, threads: int, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def relay_hop_us(ext, ctas: int, laps: int) -> float:
+    """Microseconds per hop of flag_relay: one CTA's store-release seen by the next CTA's acquire spin."""
+    flags = torch.zeros(ctas, dtype=torch.int32, device="cuda")
+    data = torch.zeros(ctas, dtype=torch.int32, device="cuda")
+    bad = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), 8, bad.data_ptr())  # warm-up
+    flags.zero_()
+    data.zero_()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), laps, bad.data_ptr())
+    end.record()
+    torch.cuda.synchronize()
+    if int(bad.item()):
+        raise RuntimeError(f"flag relay of {ctas} CTAs: {int(bad.item())} hops saw a stale store or timed out")
+    return start.elapsed_time(end) * 1e3 / (laps * ctas)
+
+
 def graph_launch_us(ext, n: int) -> float:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -55,6 +74,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=2000, help="barriers (and graph launches) per timing (default 2000)")
     ap.add_argument("--threads", type=int, default=256, help="threads per CTA (default 256)")
+    ap.add_argument("--ctas", type=int, nargs="+", default=[8, 32],
+                    help="barrier grids besides one and two CTAs per SM (default 8 32)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_barrier: needs a CUDA device", file=sys.stderr)
@@ -69,9 +90,13 @@ def main(argv=None) -> int:
     print(f"peer: one empty kernel launched from a CUDA graph: {peer:.2f} us")
     print(f"{'barrier form':<34} {'CTAs':>5} {'us / barrier':>13} {'peer / barrier':>15}")
     for mode, name in FORMS.items():
-        for ctas in sorted({sms, min(2 * sms, most)}):
+        for ctas in sorted({min(c, most) for c in args.ctas if c > 0} | {sms, min(2 * sms, most)}):
             us = barrier_us(ext, mode, ctas, args.threads, args.iters)
             print(f"{name:<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
+    laps = max(1, args.iters // 4)
+    for ctas in sorted({2, 8, ext.flag_relay_max_ctas()}):
+        us = relay_hop_us(ext, ctas, laps)
+        print(f"{'flag relay, one hop':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
     return 0
 
 

@@ -187,6 +187,13 @@ void bind_prefill_products(py::module_& m) {
         "[iters, ctas], zeroed), violations (device int32 [1]) counts CTAs that passed a barrier before every CTA "
         "arrived or before a neighbour's plain store was visible.");
   m.def("barrier_max_ctas", &barrier_max_ctas, py::arg("threads"), "CTAs of barrier_check that fit at once.");
+  m.def("flag_relay", [](int ctas, uintptr_t flags, uintptr_t data, int laps, uintptr_t violations) {
+    launch_flag_relay(ctas, (unsigned*)flags, (unsigned*)data, laps, (unsigned*)violations, stream());
+  }, py::arg("ctas"), py::arg("flags"), py::arg("data"), py::arg("laps"), py::arg("violations"),
+        "A token passed laps times around a ring of ctas CTAs (one per SM) by store-release / load-acquire flags; each "
+        "hop checks the plain store made before the release. flags, data: device int32 [ctas], zeroed; violations "
+        "(device int32 [1]) counts hops that saw a stale store or waited past their patience.");
+  m.def("flag_relay_max_ctas", &flag_relay_max_ctas, "CTAs flag_relay takes at most (the SMs).");
   m.def("launch_empty", [](int n) { launch_empty(n, stream()); }, py::arg("n"),
         "n launches of an empty kernel on the current stream (the launch-gap peer of the barriers).");
   m.def("mmq_tile_rows", &mmq_tile_rows, "Activation rows per mmq tile (DS4_GPU_MMQ_ROWS: 64 or 128).");

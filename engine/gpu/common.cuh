@@ -498,6 +498,8 @@ bool mmq_xrows_default();  // $DS4_GPU_MMQ_XROWS (default 1): gathered expert ro
 int barrier_max_ctas(int threads);
 void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, unsigned* data, int iters,
                           unsigned* violations, cudaStream_t stream);
+int flag_relay_max_ctas();  // one CTA per SM
+void launch_flag_relay(int ctas, unsigned* flags, unsigned* data, int laps, unsigned* violations, cudaStream_t stream);
 void launch_empty(int n, cudaStream_t stream);  // n launches of an empty kernel: the launch-gap peer
 struct MmfActivations {
   const __half *hi = nullptr, *lo = nullptr, *sum_hi = nullptr, *sum_lo = nullptr;
