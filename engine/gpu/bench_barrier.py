@@ -39,15 +39,37 @@ def relay_hop_us(ext, ctas: int, laps: int) -> float:
     ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), 8, bad.data_ptr())  # warm-up
     flags.zero_()
     data.zero_()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()  # this stream only: a copy may run beside it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), laps, bad.data_ptr())
     end.record()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()  # this stream only: a copy may run beside it
     if int(bad.item()):
         raise RuntimeError(f"flag relay of {ctas} CTAs: {int(bad.item())} hops saw a stale store or timed out")
     return start.elapsed_time(end) * 1e3 / (laps * ctas)
+
+
+def relay_hop_loaded_us(ext, ctas: int, laps: int, gib: float = 2.0) -> tuple[float, float]:
+    """relay_hop_us while another stream rewrites gib GiB again and again (an elementwise kernel) (DRAM busy, as a persistent kernel's weight
+    streaming would keep it): (µs per hop, the copy's GB/s meanwhile). The copies are queued first, so the relay's
+    CTAs share the SMs with the copy's."""
+    n = int(gib * 2**30) // 4
+    src = torch.ones(n, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    copies = 12
+    with torch.cuda.stream(side):
+        c0.record()
+        for _ in range(copies):
+            torch.add(src, 1.0, out=dst)  # an SM kernel reading and writing, as streaming kernels load DRAM
+        c1.record()
+    hop = relay_hop_us(ext, ctas, laps)
+    torch.cuda.synchronize()
+    gbps = 2 * n * 4 * copies / (c0.elapsed_time(c1) * 1e-3) / 1e9
+    return hop, gbps
 
 
 def graph_launch_us(ext, n: int) -> float:
@@ -76,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=256, help="threads per CTA (default 256)")
     ap.add_argument("--ctas", type=int, nargs="+", default=[8, 32],
                     help="barrier grids besides one and two CTAs per SM (default 8 32)")
+    ap.add_argument("--loaded", action="store_true",
+                    help="also the flag relay while another stream copies 2 GiB buffers (DRAM busy)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_barrier: needs a CUDA device", file=sys.stderr)
@@ -97,6 +121,10 @@ def main(argv=None) -> int:
     for ctas in sorted({2, 8, ext.flag_relay_max_ctas()}):
         us = relay_hop_us(ext, ctas, laps)
         print(f"{'flag relay, one hop':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
+    if args.loaded:
+        for ctas in (2, 8):
+            us, gbps = relay_hop_loaded_us(ext, ctas, laps)
+            print(f"{'flag relay under a copy':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}   (copy {gbps:.0f} GB/s)")
     return 0
 
 
