@@ -70,4 +70,4 @@ def test_flag_relay_checks_its_grid():
 def test_bench_barrier_runs():
     from ds4.engine.gpu import bench_barrier
 
-    assert bench_barrier.main(["--iters", "50"]) == 0
+    assert bench_barrier.main(["--iters", "50", "--loaded"]) == 0
