@@ -50,26 +50,30 @@ def relay_hop_us(ext, ctas: int, laps: int) -> float:
     return start.elapsed_time(end) * 1e3 / (laps * ctas)
 
 
-def relay_hop_loaded_us(ext, ctas: int, laps: int, gib: float = 2.0) -> tuple[float, float]:
-    """relay_hop_us while another stream rewrites gib GiB again and again (an elementwise kernel) (DRAM busy, as a persistent kernel's weight
-    streaming would keep it): (µs per hop, the copy's GB/s meanwhile). The copies are queued first, so the relay's
-    CTAs share the SMs with the copy's."""
+def relay_hop_loaded_us(ext, ctas: int, laps: int, load: str = "copy", gib: float = 2.0) -> tuple[float, float]:
+    """relay_hop_us while another stream keeps DRAM busy, as a persistent kernel's weight streaming would: `copy`
+    rewrites a gib GiB buffer again and again (an elementwise kernel reading and writing), `read` sums it (reads
+    only, as the matvecs do). Returns (µs per hop, the load's GB/s meanwhile). The load is queued first, so the relay's
+    CTAs share the SMs with it."""
     n = int(gib * 2**30) // 4
     src = torch.ones(n, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src) if load == "copy" else torch.empty((), device="cuda")
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    copies = 12
+    passes = 12 if load == "copy" else 24
     with torch.cuda.stream(side):
         c0.record()
-        for _ in range(copies):
-            torch.add(src, 1.0, out=dst)  # an SM kernel reading and writing, as streaming kernels load DRAM
+        for _ in range(passes):
+            if load == "copy":
+                torch.add(src, 1.0, out=dst)
+            else:
+                torch.sum(src, dim=0, out=dst)
         c1.record()
     hop = relay_hop_us(ext, ctas, laps)
     torch.cuda.synchronize()
-    gbps = 2 * n * 4 * copies / (c0.elapsed_time(c1) * 1e-3) / 1e9
-    return hop, gbps
+    moved = (2 if load == "copy" else 1) * n * 4 * passes
+    return hop, moved / (c0.elapsed_time(c1) * 1e-3) / 1e9
 
 
 def graph_launch_us(ext, n: int) -> float:
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctas", type=int, nargs="+", default=[8, 32],
                     help="barrier grids besides one and two CTAs per SM (default 8 32)")
     ap.add_argument("--loaded", action="store_true",
-                    help="also the flag relay while another stream copies 2 GiB buffers (DRAM busy)")
+                    help="also the flag relay while another stream copies or reads a 2 GiB buffer (DRAM busy)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_barrier: needs a CUDA device", file=sys.stderr)
@@ -122,9 +126,11 @@ def main(argv=None) -> int:
         us = relay_hop_us(ext, ctas, laps)
         print(f"{'flag relay, one hop':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
     if args.loaded:
-        for ctas in (2, 8):
-            us, gbps = relay_hop_loaded_us(ext, ctas, laps)
-            print(f"{'flag relay under a copy':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}   (copy {gbps:.0f} GB/s)")
+        for load in ("copy", "read"):
+            for ctas in (2, 8, 32):
+                us, gbps = relay_hop_loaded_us(ext, ctas, laps, load)
+                print(f"{'flag relay under a ' + load:<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}   "
+                      f"({load} {gbps:.0f} GB/s)")
     return 0
 
 
