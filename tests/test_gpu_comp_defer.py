@@ -98,7 +98,7 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     against every-step products, across ratio-4 and ratio-128 window ends, a snapshot inside a window and greedy
     decoding; eagerly (no graphs) too. The window's products come from one launch of the streaming kernel with a group
     per ring row (matvec_rows), whose row sums are the batch-1 launch's. Modes 1 and 2 (the window's slots written by torch ops, or read by the compress step kernel) the same
-    bits."""
+    bits; so are the ring rows written by the mHC kernel (DS4_GPU_RING_HC)."""
     from conftest import quantize_cli
 
     d = tmp_path_factory.mktemp("defer")
@@ -108,10 +108,11 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     toks = np.random.default_rng(8).integers(2, m.config.vocab_size, 280).tolist()
     W = None
 
-    def run(defer: bool, kernel_fill: bool = True, graphs: bool = True):
+    def run(defer: bool, kernel_fill: bool = True, graphs: bool = True, hc_store: bool = False):
         nonlocal W
         monkeypatch.setattr(comp_defer, "DEFER", defer)
         monkeypatch.setattr(comp_defer, "KERNEL_FILL", kernel_fill)
+        monkeypatch.setattr(comp_defer, "HC_STORE", hc_store)
         s = GpuSession(m, ctx=512, weights=W, graphs=graphs)
         W = s.W
         assert (s.comp_ring is not None) == defer
@@ -123,6 +124,8 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
     deferred, got = run(True)
     _, got_eager = run(True, graphs=False)
     _, got_fill = run(True, kernel_fill=False)
+    by_hc, got_hc = run(True, hc_store=True)
+    _, got_hc_eager = run(True, graphs=False, hc_store=True)
     assert {pools for pools, _ in deferred._graphs} == {(), (4,), (4, 128)}
     assert W.ext.compress_ring_takes(4)
     errs = [max(rel(got[i], want[i]), rel(got_eager[i], want[i])) for i in range(len(want))]
@@ -130,6 +133,9 @@ def test_cuda_deferred_products_match_every_step(tmp_path_factory, monkeypatch):
           f"bitwise equal to every step: {np.array_equal(got, want)}")
     assert max(errs) <= 1e-3
     assert np.array_equal(got_fill, got)
+    # DS4_GPU_RING_HC: the mHC kernel wrote the ring rows (every compressed layer after the first mHC post, each step)
+    assert by_hc.comp_ring.kernel_rows > 0
+    assert np.array_equal(got_hc, got) and np.array_equal(got_hc_eager, got)
     a, b = every.snapshot(), deferred.snapshot()  # the deferred one flushes 2 and 14 pending rows into its frontiers
     assert len(a) == len(b) and a[:52] == b[:52]
     for li, (se, sd) in enumerate(zip(every.layers, deferred.layers)):

@@ -105,18 +105,21 @@ void bind_fused_ops(py::module_& m) {
   m.def("hc_post_pre", [](uintptr_t X, uintptr_t y1, uintptr_t y2, uintptr_t post_in, uintptr_t comb_in, uintptr_t Xo,
                           uintptr_t Wf, uintptr_t part, uintptr_t scale, uintptr_t base, uintptr_t norm_w, int T, int n,
                           int D, int iters, float eps_rms, float eps_hc, bool head, uintptr_t out, uintptr_t post,
-                          uintptr_t comb, uintptr_t logits) {
-    launch_hc_post_pre(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2), ptr<const float>(post_in),
-                       ptr<const float>(comb_in), ptr<float>(Xo), ptr<const float>(Wf), ptr<float>(part),
-                       ptr<const float>(scale), ptr<const float>(base), ptr<const float>(norm_w), T, n, D, iters,
-                       eps_rms, eps_hc, head, ptr<float>(out), ptr<float>(post), ptr<float>(comb), stream(),
-                       ptr<float>(logits));
+                          uintptr_t comb, uintptr_t logits, uintptr_t ring, uintptr_t ring_pos, int ring_r) {
+    return launch_hc_post_pre(ptr<const float>(X), ptr<const float>(y1), ptr<const float>(y2),
+                              ptr<const float>(post_in), ptr<const float>(comb_in), ptr<float>(Xo), ptr<const float>(Wf),
+                              ptr<float>(part), ptr<const float>(scale), ptr<const float>(base),
+                              ptr<const float>(norm_w), T, n, D, iters, eps_rms, eps_hc, head, ptr<float>(out),
+                              ptr<float>(post), ptr<float>(comb), stream(), ptr<float>(logits), ptr<float>(ring),
+                              ptr<const int64_t>(ring_pos), ring_r);
   }, "Xo = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of Xo, in one launch; logits (non-zero): comb's 16 "
-     "logits per token written there instead of comb (sinkhorn4 makes comb from them)",
+     "logits per token written there instead of comb (sinkhorn4 makes comb from them). ring, ring_pos, ring_r "
+     "(T = 1): out also into row *ring_pos % ring_r of ring [ring_r, D] (float32; ring_pos int64 on the device); "
+     "returns whether the kernel wrote it (False: the caller copies it)",
      py::arg("X"), py::arg("y1"), py::arg("y2"), py::arg("post_in"), py::arg("comb_in"), py::arg("Xo"), py::arg("Wf"),
      py::arg("part"), py::arg("scale"), py::arg("base"), py::arg("norm_w"), py::arg("T"), py::arg("n"), py::arg("D"),
      py::arg("iters"), py::arg("eps_rms"), py::arg("eps_hc"), py::arg("head"), py::arg("out"), py::arg("post"),
-     py::arg("comb"), py::arg("logits") = 0);
+     py::arg("comb"), py::arg("logits") = 0, py::arg("ring") = 0, py::arg("ring_pos") = 0, py::arg("ring_r") = 0);
   m.def("sinkhorn4", [](uintptr_t logits, int T, int iters, float eps, uintptr_t comb) {
     launch_sinkhorn4(ptr<const float>(logits), T, iters, eps, ptr<float>(comb), stream());
   }, "comb [T, 4, 4] = Sinkhorn of the logits hc_post_pre wrote (the one-launch kernel's arithmetic)",

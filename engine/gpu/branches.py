@@ -52,14 +52,15 @@ class DeferredSinkhorn:
         self.stream: torch.cuda.Stream | None = None
         self.pending = False
 
-    def post_pre(self, X: torch.Tensor, pending: tuple, args: tuple):
-        """K.hc_post_pre(X, *pending, *args) with comb deferred; args = (fn, scale, base, norm, iters, eps_rms, eps_hc)."""
+    def post_pre(self, X: torch.Tensor, pending: tuple, args: tuple, ring: tuple | None = None):
+        """K.hc_post_pre(X, *pending, *args, ring=ring) with comb deferred; args = (fn, scale, base, norm, iters,
+        eps_rms, eps_hc)."""
         self.join()  # pending's comb is the previous deferred one
         main = torch.cuda.current_stream(self.device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         logits = torch.empty((X.shape[0], 16), dtype=torch.float32, device=self.device)
-        Xn, out, post, comb = self.K.hc_post_pre(X, *pending, *args, logits=logits)
+        Xn, out, post, comb = self.K.hc_post_pre(X, *pending, *args, logits=logits, ring=ring)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             self.K.sinkhorn(logits, args[4], args[6], comb)

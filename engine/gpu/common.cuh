@@ -333,12 +333,15 @@ void set_hc_split_waves(int mode);  // 1/0: hc_mix_rows_splits by the fewest wav
 void set_hc_mix_ptrs(int mode);  // 1/0: hc_mix_rows' loads from per-thread pointers, or per element; -1: the env
 void launch_hc_mix_rows(const float* X, const float* Wf, int64_t T, int64_t K, int M, float* out, float* scratch,
                         cudaStream_t s);
-void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
+bool launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr);
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits = nullptr,
+                        float* ring = nullptr, const int64_t* ring_pos = nullptr, int ring_r = 0);
 // logits (non-null, n = 4, not head): comb's 16 logits per token go there and comb is not written; launch_sinkhorn4
-// makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn).
+// makes comb from them ($DS4_GPU_HC_DEFER, the session's deferred Sinkhorn). ring (T = 1): out also into row
+// *ring_pos % ring_r of ring [ring_r, D]; returns whether the launched kernel wrote it (the cluster kernel does, the
+// arrival-count kernel does not).
 void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s);
 // r1, r2 (each may be null): per-row rescales of y1 and y2 (y r[t], rounded before the sum: mm_unscaled's products).
 void launch_hc_post(const float* X, const float* y1, const float* y2, const float* post, const float* comb, int T,

@@ -35,6 +35,9 @@ if MODE not in ("0", "1", "2"):
     raise ValueError(f"DS4_GPU_COMP_DEFER must be 0, 1 or 2, got {MODE!r}")
 DEFER = MODE != "0"
 KERNEL_FILL = MODE == "2"
+# 1: the decode mHC pre kernel (hc_cluster_kernel) writes the step's input into the ring as it writes it, instead of
+# two torch launches per compressed layer (remainder, index_copy_) at the head of the compressor branch; the same rows
+HC_STORE = os.environ.get("DS4_GPU_RING_HC", "0").strip() == "1"
 F16 = 1  # the extension's qtype of float16 matrices
 
 
@@ -64,9 +67,30 @@ class CompRing:
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.phase = {r: torch.arange(r, device=device) for r in ratios(cfg)}
         self.dirty = False  # decode steps since the frontiers were last whole (host side: graph replays run no Python)
+        self.by_pre: set[int] = set()  # the layers whose row this step's mHC pre has written (hc_target)
+        self.kernel_rows = 0  # rows the mHC kernel itself wrote, over the session (the tests' witness)
+
+    def begin_step(self, pools: tuple[int, ...]) -> None:
+        """A decode step is being built: the ratios that pool at it."""
+        self.kind = pools
+        self.by_pre.clear()
 
     def pools(self, li: int) -> bool:
         return self.cfg.ratio(li) in self.kind
+
+    def hc_target(self, li: int, pos: torch.Tensor) -> tuple | None:
+        """(this ring, li, pos) for the mHC pre that makes layer li's input to write it into the ring too
+        ($DS4_GPU_RING_HC), or None."""
+        return (self, li, pos) if HC_STORE and li in self.rows else None
+
+    def stored_by_pre(self, li: int, a: torch.Tensor, pos: torch.Tensor, written: bool) -> None:
+        """The mHC pre made layer li's input a: its kernel wrote the ring row (written), or it is copied here; either
+        way the compressor steps skip their store."""
+        if written:
+            self.kernel_rows += 1
+        else:
+            self.store(li, a, pos)
+        self.by_pre.add(li)
 
     def store(self, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
         """This step's input a [1, n_embd] into its phase's row (pos [1]: the step's position on the device)."""

@@ -193,11 +193,21 @@ class Fused:
     def hc_post_pre(self, X: torch.Tensor, y1: torch.Tensor, y2: torch.Tensor | None, post_in: torch.Tensor,
                     comb_in: torch.Tensor, Wf: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                     norm_w: torch.Tensor | None, iters: int, eps_rms: float, eps_hc: float, head: bool = False,
-                    logits: torch.Tensor | None = None):
+                    logits: torch.Tensor | None = None, ring: tuple | None = None):
         """X' = hc_post(X, y1, y2, post_in, comb_in), then hc_pre of X': (X', out, post, comb). One launch for
         decode shapes (the mix blocks apply the post to their columns); hc_post + hc_pre otherwise.
         logits ([T, 16] float32, one launch only): comb's logits are written there and comb is left for sinkhorn()
-        (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER)."""
+        (the session's deferred Sinkhorn, DS4_GPU_HC_DEFER). ring (CompRing.hc_target's (ring, layer, pos)): out
+        into the layer's ring row too, by the kernel where it can (comp_defer.HC_STORE)."""
+        Xn, out, post, comb, written = self._hc_post_pre(X, y1, y2, post_in, comb_in, Wf, scale, base, norm_w, iters,
+                                                         eps_rms, eps_hc, head, logits, ring)
+        if ring is not None:
+            ring[0].stored_by_pre(ring[1], out, ring[2], written)
+        return Xn, out, post, comb
+
+    def _hc_post_pre(self, X, y1, y2, post_in, comb_in, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head, logits,
+                     ring):
+        """hc_post_pre's work: (X', out, post, comb, whether the kernel wrote the ring row)."""
         T, n, D = X.shape
         M = n if head else (2 + n) * n
         if self.ext.hc_one_launch_takes(T, n, D, bool(head)):  # the one launch takes tensors: rescale them first
@@ -209,9 +219,9 @@ class Fused:
                 raise ValueError("hc_post_pre: deferred comb logits need the one-launch kernel's shapes")
             if self.post_mix_takes(X, Wf, head):
                 Xn, mix = self.hc_post_mix(X, y1, y2, post_in, comb_in, Wf)
-                return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head, mix=mix))
+                return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head, mix=mix), False)
             Xn = self.hc_post(X, y1, y2, post_in, comb_in)
-            return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head))
+            return (Xn, *self.hc_pre(Xn, Wf, scale, base, norm_w, iters, eps_rms, eps_hc, head), False)
         X, y1, Wf = X.contiguous(), y1.contiguous(), Wf.contiguous()
         y2 = None if y2 is None else y2.contiguous()
         post_in, comb_in = post_in.contiguous(), comb_in.contiguous()
@@ -221,10 +231,12 @@ class Fused:
         comb = torch.empty((T, n, n), dtype=F32, device=self.device)
         part = torch.empty((T, self.ext.hc_parts(n, D), M + 1), dtype=F32, device=self.device)
         self._stream()
-        self.ext.hc_post_pre(_p(X), _p(y1), _p(y2), _p(post_in), _p(comb_in), _p(Xn), _p(Wf), _p(part), _p(scale),
-                             _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms), float(eps_hc), bool(head),
-                             _p(out), _p(post), _p(comb), 0 if logits is None else _p(logits))
-        return Xn, out, post, comb
+        rows, pos, r = (None, None, 0) if ring is None else (ring[0].rows[ring[1]], ring[2], ring[0].cfg.ratio(ring[1]))
+        written = self.ext.hc_post_pre(_p(X), _p(y1), _p(y2), _p(post_in), _p(comb_in), _p(Xn), _p(Wf), _p(part),
+                                       _p(scale), _p(base), _p(norm_w), T, n, D, int(iters), float(eps_rms),
+                                       float(eps_hc), bool(head), _p(out), _p(post), _p(comb),
+                                       0 if logits is None else _p(logits), _p(rows), _p(pos), int(r))
+        return Xn, out, post, comb, written
 
     def sinkhorn(self, logits: torch.Tensor, iters: int, eps: float, comb: torch.Tensor) -> None:
         """comb [T, 4, 4] = Sinkhorn of the logits [T, 16] hc_post_pre(..., logits=) wrote: its one-launch arithmetic."""
@@ -591,7 +603,8 @@ def compress_steps(sess, li: int, a: torch.Tensor, pos: torch.Tensor) -> None:
     early_proj = EARLY_IDX_PROJ and indexer_runs(sess, li)
     ring, x = sess.comp_ring, a
     if ring is not None:
-        ring.store(li, a, pos)
+        if li not in ring.by_pre:  # else the mHC pre wrote a there (DS4_GPU_RING_HC)
+            ring.store(li, a, pos)
         if not ring.pools(li):  # nothing but the indexer's head weights, which this step's index keys read
             if with_proj or early_proj:
                 sess._idx_proj[li] = W.mm(proj, a)

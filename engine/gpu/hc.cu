@@ -578,11 +578,14 @@ bool hc_one_launch_takes(int T, int n, int D, bool head) {
          D <= 4 * HC1_MAXU * HC1_COLS && hc_parts(n, D) * ((head ? n : (2 + n) * n) + 1) <= HC1_MAX_PART;
 }
 
-void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
+bool launch_hc_post_pre(const float* X, const float* y1, const float* y2, const float* post_in, const float* comb_in,
                         float* Xo, const float* Wf, float* part, const float* scale, const float* base,
                         const float* norm_w, int T, int n, int D, int iters, float eps_rms, float eps_hc, bool head,
-                        float* out, float* post, float* comb, cudaStream_t s, float* logits) {
+                        float* out, float* post, float* comb, cudaStream_t s, float* logits, float* ring,
+                        const int64_t* ring_pos, int ring_r) {
   if (!hc_one_launch_takes(T, n, D, head)) throw std::invalid_argument("hc_post_pre: shape not supported");
+  if (ring && (T != 1 || !ring_pos || ring_r < 1))
+    throw std::invalid_argument("hc_post_pre: a ring needs T = 1, its position and ring_r >= 1");
   if (logits && (head || n != 4)) throw std::invalid_argument("hc_post_pre: deferred comb logits need n = 4, no head");
   // the blocks read all streams of X at their columns while others write X': never in place
   const uintptr_t o0 = (uintptr_t)Xo, o1 = o0 + sizeof(float) * (size_t)T * n * D;
@@ -603,13 +606,17 @@ void launch_hc_post_pre(const float* X, const float* y1, const float* y2, const 
   hp.Xo = Xo;
   const int M = head ? n : (2 + n) * n, P = hc_parts(n, D);
   if (hc_cluster_takes(n, D, M)) {
+    hp.ring = ring;
+    hp.ring_pos = ring_pos;
+    hp.ring_r = ring_r;
     launch_hc_cluster(X, Wf, M, scale, base, norm_w, T, D, iters, eps_rms, eps_hc, head, out, post, comb, hp, s,
                       logits);
-    return;
+    return ring != nullptr;
   }
   launch_k(hc_mix_pre_kernel, dim3(P, T), dim3(HC1_THREADS), 0, s, X, Wf, M, P, part, scale, base, norm_w, n, D, iters,
            eps_rms, eps_hc, head, out, post, comb, hp, hc_rcp(), logits);
   DS4_CHECK_LAUNCH("hc_post_pre");
+  return false;  // the arrival-count kernel leaves the ring to the caller
 }
 
 void launch_sinkhorn4(const float* logits, int T, int iters, float eps, float* comb, cudaStream_t s) {

@@ -13,6 +13,11 @@ struct HcPost {
   const float* post = nullptr;
   const float* comb = nullptr;
   float* Xo = nullptr;  // X' = post(X), [T, n, D]
+  // decode (T = 1): out also into row pos % ring_r of ring [ring_r, D] (comp_defer's ring of the layer's compressor
+  // inputs), so no launch of its own copies it there; only hc_cluster_kernel writes it
+  float* ring = nullptr;
+  const int64_t* ring_pos = nullptr;
+  int ring_r = 0;
 };
 
 #if defined(__CUDACC__)

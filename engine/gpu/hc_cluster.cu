@@ -147,7 +147,9 @@ __global__ void __cluster_dims__(HCC_CTAS, 1, 1) __launch_bounds__(HCC_MAX_THREA
                    2.0f * ((pre[0] * pre[1] * G[1] + pre[0] * pre[2] * G[2]) + (pre[0] * pre[3] * G[3] + pre[1] * pre[2] * G[5]) +
                            (pre[1] * pre[3] * G[6] + pre[2] * pre[3] * G[8]));
   const float r2 = rsqrtf(su / (float)D + eps_rms);
-  out[(int64_t)t * D + d] = u * r2 * (early ? nw : (norm_w ? __ldg(norm_w + d) : 1.0f));
+  const float o = u * r2 * (early ? nw : (norm_w ? __ldg(norm_w + d) : 1.0f));
+  out[(int64_t)t * D + d] = o;
+  if (hp.ring) hp.ring[(*hp.ring_pos % hp.ring_r) * D + d] = o;  // T = 1 (the launcher checks); after the wait
   if (c == 0 && warp == 0 && !head) {  // post and comb, after this warp's out columns
     if (lane < n) post_out[(int64_t)t * n + lane] = 2.0f * sigmoidf_(s_tot[n + lane] * r * scale[1] + base[n + lane]);
     if (logits_out) {  // deferred: sinkhorn4_kernel runs Sinkhorn from these

@@ -493,7 +493,7 @@ class Session(Timeline):
         self._in_step = True
         pools, self._index_on = kind
         if self.comp_ring is not None:
-            self.comp_ring.kind = pools
+            self.comp_ring.begin_step(pools)
         try:
             X, pending = self._layers(tok, pos, lambda li, a, c, kv: self._attn_step(li, a, c, pos, kv))
             out = self._head(X, pending)[0]
@@ -515,9 +515,10 @@ class Session(Timeline):
         pending = None
         on = not self._in_step  # profiler labels of the prefill phases (bench_session --gaps)
         for li in range(cfg.n_layer):
+            ring = self.comp_ring.hc_target(li, pos) if self._in_step and self.comp_ring is not None else None
             with prefill.section("hc_pre", on):
                 X, a, post, comb = self._hc_pre(li, X, L.HC_ATTN_FN, L.HC_ATTN_SCALE, L.HC_ATTN_BASE, L.ATTN_NORM,
-                                                pending)
+                                                pending, ring)
             self._comp_forked = self._in_step and "comp" in self._branches and cfg.ratio(li) != 0
             if self._comp_forked:  # the compressors need only a: beside q_a/kv, q_b and the norms
                 with self.side.fork():
@@ -570,9 +571,9 @@ class Session(Timeline):
         y1, y2 = ops.scaled(y1), ops.scaled(y2)
         return ops.hc_post(X, y1 if y2 is None else y1 + y2, post, comb)
 
-    def _hc_pre(self, li, X, fn, scale, base, norm, pending=None):
+    def _hc_pre(self, li, X, fn, scale, base, norm, pending=None, ring=None):
         """The previous sublayer's mHC post (pending: y1, y2, post, comb), then the mHC pre of this one and its
-        RMS norm: (X after the post, normalized input, post, comb)."""
+        RMS norm: (X after the post, normalized input, post, comb). ring: K.hc_post_pre's (after a post only)."""
         cfg, W = self.cfg, self.W
         T, n, D = X.shape
         if self.K is not None:  # the mix and the RMS of flatten(X) are computed in the kernels
@@ -580,8 +581,8 @@ class Session(Timeline):
                     cfg.sinkhorn_iters, cfg.rms_eps, cfg.hc_eps)
             if pending is not None:
                 if self.hc_defer is not None and self._in_step and T == 1 and n == 4:
-                    return self.hc_defer.post_pre(X, pending, args)
-                return self.K.hc_post_pre(X, *pending, *args)
+                    return self.hc_defer.post_pre(X, pending, args, ring)
+                return self.K.hc_post_pre(X, *pending, *args, ring=ring)
             return (X, *self.K.hc_pre(X, *args))
         if pending is not None:
             X = self._hc_post(X, *pending)
