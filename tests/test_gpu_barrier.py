@@ -59,6 +59,22 @@ def test_flag_relay_hands_every_store_on(ctas):
     assert torch.equal(data, want), f"{ctas} CTAs: the last lap's plain stores"
 
 
+@pytest.mark.parametrize("ctas", [2, 3, 8])
+def test_cluster_relay_hands_every_store_on(ctas):
+    """cluster_relay: each hop's cluster-scope acquire sees the store its predecessor made into its shared memory."""
+    import torch
+
+    ext = gpu.load()
+    bad, hops = (torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2))
+    torch.cuda.synchronize()
+    ext.cluster_relay(ctas, 300, bad.data_ptr(), hops.data_ptr())
+    torch.cuda.synchronize()
+    assert int(bad.item()) == 0, f"{ctas} CTAs: {int(bad.item())} stale or timed-out hops"
+    assert int(hops.item()) == ctas * 300 - 1
+    with pytest.raises(ValueError, match="2..8 CTAs"):
+        ext.cluster_relay(9, 1, bad.data_ptr(), hops.data_ptr())
+
+
 def test_flag_relay_checks_its_grid():
     ext = gpu.load()
     with pytest.raises(ValueError, match="one per SM"):

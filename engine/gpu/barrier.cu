@@ -12,7 +12,8 @@
 // neighbour's store are visible. So a barrier that orders atomics but does not publish plain stores to other threads
 // fails too. violations[0] must stay 0. The barrier words are global: one barrier kernel at a time per device.
 // flag_relay measures the other brick: one CTA handing a result to one other through a flag (store-release, then
-// load-acquire spins), the dependency a persistent kernel would use between ops on a few CTAs.
+// load-acquire spins), the dependency a persistent kernel would use between ops on a few CTAs; cluster_relay the same
+// inside one thread block cluster through distributed shared memory.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -91,6 +92,49 @@ __global__ void flag_relay_kernel(unsigned* flags, unsigned* data, int laps, uns
   }
 }
 
+__device__ __forceinline__ unsigned ld_acquire_cluster(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.cluster.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_cluster(unsigned* p, unsigned v) {
+  asm volatile("st.release.cluster.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// flag_relay inside one thread block cluster: the token and the checked store go into the next CTA's shared memory
+// (distributed shared memory, cluster-scope release / acquire), so no hop touches L2. Why: whether a handoff that
+// stays inside a GPC escapes the queueing behind DRAM traffic that flag_relay's L2 hops suffer.
+__global__ void cluster_relay_kernel(int laps, unsigned* violations, unsigned* received) {
+  namespace cg = cooperative_groups;
+  extern __shared__ unsigned char one_per_sm[];
+  __shared__ unsigned flag, data;
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned R = cluster.num_blocks(), k = cluster.block_rank(), next = (k + 1) % R, prev = (k + R - 1) % R;
+  if (threadIdx.x == 0) flag = 0, data = 0;
+  if (laps == 0 && threadIdx.x == 0) one_per_sm[0] = 0;
+  cluster.sync();  // every CTA's words are zero before any remote store
+  if (threadIdx.x == 0) {
+    unsigned* next_flag = cluster.map_shared_rank(&flag, (int)next);
+    unsigned* next_data = cluster.map_shared_rank(&data, (int)next);
+    const unsigned patience = 1u << 22;
+    unsigned got = 0;
+    for (int lap = 1; lap <= laps; ++lap) {
+      if (k != 0 || lap > 1) {
+        const unsigned want = k == 0 ? lap - 1 : lap;
+        unsigned polls = 0;
+        while (ld_acquire_cluster(&flag) < want && ++polls < patience) {
+        }
+        if (polls >= patience || *(volatile unsigned*)&data != want * R + prev) atomicAdd(violations, 1u);
+        ++got;
+      }
+      *(volatile unsigned*)next_data = lap * R + k;
+      st_release_cluster(next_flag, lap);
+    }
+    atomicAdd(received, got);  // the hops this CTA took: ctas x laps - 1 in all
+  }
+  cluster.sync();  // no CTA leaves while another may still store into its shared memory
+}
+
 }  // namespace
 
 int barrier_max_ctas(int threads) {
@@ -139,6 +183,30 @@ void launch_flag_relay(int ctas, unsigned* flags, unsigned* data, int laps, unsi
   DS4_CHECK(cudaFuncSetAttribute(flag_relay_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   flag_relay_kernel<<<ctas, 32, smem, stream>>>(flags, data, laps, violations);
   DS4_CHECK_LAUNCH("flag_relay");
+}
+
+void launch_cluster_relay(int ctas, int laps, unsigned* violations, unsigned* received, cudaStream_t stream) {
+  if (ctas < 2 || ctas > 8) throw std::invalid_argument("cluster_relay: 2..8 CTAs (one cluster of a portable size)");
+  if (laps < 0) throw std::invalid_argument("cluster_relay: laps >= 0");
+  int dev = 0, smem_sm = 0;
+  DS4_CHECK(cudaGetDevice(&dev));
+  DS4_CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  const int smem = smem_sm / 2 + 1024;  // one CTA per SM, as flag_relay
+  DS4_CHECK(cudaFuncSetAttribute(cluster_relay_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)ctas);
+  cfg.blockDim = dim3(32);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)ctas;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  DS4_CHECK(cudaLaunchKernelEx(&cfg, cluster_relay_kernel, laps, violations, received));
+  DS4_CHECK_LAUNCH("cluster_relay");
 }
 
 void launch_empty(int n, cudaStream_t stream) {

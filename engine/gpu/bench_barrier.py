@@ -31,26 +31,36 @@ def barrier_us(ext, mode: int, ctas: int, threads: int, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def relay_hop_us(ext, ctas: int, laps: int) -> float:
-    """Microseconds per hop of flag_relay: one CTA's store-release seen by the next CTA's acquire spin."""
+def relay_hop_us(ext, ctas: int, laps: int, cluster: bool = False) -> float:
+    """Microseconds per hop of flag_relay (one CTA's store-release through L2 seen by the next CTA's acquire spin) or,
+    with cluster, of cluster_relay (the same through distributed shared memory inside one cluster)."""
     flags = torch.zeros(ctas, dtype=torch.int32, device="cuda")
     data = torch.zeros(ctas, dtype=torch.int32, device="cuda")
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
-    ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), 8, bad.data_ptr())  # warm-up
+
+    def relay(n: int) -> None:
+        if cluster:
+            ext.cluster_relay(ctas, n, bad.data_ptr(), flags.data_ptr())  # flags[0] counts the hops
+        else:
+            ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), n, bad.data_ptr())
+
+    relay(8)  # warm-up
     flags.zero_()
     data.zero_()
     torch.cuda.current_stream().synchronize()  # this stream only: a copy may run beside it
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    ext.flag_relay(ctas, flags.data_ptr(), data.data_ptr(), laps, bad.data_ptr())
+    relay(laps)
     end.record()
     torch.cuda.current_stream().synchronize()  # this stream only: a copy may run beside it
     if int(bad.item()):
-        raise RuntimeError(f"flag relay of {ctas} CTAs: {int(bad.item())} hops saw a stale store or timed out")
+        raise RuntimeError(f"{'cluster' if cluster else 'flag'} relay of {ctas} CTAs: {int(bad.item())} hops saw a stale "
+                           "store or timed out")
     return start.elapsed_time(end) * 1e3 / (laps * ctas)
 
 
-def relay_hop_loaded_us(ext, ctas: int, laps: int, load: str = "copy", gib: float = 2.0) -> tuple[float, float]:
+def relay_hop_loaded_us(ext, ctas: int, laps: int, load: str = "copy", gib: float = 2.0,
+                        cluster: bool = False) -> tuple[float, float]:
     """relay_hop_us while another stream keeps DRAM busy, as a persistent kernel's weight streaming would: `copy`
     rewrites a gib GiB buffer again and again (an elementwise kernel reading and writing), `read` sums it (reads
     only, as the matvecs do). Returns (µs per hop, the load's GB/s meanwhile). The load is queued first, so the relay's
@@ -70,7 +80,7 @@ def relay_hop_loaded_us(ext, ctas: int, laps: int, load: str = "copy", gib: floa
             else:
                 torch.sum(src, dim=0, out=dst)
         c1.record()
-    hop = relay_hop_us(ext, ctas, laps)
+    hop = relay_hop_us(ext, ctas, laps, cluster)
     torch.cuda.synchronize()
     moved = (2 if load == "copy" else 1) * n * 4 * passes
     return hop, moved / (c0.elapsed_time(c1) * 1e-3) / 1e9
@@ -125,11 +135,18 @@ def main(argv=None) -> int:
     for ctas in sorted({2, 8, ext.flag_relay_max_ctas()}):
         us = relay_hop_us(ext, ctas, laps)
         print(f"{'flag relay, one hop':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
+    for ctas in (2, 8):
+        us = relay_hop_us(ext, ctas, laps, cluster=True)
+        print(f"{'cluster relay, one hop':<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}")
     if args.loaded:
         for load in ("copy", "read"):
             for ctas in (2, 8, 32):
                 us, gbps = relay_hop_loaded_us(ext, ctas, laps, load)
                 print(f"{'flag relay under a ' + load:<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}   "
+                      f"({load} {gbps:.0f} GB/s)")
+            for ctas in (2, 8):
+                us, gbps = relay_hop_loaded_us(ext, ctas, laps, load, cluster=True)
+                print(f"{'cluster relay under a ' + load:<34} {ctas:>5} {us:13.2f} {peer / us:15.2f}   "
                       f"({load} {gbps:.0f} GB/s)")
     return 0
 

@@ -193,6 +193,12 @@ void bind_prefill_products(py::module_& m) {
         "A token passed laps times around a ring of ctas CTAs (one per SM) by store-release / load-acquire flags; each "
         "hop checks the plain store made before the release. flags, data: device int32 [ctas], zeroed; violations "
         "(device int32 [1]) counts hops that saw a stale store or waited past their patience.");
+  m.def("cluster_relay", [](int ctas, int laps, uintptr_t violations, uintptr_t received) {
+    launch_cluster_relay(ctas, laps, (unsigned*)violations, (unsigned*)received, stream());
+  }, py::arg("ctas"), py::arg("laps"), py::arg("violations"), py::arg("received"),
+        "flag_relay inside one cluster of ctas (2..8) CTAs, one per SM: token and checked store through distributed "
+        "shared memory with cluster-scope release / acquire; violations as flag_relay's; received (device int32 [1]) "
+        "gains the hops taken, ctas x laps - 1.");
   m.def("flag_relay_max_ctas", &flag_relay_max_ctas, "CTAs flag_relay takes at most (the SMs).");
   m.def("launch_empty", [](int n) { launch_empty(n, stream()); }, py::arg("n"),
         "n launches of an empty kernel on the current stream (the launch-gap peer of the barriers).");

@@ -503,6 +503,8 @@ void launch_barrier_check(int mode, int ctas, int threads, unsigned* slots, unsi
                           unsigned* violations, cudaStream_t stream);
 int flag_relay_max_ctas();  // one CTA per SM
 void launch_flag_relay(int ctas, unsigned* flags, unsigned* data, int laps, unsigned* violations, cudaStream_t stream);
+// one cluster of 2..8 CTAs; received counts the hops taken (ctas x laps - 1)
+void launch_cluster_relay(int ctas, int laps, unsigned* violations, unsigned* received, cudaStream_t stream);
 void launch_empty(int n, cudaStream_t stream);  // n launches of an empty kernel: the launch-gap peer
 struct MmfActivations {
   const __half *hi = nullptr, *lo = nullptr, *sum_hi = nullptr, *sum_lo = nullptr;
